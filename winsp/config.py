@@ -1,0 +1,62 @@
+"""``DiffusionParallelConfig``: how many ranks share one request's windows, and what is refused.
+
+winsp parallelises windowed models by giving whole windows to ranks ("window-aligned SP"), so the familiar
+``ulysses_degree`` is simply the window-SP degree: every rank keeps all attention heads and no head count has to
+divide by anything. Head-sharded and ring-style options have no meaning for such models and are refused up front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DiffusionParallelConfig"]
+
+_WHY = "window-parallel models use whole-window SP: set ulysses_degree to the number of ranks instead"
+
+
+@dataclass(frozen=True)
+class DiffusionParallelConfig:
+    """Parallel configuration of one diffusion request.
+
+    Args:
+        ulysses_degree: the window-SP degree N (the size of the SP group; the world, or a subgroup given by the caller).
+        ring_degree: must be 1 (ring attention does not apply to windowed attention).
+        allgather: must be False (no K/V all-gather strategy).
+        ulysses_mode: must be ``"strict"``; ``"advanced_uaa"`` (head padding) is refused.
+        advanced_uaa: must be False (same as ``ulysses_mode="advanced_uaa"``).
+        ulysses_a2a_permute: must be False (there is no head all-to-all to permute).
+        attention_backend: ``"auto"`` or a backend name of :mod:`winsp.attention`.
+        plan_cache_size: how many window plans the runtime's LRU cache keeps.
+    """
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    allgather: bool = False
+    ulysses_mode: str = "strict"
+    advanced_uaa: bool = False
+    ulysses_a2a_permute: bool = False
+    attention_backend: str = "auto"
+    plan_cache_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("ulysses_degree", "ring_degree", "plan_cache_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.ring_degree != 1:
+            raise ValueError(f"ring_degree={self.ring_degree} is not supported: {_WHY}")
+        if self.allgather:
+            raise ValueError(f"allgather=True is not supported: {_WHY}")
+        if self.ulysses_mode != "strict":
+            raise ValueError(f"ulysses_mode={self.ulysses_mode!r} is not supported: {_WHY}")
+        if self.advanced_uaa:
+            raise ValueError(f"advanced_uaa=True is not supported: {_WHY}")
+        if self.ulysses_a2a_permute:
+            raise ValueError(f"ulysses_a2a_permute=True is not supported: {_WHY}")
+        if not isinstance(self.attention_backend, str):
+            raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
+
+    @property
+    def sp_degree(self) -> int:
+        """The number of ranks that share one request's windows."""
+        return self.ulysses_degree

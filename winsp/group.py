@@ -1,0 +1,109 @@
+"""The sequence-parallel group: the only place in winsp that talks to ``torch.distributed``.
+
+Everything above this file (redistribution, text reduction, spatial sharding, the runtime) calls these few methods,
+so model code never touches collectives and a single-rank run never touches ``torch.distributed`` at all.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["SPGroup"]
+
+
+class SPGroup:
+    """A window-SP process group, or a single rank when ``group`` is None and ``world_size`` is 1.
+
+    Args:
+        group: a ``torch.distributed`` process group (a subgroup the caller built, or the default world via
+            ``torch.distributed.group.WORLD``), or None for a single rank.
+    """
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(
+                    "an SP process group was given but torch.distributed is not initialised; call "
+                    "torch.distributed.init_process_group first (or pass group=None for a single rank)"
+                )
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+            if self.rank < 0:
+                raise ValueError("this process is not a member of the SP process group it was given")
+
+    @classmethod
+    def world(cls) -> "SPGroup":
+        """The default process group if torch.distributed is initialised with more than one rank, else single-rank."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls(dist.group.WORLD)
+        return cls(None)
+
+    @property
+    def is_single(self) -> bool:
+        return self.size == 1
+
+    def __repr__(self) -> str:
+        return f"SPGroup(rank={self.rank}, size={self.size})"
+
+    # ---- collectives (no-ops at one rank) -------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place and return it."""
+        if self.is_single:
+            return tensor
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def all_to_all_single(
+        self, tensor: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
+    ) -> torch.Tensor:
+        """One variable-split all-to-all along dim 0: send ``input_split_sizes[d]`` rows to rank d."""
+        out = tensor.new_empty((int(sum(output_split_sizes)),) + tuple(tensor.shape[1:]))
+        if self.is_single:
+            out.copy_(tensor)
+            return out
+        import torch.distributed as dist
+
+        dist.all_to_all_single(
+            out, tensor.contiguous(), list(map(int, output_split_sizes)), list(map(int, input_split_sizes)),
+            group=self.group,
+        )
+        return out
+
+    def all_gather_rows(self, tensor: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along dim 0; rank r holds ``sizes[r]`` rows (may differ, may be 0).
+
+        Implemented as one all-to-all in which every rank sends its whole block to every rank, so uneven sizes need
+        no padding and there is no second collective.
+        """
+        if len(sizes) != self.size:
+            raise ValueError(f"all_gather_rows: {len(sizes)} sizes given for a group of {self.size} ranks")
+        if tensor.shape[0] != sizes[self.rank]:
+            raise ValueError(
+                f"all_gather_rows: rank {self.rank} holds {tensor.shape[0]} rows but sizes says {sizes[self.rank]}"
+            )
+        if self.is_single:
+            return tensor
+        send = tensor.contiguous().repeat((self.size,) + (1,) * (tensor.dim() - 1))
+        return self.all_to_all_single(send, list(sizes), [tensor.shape[0]] * self.size)
+
+    def all_gather_object_equal(self, value: object) -> list:
+        """Gather a small picklable value from every rank (used only for up-front consistency checks)."""
+        if self.is_single:
+            return [value]
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out

@@ -1,0 +1,207 @@
+"""Token-balanced window placement (LPT) and its fingerprinted, LRU-bounded plan cache.
+
+Rule (deterministic, so every rank computes the same plan with no communication):
+windows sorted by (-token count, window id); each goes to the rank with the smallest (assigned tokens, rank id);
+each rank then lists its windows in ascending window id. A rank may end up with no window.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+from collections import OrderedDict
+from functools import cached_property
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from .geometry import WindowGeometry
+from .layout import Layout, build_layout, check_grids
+
+__all__ = [
+    "PLANNER_VERSION",
+    "lpt_assign",
+    "Plan",
+    "PlanCache",
+    "CacheInfo",
+    "default_plan_cache",
+    "plan_windows",
+]
+
+PLANNER_VERSION = 1
+
+
+def _check_world_size(world_size: int) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    return int(world_size)
+
+
+def lpt_assign(window_token_counts: Sequence[int], world_size: int) -> list[list[int]]:
+    """Assign windows to ``world_size`` ranks by longest-processing-time-first on token counts.
+
+    Returns one ascending list of window ids per rank (empty lists for ranks that get nothing).
+    """
+    world_size = _check_world_size(world_size)
+    counts = [int(c) for c in window_token_counts]
+    if any(c < 0 for c in counts):
+        raise ValueError("window_token_counts must be non-negative")
+    order = sorted(range(len(counts)), key=lambda w: (-counts[w], w))
+    heap = [(0, r) for r in range(world_size)]  # (assigned tokens, rank id): heap order is the tie-break rule
+    assigned: list[list[int]] = [[] for _ in range(world_size)]
+    for w in order:
+        load, rank = heapq.heappop(heap)
+        assigned[rank].append(w)
+        heapq.heappush(heap, (load + counts[w], rank))
+    for windows in assigned:
+        windows.sort()
+    return assigned
+
+
+class Plan:
+    """Which windows of a layout each of ``world_size`` ranks owns, and the rows that follow from it.
+
+    A rank's local rows are its windows' tokens, window after window in ascending window id, row-major inside a window.
+    """
+
+    def __init__(self, layout: Layout, world_size: int, key: tuple = ()) -> None:
+        self.layout = layout
+        self.world_size = _check_world_size(world_size)
+        self.key = key
+        self.rank_windows: tuple[tuple[int, ...], ...] = tuple(
+            tuple(ws) for ws in lpt_assign(layout.token_counts.tolist(), self.world_size)
+        )
+        counts = layout.token_counts
+        self.rank_token_counts: tuple[int, ...] = tuple(int(counts[list(ws)].sum()) for ws in self.rank_windows)
+        largest = int(counts.max()) if counts.size else 0
+        self.ideal_lower_bound: int = max(largest, math.ceil(layout.num_tokens / self.world_size))
+        self.imbalance: float = max(self.rank_token_counts) / self.ideal_lower_bound if self.ideal_lower_bound else 1.0
+
+    @cached_property
+    def window_owner(self) -> np.ndarray:
+        """[n] rank owning each window."""
+        owner = np.empty(self.layout.num_windows, dtype=np.int64)
+        for rank, windows in enumerate(self.rank_windows):
+            owner[list(windows)] = rank
+        return owner
+
+    @cached_property
+    def _rank_positions(self) -> tuple[np.ndarray, ...]:
+        lay = self.layout
+        out = []
+        for windows in self.rank_windows:
+            w = np.asarray(windows, dtype=np.int64)
+            if w.size == 0:
+                out.append(np.empty(0, dtype=np.int64))
+                continue
+            counts = lay.token_counts[w]
+            # positions = concat(range(offsets[w], offsets[w] + counts[w])) without a per-window loop
+            starts = np.repeat(lay.offsets[w] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+            out.append(starts + np.arange(int(counts.sum()), dtype=np.int64))
+        return tuple(out)
+
+    def rank_positions(self, rank: int) -> np.ndarray:
+        """Layout positions of ``rank``'s local rows, in local order."""
+        return self._rank_positions[self._check_rank(rank)]
+
+    def rank_token_ids(self, rank: int) -> np.ndarray:
+        """Canonical token ids of ``rank``'s local rows, in local order."""
+        return self.layout.token_ids[self.rank_positions(rank)]
+
+    @cached_property
+    def token_owner(self) -> np.ndarray:
+        """[N] rank owning each canonical token id."""
+        return self.window_owner[self.layout.window_of_position[self.layout.position_of_token]]
+
+    @cached_property
+    def token_local_index(self) -> np.ndarray:
+        """[N] row index of each canonical token id inside its owner's local rows."""
+        local = np.empty(self.layout.num_tokens, dtype=np.int64)
+        for rank in range(self.world_size):
+            ids = self.rank_token_ids(rank)
+            local[ids] = np.arange(ids.size, dtype=np.int64)
+        return local
+
+    @cached_property
+    def gather_order(self) -> np.ndarray:
+        """[N] for each canonical id, its row in the concatenation of all ranks' local rows (rank order)."""
+        concat = np.concatenate([self.rank_token_ids(r) for r in range(self.world_size)])
+        order = np.empty_like(concat)
+        order[concat] = np.arange(concat.size, dtype=np.int64)
+        return order
+
+    def _check_rank(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a plan for {self.world_size} ranks")
+        return rank
+
+    def __repr__(self) -> str:
+        return (f"Plan(windows={self.layout.num_windows}, tokens={self.layout.num_tokens}, "
+                f"world_size={self.world_size}, rank_tokens={list(self.rank_token_counts)}, "
+                f"imbalance={self.imbalance:.3f})")
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
+
+class PlanCache:
+    """LRU cache of plans keyed by (grids, geometry fingerprint, geometry version, world size, planner version)."""
+
+    def __init__(self, maxsize: int = 64) -> None:
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"maxsize must be a positive integer, got {maxsize!r}")
+        self.maxsize = maxsize
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = self._misses = 0
+
+    @staticmethod
+    def key(grids: Sequence[Sequence[int]], geometry: WindowGeometry, world_size: int) -> tuple:
+        return (check_grids(grids), geometry.fingerprint, geometry.version, _check_world_size(world_size),
+                PLANNER_VERSION)
+
+    def get(self, grids: Sequence[Sequence[int]], geometry: WindowGeometry, world_size: int) -> Plan:
+        """The plan for this batch geometry and degree, built on a miss."""
+        key = self.key(grids, geometry, world_size)
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                self._hits += 1
+                return plan
+            self._misses += 1
+        plan = Plan(build_layout(key[0], geometry), key[3], key=key)
+        with self._lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+        return plan
+
+    def cache_info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(self._hits, self._misses, self.maxsize, len(self._plans))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self._hits = self._misses = 0
+
+
+default_plan_cache = PlanCache()
+
+
+def plan_windows(
+    grids: Sequence[Sequence[int]],
+    geometry: WindowGeometry,
+    world_size: int,
+    *,
+    cache: PlanCache | None = None,
+) -> Plan:
+    """The (cached) :class:`Plan` of a packed batch of ``grids`` under ``geometry`` for ``world_size`` ranks."""
+    return (cache or default_plan_cache).get(grids, geometry, world_size)
