@@ -1,0 +1,114 @@
+"""DiffusionParallelConfig validation and WindowRuntime construction / reporting."""
+
+import pytest
+import torch
+
+import winsp
+from winsp.testing import RankError, run_ranks
+
+REG = winsp.make_geometry("regular", (4, 3, 3))
+SHIFT = winsp.make_geometry("shifted", (4, 3, 3))
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    (dict(ring_degree=2), "ring_degree"),
+    (dict(allgather=True), "allgather"),
+    (dict(advanced_uaa=True), "advanced_uaa"),
+    (dict(ulysses_mode="advanced_uaa"), "ulysses_mode"),
+    (dict(ulysses_a2a_permute=True), "ulysses_a2a_permute"),
+])
+def test_head_sharded_options_are_refused_with_the_reason(kwargs, option):
+    with pytest.raises(ValueError, match=option) as err:
+        winsp.DiffusionParallelConfig(ulysses_degree=2, **kwargs)
+    assert "whole-window SP" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_degree_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="ulysses_degree"):
+        winsp.DiffusionParallelConfig(ulysses_degree=bad)
+
+
+def test_no_head_count_divisibility_anywhere():
+    # 20 heads (SeedVR2 3B) at degree 8, 3 heads at degree 4: nothing in the config cares
+    assert winsp.DiffusionParallelConfig(ulysses_degree=8).sp_degree == 8
+
+
+def test_single_rank_runtime_needs_no_process_group():
+    rt = winsp.WindowRuntime.from_config(None, [REG, SHIFT])
+    assert rt.world_size == 1 and rt.rank == 0
+    assert "single rank" in rt.execution_path
+    rt = winsp.WindowRuntime.from_config(winsp.DiffusionParallelConfig(ulysses_degree=1), [REG])
+    assert rt.world_size == 1
+
+
+def test_degree_above_one_without_a_world_is_an_actionable_error():
+    with pytest.raises(ValueError, match="torch.distributed"):
+        winsp.WindowRuntime.from_config(winsp.DiffusionParallelConfig(ulysses_degree=2), [REG])
+
+
+def test_schedule_and_request_validation():
+    with pytest.raises(ValueError, match="empty"):
+        winsp.WindowRuntime([])
+    with pytest.raises(ValueError, match="schedule\\[1\\]"):
+        winsp.WindowRuntime([REG, "shifted"])
+    rt = winsp.WindowRuntime([REG, SHIFT])
+    with pytest.raises(ValueError, match="text_lengths"):
+        rt.request([(2, 8, 8)], [1, 2])
+    req = rt.request([(2, 8, 8)], [3])
+    with pytest.raises(RuntimeError, match="scatter"):
+        req.to_layer(torch.zeros(128, 2), 1)
+    with pytest.raises(ValueError, match="rows"):
+        req.scatter(torch.zeros(127, 2))
+    x = req.scatter(torch.zeros(128, 2))
+    with pytest.raises(ValueError, match="layer 5"):
+        req.to_layer(x, 5)
+    q = torch.zeros(128, 1, 4)
+    with pytest.raises(ValueError, match="text"):
+        req.attention(q, q, q)
+    with pytest.raises(ValueError, match="video rows"):
+        req.attention(q[:5], q[:5], q[:5], torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4))
+
+
+def _degree_mismatch(rank, world_size):
+    winsp.WindowRuntime.from_config(winsp.DiffusionParallelConfig(ulysses_degree=3), [REG])
+
+
+def _subgroup_runtime(rank, world_size):
+    import torch.distributed as dist
+
+    sub = dist.new_group([0, 1])
+    other = dist.new_group([2, 3])
+    mine = sub if rank < 2 else other
+    rt = winsp.WindowRuntime.from_config(winsp.DiffusionParallelConfig(ulysses_degree=2), [REG, SHIFT], group=mine)
+    req = rt.request([(5, 32, 56)])
+    x = torch.arange(5 * 32 * 56, dtype=torch.float64).unsqueeze(1) + 1000 * (rank // 2)
+    y = req.gather(req.to_layer(req.scatter(x), 1))
+    return rt.execution_path, rt.world_size, rt.rank, bool(torch.equal(x, y))
+
+
+def test_the_sp_group_size_must_equal_the_degree():
+    with pytest.raises(RankError, match="ulysses_degree=3 but the SP group has 2 ranks"):
+        run_ranks(_degree_mismatch, 2, timeout=60)
+
+
+def test_subgroups_of_the_world_run_independent_requests():
+    results = run_ranks(_subgroup_runtime, 4, timeout=120)
+    for rank, (path, size, sub_rank, ok) in enumerate(results):
+        assert path.startswith("window-aligned SP, Plan A, 2 ranks")
+        assert size == 2 and sub_rank == rank % 2 and ok
+
+
+def test_run_ranks_turns_a_deadlock_into_a_timeout():
+    with pytest.raises(TimeoutError, match="did not finish"):
+        run_ranks(_one_rank_skips_the_collective, 2, timeout=15)
+
+
+def _one_rank_skips_the_collective(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins: a deadlock
+    else:
+        import time
+        time.sleep(60)
