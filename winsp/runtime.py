@@ -9,6 +9,7 @@ and ``gather`` (the canonical output on every rank). Model code calls only these
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import cached_property
 from typing import Sequence
 
@@ -68,6 +69,25 @@ class LocalWindows:
             t = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
             self._device_cache[key] = t
         return t
+
+
+_LOCAL_PER_PLAN = 8  # text-length variants kept per plan (prompts of different lengths)
+
+
+def _local_windows(plan: Plan, rank: int, text_lengths: tuple[int, ...]) -> LocalWindows:
+    """This rank's :class:`LocalWindows` of ``plan``, cached on the plan so later requests of the same shape reuse the
+    segments, indices and device tensors (a small LRU per plan, since text lengths vary between prompts)."""
+    cache = plan.__dict__.setdefault("_local_windows", OrderedDict())
+    key = (rank, text_lengths)
+    found = cache.get(key)
+    if found is None:
+        found = LocalWindows(plan, rank, text_lengths)
+        cache[key] = found
+        while len(cache) > _LOCAL_PER_PLAN:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return found
 
 
 class WindowRuntime:
@@ -232,11 +252,10 @@ class WindowRequest:
         """This rank's windows in ``layer``'s layout (default: the current layer)."""
         layer = self._current() if layer is None else layer
         plan = self.plan(layer)
-        key = id(plan)
-        found = self._local.get(key)
+        found = self._local.get(id(plan))
         if found is None:
-            found = LocalWindows(plan, self.group.rank, self.text_lengths)
-            self._local[key] = found
+            found = _local_windows(plan, self.group.rank, self.text_lengths)
+            self._local[id(plan)] = found
         return found
 
     def _current(self) -> int:
