@@ -1,0 +1,149 @@
+"""Communication and balance tables for window-aligned SP on SeedVR2 3B's windows, from the real plans.
+
+Run from the repository root: ``python -m benchmarks.comm_table`` or ``python benchmarks/comm_table.py``.
+
+Table 1 compares, per layout transition, the rows and bytes Plan A really moves (the off-diagonal sum of the
+transition's count matrix) with what Ulysses moves per attention layer: four all-to-alls (q, k, v in, output back)
+of an [N, D] activation, each sending (P - 1) / P of it off-rank, i.e. 4 * N * D * (P - 1) / P elements.
+Both figures are totals over all ranks, in bf16 (2 bytes) with the 3B hidden size D = 2560.
+
+Table 2 is the LPT balance of each layout: the largest rank's tokens over the ideal lower bound
+max(largest window, ceil(N / P)).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import winsp  # noqa: E402
+from winsp.redistribute import plan_transition  # noqa: E402
+
+NUM_WINDOWS = (4, 3, 3)  # SeedVR2 3B's window counts (regular and shifted layers alternate)
+HIDDEN = 2560  # SeedVR2 3B hidden size
+BYTES_PER_ELEMENT = 2  # bf16
+DEGREES = (2, 4, 8)
+# post-patch (T, H, W) token grids: 45 or 121 frames -> 12 or 31 latent frames, 8x spatial VAE x 2x2 patches
+SHAPES = {
+    "720p x45": (12, 45, 80),
+    "1080p x45": (12, 68, 120),
+    "1440p x45": (12, 90, 160),
+    "4K x121": (31, 135, 240),
+}
+
+
+@dataclass(frozen=True)
+class CommRow:
+    shape: str
+    grid: tuple[int, int, int]
+    world_size: int
+    direction: str
+    tokens: int
+    rows_moved: int
+    window_bytes: int
+    ulysses_bytes: float
+
+    @property
+    def ratio(self) -> float:
+        return self.window_bytes / self.ulysses_bytes
+
+
+@dataclass(frozen=True)
+class BalanceRow:
+    shape: str
+    grid: tuple[int, int, int]
+    world_size: int
+    layout: str
+    windows: int
+    max_rank_tokens: int
+    ideal_lower_bound: int
+
+    @property
+    def imbalance(self) -> float:
+        return self.max_rank_tokens / self.ideal_lower_bound
+
+
+def ulysses_bytes(tokens: int, world_size: int, hidden: int = HIDDEN) -> float:
+    """Bytes Ulysses moves off-rank per attention layer (all ranks together): 4 * N * D * (P - 1) / P elements."""
+    return 4 * tokens * hidden * (world_size - 1) / world_size * BYTES_PER_ELEMENT
+
+
+def collect(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN) -> tuple[list[CommRow], list[BalanceRow]]:
+    """Plan every shape at every degree under both layouts; read the moved rows and the balance off the plans."""
+    geometries = {"regular": winsp.make_geometry("regular", NUM_WINDOWS),
+                  "shifted": winsp.make_geometry("shifted", NUM_WINDOWS)}
+    comm: list[CommRow] = []
+    balance: list[BalanceRow] = []
+    for name, grid in shapes.items():
+        for p in degrees:
+            cache = winsp.PlanCache()
+            plans = {layout: cache.get([grid], geom, p) for layout, geom in geometries.items()}
+            tokens = plans["regular"].layout.num_tokens
+            for src, dst in (("regular", "shifted"), ("shifted", "regular")):
+                moved = plan_transition(plans[src], plans[dst]).rows_moved
+                comm.append(CommRow(name, grid, p, f"{src} -> {dst}", tokens, moved,
+                                    moved * hidden * BYTES_PER_ELEMENT, ulysses_bytes(tokens, p, hidden)))
+            for layout, plan in plans.items():
+                balance.append(BalanceRow(name, grid, p, layout, plan.layout.num_windows,
+                                          max(plan.rank_token_counts), plan.ideal_lower_bound))
+    return comm, balance
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def comm_markdown(rows: list[CommRow]) -> str:
+    lines = [
+        "| shape | grid (T,H,W) | P | transition | tokens N | rows moved | moved / N | window SP MiB "
+        "| Ulysses MiB / layer | ratio |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.shape} | {r.grid} | {r.world_size} | {r.direction} | {r.tokens:,} | {r.rows_moved:,} "
+            f"| {r.rows_moved / r.tokens:.3f} | {_mib(r.window_bytes)} | {_mib(r.ulysses_bytes)} | {r.ratio:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def balance_markdown(rows: list[BalanceRow]) -> str:
+    lines = [
+        "| shape | grid (T,H,W) | P | layout | windows | max rank tokens | ideal lower bound | imbalance |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.shape} | {r.grid} | {r.world_size} | {r.layout} | {r.windows} | {r.max_rank_tokens:,} "
+            f"| {r.ideal_lower_bound:,} | {r.imbalance:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def tables_markdown(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN) -> str:
+    """Both tables as one markdown text (what the script prints)."""
+    comm, balance = collect(shapes, degrees, hidden)
+    return "\n".join([
+        f"### Bytes moved per layout transition (bf16, D = {hidden}, windows {NUM_WINDOWS})",
+        "",
+        "window SP: rows that change rank in one transition x D x 2 bytes (all ranks); "
+        "Ulysses: 4 x N x D x (P-1)/P x 2 bytes per attention layer.",
+        "",
+        comm_markdown(comm),
+        "",
+        "### LPT balance (max rank tokens / max(largest window, ceil(N / P)))",
+        "",
+        balance_markdown(balance),
+    ])
+
+
+def main() -> None:
+    print(tables_markdown())
+
+
+if __name__ == "__main__":
+    main()

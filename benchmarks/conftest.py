@@ -1,0 +1,76 @@
+"""Benchmark-run helpers: a summary of goal figures and generated tables, printed in the terminal summary.
+
+Benchmarks record results through the ``goal_report`` fixture; nothing here affects the test suite
+(``testpaths = ["tests"]`` never collects this folder).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+_GOALS: list["GoalResult"] = []
+_TEXTS: list[tuple[str, str]] = []
+
+
+@dataclass(frozen=True)
+class GoalResult:
+    name: str
+    measured: float  # seconds, or a plain ratio when unit == "x"
+    goal: float | None
+    unit: str  # "s" or "x"
+
+    def _show(self, value: float) -> str:
+        if self.unit == "x":
+            return f"{value:.3f}x"
+        if value >= 1e-3:
+            return f"{value * 1e3:.3f} ms"
+        return f"{value * 1e6:.2f} us"
+
+    def line(self) -> str:
+        if self.goal is None:
+            verdict, goal = "(no goal)", "-"
+        else:
+            verdict, goal = ("met" if self.measured <= self.goal else "MISSED"), self._show(self.goal)
+        return f"{self.name:<58} {self._show(self.measured):>12}   goal {goal:>10}   {verdict}"
+
+
+def median_seconds(benchmark) -> float | None:
+    """The median of a finished pytest-benchmark run, or None when benchmarking is disabled."""
+    stats = getattr(benchmark, "stats", None)
+    return None if stats is None else stats.stats.median
+
+
+def record_goal(name: str, measured: float | None, goal: float | None, unit: str = "s") -> None:
+    if measured is not None:
+        _GOALS.append(GoalResult(name, measured, goal, unit))
+
+
+def record_text(title: str, text: str) -> None:
+    _TEXTS.append((title, text))
+
+
+class GoalReport:
+    """What a benchmark hands to the end-of-run summary."""
+
+    median_seconds = staticmethod(median_seconds)
+    goal = staticmethod(record_goal)
+    text = staticmethod(record_text)
+
+
+@pytest.fixture
+def goal_report() -> GoalReport:
+    return GoalReport()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _GOALS and not _TEXTS:
+        return
+    if _GOALS:
+        terminalreporter.section("winsp core benchmark medians against goals")
+        for result in _GOALS:
+            terminalreporter.write_line(result.line())
+    for title, text in _TEXTS:
+        terminalreporter.section(title)
+        terminalreporter.write_line(text)
