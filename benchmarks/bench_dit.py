@@ -158,7 +158,7 @@ class PlainContext:
 def plain_forward(model: SeedVR2NaDiT, vid, txt, vid_shape, txt_shape, timestep) -> torch.Tensor:
     """The NaDiT forward with the model's own layers but no winsp runtime (single device, canonical order)."""
     shapes, text_lengths, timestep = model._check_inputs(vid, txt, vid_shape, txt_shape, timestep)
-    plan = model._patch_plan(shapes)
+    plan = model._patch_plan(shapes, vid.device)
     x = model.vid_in(PatchIn.patchify(vid, plan))
     txt = model.txt_in(txt)
     emb_slots = Modulation.split_embedding(model.emb_in(timestep, x.dtype), model.config.vid_dim)

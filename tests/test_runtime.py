@@ -112,3 +112,14 @@ def _one_rank_skips_the_collective(rank, world_size):
     else:
         import time
         time.sleep(60)
+
+
+def test_attention_can_skip_the_text_output():
+    rt = winsp.WindowRuntime([REG])
+    req = rt.request([(2, 8, 8)], [3])
+    q = req.scatter(torch.randn(128, 2, 4))
+    t = torch.randn(3, 2, 4)
+    vid_a, txt_a = req.attention(q, q, q, t, t, t)
+    vid_b, txt_b = req.attention(q, q, q, t, t, t, text_output=False)
+    assert txt_a.shape == (3, 2, 4) and txt_b is None
+    assert torch.equal(vid_a, vid_b)

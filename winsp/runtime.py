@@ -312,11 +312,14 @@ class WindowRequest:
         v_txt: torch.Tensor | None = None,
         *,
         softmax_scale: float | None = None,
+        text_output: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Window attention on local rows over [window video, sample text], then the text reduction.
 
         Video tensors are [L_local, heads, head_dim]; text tensors [L_txt, heads, head_dim] replicated (or None).
         Returns (video output [L_local, heads, head_dim], text output [L_txt, heads, head_dim] or None).
+        ``text_output=False`` (a layer whose text output is never read, e.g. a model's last block) skips the text
+        reduction and its all-reduce; every rank must pass the same value.
         """
         local = self.local()
         if q_vid.shape[0] != local.num_rows:
@@ -333,6 +336,6 @@ class WindowRequest:
         vid_out, window_text = window_attention(
             q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, local.segments, backend=backend, softmax_scale=softmax_scale,
         )
-        if not has_text:
+        if not (has_text and text_output):
             return vid_out, None
         return vid_out, self.reduce_text(window_text)

@@ -1,0 +1,7 @@
+"""SeedVR2's diffusion transformer (NaDiT, the 3B ``models/dit_v2`` architecture) on the winsp window runtime."""
+
+from .config import NaDiTConfig
+from .loader import load_dit_checkpoint, normalize_checkpoint_keys, read_state_dict
+from .model import SeedVR2NaDiT
+
+__all__ = ["NaDiTConfig", "SeedVR2NaDiT", "load_dit_checkpoint", "normalize_checkpoint_keys", "read_state_dict"]

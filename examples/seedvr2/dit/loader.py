@@ -1,0 +1,165 @@
+"""Strict checkpoint loading for :class:`SeedVR2NaDiT`.
+
+Exactly one key rename is applied: the reference stores each block's RoPE table as ``blocks.<i>.attn.rope.rope.freqs``
+and this port as ``blocks.<i>.attn.rope.freqs``. After that, any missing, unexpected or shape-mismatched key is an
+error, so a checkpoint that does not match the model cannot reach inference. ``.pth``/``.pt`` files are read with
+``torch.load(weights_only=True)``, which refuses pickled code instead of running it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Mapping, Union
+
+import torch
+from torch import Tensor, nn
+
+from .rope import RotaryEmbedding3d
+
+__all__ = ["load_dit_checkpoint", "read_state_dict", "normalize_checkpoint_keys"]
+
+_REFERENCE_ROPE_KEY = re.compile(r"^(blocks\.\d+\.attn\.rope)\.rope\.freqs$")
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
+# In a truncated checkpoint the model's new last block has no text MLP path; these keys then have no home.
+_TEXT_MLP_PATH = re.compile(r"^blocks\.(\d+)\.(mlp|ada|mlp_norm)\.txt\.")
+
+Source = Union[str, os.PathLike, Mapping[str, Tensor]]
+
+
+def _short(keys, limit: int = 8) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def read_state_dict(source: Source) -> dict[str, Tensor]:
+    """Tensors of a checkpoint: a ``.safetensors`` / ``.pth`` / ``.pt`` path, or a mapping of name -> tensor."""
+    if isinstance(source, Mapping):
+        state = dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} does not exist or is not a file")
+        suffix = path.suffix.lower()
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        elif suffix in (".pth", ".pt"):
+            state = _torch_load_weights_only(path)
+        else:
+            raise ValueError(
+                f"checkpoint {str(path)!r}: unsupported file type {suffix!r} (use .safetensors, .pth or .pt)"
+            )
+    else:
+        raise TypeError(f"checkpoint source must be a path or a mapping of tensors, got {type(source).__name__}")
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise ValueError(f"checkpoint key {key!r} is not a string")
+        if not isinstance(value, Tensor):
+            raise ValueError(f"checkpoint entry {key!r} is a {type(value).__name__}, not a tensor")
+    return state
+
+
+def _torch_load_weights_only(path: Path) -> dict:
+    """``torch.load`` restricted to tensors and plain containers (never executes pickled code); memory-mapped when
+    the file format allows it."""
+    try:
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            state = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was refused: it is not a plain tensor checkpoint (loading it would need to run "
+            f"pickled code, which weights_only loading does not do). Details: {err}"
+        ) from None
+    if not isinstance(state, Mapping):
+        raise ValueError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a state dict")
+    return dict(state)
+
+
+def normalize_checkpoint_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Rename ``blocks.<i>.attn.rope.rope.freqs`` -> ``blocks.<i>.attn.rope.freqs``; nothing else.
+
+    A key already in the port's form is kept as is. Two source keys that would land on one target key raise.
+    """
+    out: dict[str, Tensor] = {}
+    origin: dict[str, str] = {}
+    for key, value in state.items():
+        match = _REFERENCE_ROPE_KEY.match(key)
+        target = f"{match.group(1)}.freqs" if match else key
+        if target in out:
+            raise ValueError(
+                f"checkpoint keys {origin[target]!r} and {key!r} both map to {target!r}; refusing to pick one"
+            )
+        out[target] = value
+        origin[target] = key
+    return out
+
+
+def _drop_extra_blocks(state: dict[str, Tensor], num_layers: int, allow_truncated: bool) -> dict[str, Tensor]:
+    block_ids = {int(m.group(1)) for m in map(_BLOCK_KEY.match, state) if m}
+    extra = sorted(i for i in block_ids if i >= num_layers)
+    if not extra:
+        return state
+    if not allow_truncated:
+        example = next(k for k in sorted(state) if k.startswith(f"blocks.{extra[0]}."))
+        raise ValueError(
+            f"checkpoint has {max(block_ids) + 1} blocks but the model has {num_layers} (extra blocks "
+            f"{extra[0]}..{extra[-1]}, e.g. key {example!r}); pass allow_truncated=True to load only the first "
+            f"{num_layers} blocks"
+        )
+    kept = {}
+    for key, value in state.items():
+        m = _BLOCK_KEY.match(key)
+        if m and int(m.group(1)) >= num_layers:
+            continue
+        t = _TEXT_MLP_PATH.match(key)
+        if t and int(t.group(1)) == num_layers - 1:
+            continue  # the truncated model's last block has no text MLP path
+        kept[key] = value
+    return kept
+
+
+def load_dit_checkpoint(model: nn.Module, source: Source, *, allow_truncated: bool = False) -> nn.Module:
+    """Load a SeedVR2 DiT checkpoint into ``model`` strictly (see the module docstring); returns ``model``.
+
+    ``source`` is a ``.safetensors``/``.pth``/``.pt`` path or a state dict in the reference or the port layout. A
+    checkpoint with more blocks than the model is refused unless ``allow_truncated`` (then extra blocks are dropped).
+    A model built on the meta device receives the checkpoint's tensors directly (``assign=True``).
+    """
+    state = normalize_checkpoint_keys(read_state_dict(source))
+    num_layers = len(getattr(model, "blocks", ()))
+    state = _drop_extra_blocks(state, num_layers, allow_truncated)
+
+    expected = model.state_dict()
+    missing = set(expected) - set(state)
+    unexpected = set(state) - set(expected)
+    mismatched = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(expected) & set(state))
+        if tuple(state[k].shape) != tuple(expected[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_short(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_short(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {'; '.join(mismatched[:8])}")
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+
+    on_meta = any(t.is_meta for t in expected.values())
+    model.load_state_dict(state, strict=True, assign=on_meta)
+    if on_meta:
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding3d) and module.freqs.dtype != torch.float32:
+                module.freqs = module.freqs.float()  # RoPE frequencies stay float32 (see rope.py)
+    return model
