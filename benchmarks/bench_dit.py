@@ -132,7 +132,7 @@ class PlainContext:
             self._tables["txt"] = rope.tables(self.txt_position[:, None].expand(-1, 3), self.model.config.head_dim)
         return self._tables["txt"]
 
-    def attention(self, q_v, k_v, v_v, q_t, k_t, v_t):
+    def attention(self, q_v, k_v, v_v, q_t, k_t, v_t, *, text_output: bool = True):
         perm, inverse, groups, _, windows_per_sample = self._layout()
         q_w, k_w, v_w = q_v[perm], k_v[perm], v_v[perm]
         heads, dim = q_v.shape[1:]
@@ -152,7 +152,7 @@ class PlainContext:
             txt_sum[start:start + n_txt] += out[:, length:].sum(0)
             row += count * length
         txt_out = txt_sum / windows_per_sample[self.txt_sample].to(txt_sum.dtype)[:, None, None]
-        return torch.cat(vid_out)[inverse], txt_out
+        return torch.cat(vid_out)[inverse], (txt_out if text_output else None)
 
 
 def plain_forward(model: SeedVR2NaDiT, vid, txt, vid_shape, txt_shape, timestep) -> torch.Tensor:

@@ -198,3 +198,10 @@ def test_toy_block_abab_forward_and_gradients_equal_one_rank(world_size):
     summed = sum(r["vid_param_grad"] for r in results)
     assert (summed - single["vid_param_grad"]).abs().max().item() <= 1e-10
     assert (results[0]["vid_param_grad"] - single["vid_param_grad"]).abs().max().item() > 1e-6
+
+
+@pytest.mark.large_world
+@pytest.mark.parametrize("world_size", [6, 8])
+def test_redistribution_at_larger_world_sizes(world_size):
+    test_redistribution_and_text_reduction_match_the_single_rank_oracle(world_size)
+    test_toy_block_abab_forward_and_gradients_equal_one_rank(world_size)

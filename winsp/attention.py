@@ -349,15 +349,16 @@ def _backend_unavailable_reason(
 ) -> str | None:
     """Why ``backend`` cannot run here (None when it can); ``segments``/``dtype`` None skip those checks."""
     if backend in ("flash_varlen", "torch_varlen"):
+        # the device check comes first: importing the kernels is slow (torch.nn.attention.varlen pulls in dynamo)
+        reason = _cuda_reason(device)
+        if reason is not None:
+            return reason
         loader = _flash_varlen_fn if backend == "flash_varlen" else _torch_varlen_fn
         if loader() is None:
             where = "flash_attn.flash_attn_varlen_func" if backend == "flash_varlen" else (
                 "torch.nn.attention.varlen.varlen_attn"
             )
             return f"{where} is not importable"
-        reason = _cuda_reason(device)
-        if reason is not None:
-            return reason
         if dtype is not None and dtype not in _VARLEN_DTYPES:
             return f"it needs float16 or bfloat16 inputs, got {dtype}"
         if segments is not None:

@@ -107,3 +107,33 @@ class SPGroup:
         out: list = [None] * self.size
         dist.all_gather_object(out, value, group=self.group)
         return out
+
+
+# ---- launch -----------------------------------------------------------------------------------------------------
+
+def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
+    """Join the world a launcher (``torchrun``) describes in ``WORLD_SIZE`` / ``RANK``; returns (rank, size, started).
+
+    With ``WORLD_SIZE`` unset or 1 nothing is initialised. Otherwise the default process group is started (NCCL for
+    CUDA, gloo otherwise) unless it already is; ``started`` says whether this call started it (and so should
+    :func:`shutdown_world` it).
+    """
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, False
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), True
+
+
+def shutdown_world() -> None:
+    """Tear down the default process group if one is running."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

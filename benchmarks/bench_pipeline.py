@@ -1,0 +1,126 @@
+"""Seconds per stage of the SeedVR2 restore pipeline (demo-sized models) on the CPU.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_pipeline.py [--frames 9] [--height 64] [--width 96] [--repeats 3]
+        [--world 1 2] [--json out.json]
+
+Stages are those of the command line: read (decode an H.264 file made here), prepare (resize/crop to the working
+size), encode (VAE), DiT (one step), decode (VAE), colour fix (wavelet), write (H.264 encode). For each stage the
+median over ``--repeats`` runs of the process CPU time and of the wall time is printed; at ``--world`` > 1 the ranks
+run under ``winsp.testing.run_ranks`` (gloo) and the slowest rank's figures are shown, for the VAE replicated and
+height-sharded. The models are the embedded demo models (the golden files' tiny architecture), so the figures show
+the pipeline's own overheads and the split of work between stages, not SeedVR2 3B speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from fractions import Fraction
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from examples.seedvr2.color_fix import wavelet_color_fix  # noqa: E402
+from examples.seedvr2.demo import demo_models, demo_text_embeds, sample_frames  # noqa: E402
+from examples.seedvr2.media import frames_to_model, model_to_frames, plan_geometry, read_media, write_media  # noqa: E402
+from examples.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
+from winsp.testing import run_ranks  # noqa: E402
+
+STAGES = ("read", "prepare", "encode", "DiT", "decode", "colour fix", "write")
+
+
+class Clock:
+    """Process CPU seconds and wall seconds of each stage of one run."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.wall: dict[str, float] = {}
+
+    def run(self, stage: str, fn):
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = fn()
+        self.cpu[stage] = time.process_time() - c0
+        self.wall[stage] = time.perf_counter() - w0
+        return out
+
+
+def one_run(pipe: SeedVR2Pipeline, src: str, dst: str, rank: int) -> Clock:
+    clock = Clock()
+    media = clock.run("read", lambda: read_media(src))
+    geometry = plan_geometry((media.height, media.width))
+    video = clock.run("prepare", lambda: frames_to_model(media.frames, geometry))
+    latent = clock.run("encode", lambda: pipe.encode(video))
+    txt = demo_text_embeds()
+    restored = clock.run("DiT", lambda: pipe.denoise(latent, txt, generator=torch.Generator().manual_seed(0)))
+    out = clock.run("decode", lambda: pipe.decode(restored, media.num_frames))
+    fixed = clock.run("colour fix", lambda: wavelet_color_fix(out.transpose(0, 1), video.transpose(0, 1)))
+    frames = model_to_frames(fixed.transpose(0, 1), geometry)
+    if rank == 0:
+        clock.run("write", lambda: write_media(dst, frames, media.fps))
+    else:
+        clock.cpu["write"] = clock.wall["write"] = 0.0
+    return clock
+
+
+def bench(rank: int, world: int, src: str, vae_parallel: str, repeats: int) -> dict:
+    """Median CPU / wall seconds per stage on this rank (a warm-up run first)."""
+    from winsp.group import SPGroup
+
+    torch.set_num_threads(1)
+    dit, vae = demo_models()
+    pipe = SeedVR2Pipeline(dit, vae, vae_parallel, group=SPGroup.world())
+    dst = os.path.join(os.path.dirname(src), f"out_{world}_{vae_parallel}.mp4")
+    one_run(pipe, src, dst, rank)  # warm-up (imports, plan caches)
+    clocks = [one_run(pipe, src, dst, rank) for _ in range(repeats)]
+    return {
+        "cpu": {s: statistics.median(c.cpu[s] for c in clocks) for s in STAGES},
+        "wall": {s: statistics.median(c.wall[s] for c in clocks) for s in STAGES},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frames", type=int, default=9)
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--world", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "clip.mp4")
+        write_media(src, sample_frames(args.frames, args.height, args.width).numpy(), Fraction(24))
+        for world in args.world:
+            modes = ("replicated",) if world == 1 else ("replicated", "height")
+            for mode in modes:
+                if world == 1:
+                    per_rank = [bench(0, 1, src, mode, args.repeats)]
+                else:
+                    per_rank = run_ranks(bench, world, src, mode, args.repeats, timeout=1200.0)
+                worst = {k: {s: max(r[k][s] for r in per_rank) for s in STAGES} for k in ("cpu", "wall")}
+                results[f"SP={world} VAE {mode}"] = worst
+
+    print(f"clip: {args.frames} frames {args.width}x{args.height}, demo models, torch {torch.__version__}, "
+          f"{args.repeats} repeats (median), slowest rank")
+    header = "| run | " + " | ".join(STAGES) + " | total |"
+    print(header)
+    print("|" + "---|" * (len(STAGES) + 2))
+    for name, figures in results.items():
+        for kind in ("cpu", "wall"):
+            cells = [f"{figures[kind][s]:.3f}" for s in STAGES]
+            print(f"| {name} ({kind} s) | " + " | ".join(cells) + f" | {sum(figures[kind].values()):.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Command line: ``python -m examples.seedvr2 restore INPUT -o OUTPUT [options]``.
+
+Single process, or window-parallel under ``torchrun --nproc-per-node N`` (gloo on CPU, NCCL on GPUs; every rank reads
+the input and runs the same stages, the DiT's windows are shared among the ranks, rank 0 writes the file).
+
+With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer. Without them it runs embedded tiny
+demo weights (see :mod:`.demo`) so that the command works anywhere in seconds; it says so, since that restores nothing.
+
+Exit codes: 0 success; 2 bad input or usage (one ``error:`` line on stderr, no output file); anything else is a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from winsp.group import init_world_from_env, shutdown_world
+
+from .media import (
+    MediaError,
+    Geometry,
+    frames_to_model,
+    model_to_frames,
+    output_kind,
+    parse_resolution,
+    plan_geometry,
+    read_media,
+    write_media,
+)
+
+__all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
+
+PROG = "python -m examples.seedvr2"
+DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
+DEFAULT_SEED = 666
+STAGES = ("read", "load", "encode", "DiT", "decode", "write")
+
+
+class InputError(ValueError):
+    """A problem with what the user gave (a checkpoint, an embedding file, an option); reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit code 2, as argparse does)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="SeedVR2 one-step video/image restoration on winsp (window-parallel).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("restore", help="restore a video or image", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", help="video (mp4, mov, webm, mkv, ...) or image (png, jpg)")
+    p.add_argument("-o", "--output", required=True, help="output file: .mp4/.mov/.mkv (H.264) or .png/.jpg")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--resolution", metavar="WxH",
+                      help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
+    size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
+    p.add_argument("--dit-checkpoint", metavar="PATH", help="released DiT weights (.pth or .safetensors)")
+    p.add_argument("--vae-checkpoint", metavar="PATH", help="released VAE weights (.pth or .safetensors)")
+    p.add_argument("--text-embeds", metavar="PATH",
+                   help=f"prompt embedding (safetensors key 'pos', or a single tensor) (default: {DEFAULT_TEXT_EMBEDS} "
+                        f"with checkpoints, random tiny embeddings with the demo weights)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"latent noise seed (default {DEFAULT_SEED})")
+    p.add_argument("--dtype", choices=("bf16", "fp32"),
+                   help="compute dtype (default: bf16 on GPU with checkpoints, else fp32)")
+    p.add_argument("--vae-parallel", choices=("replicated", "height", "tiled"), default="replicated",
+                   help="how ranks share the VAE (default: replicated, every rank runs it)")
+    p.add_argument("--color-fix", choices=("wavelet", "none"),
+                   help="colour correction towards the input (default: wavelet with checkpoints, none with the demo)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
+    return parser
+
+
+# ---- progress -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StageProgress:
+    """A tiny progress bar over named stages on stderr, and the seconds each stage took.
+
+    On a terminal the bar is redrawn in place as stages start and finish; otherwise (a log, a pipe) one line is
+    printed per finished stage, so a run that fails early prints nothing but its error.
+    """
+
+    stages: Sequence[str]
+    enabled: bool = True
+    stream: object = field(default_factory=lambda: sys.stderr)
+    seconds: dict = field(default_factory=dict)
+    _current: Optional[str] = None
+    _started: float = 0.0
+    _open_line: bool = False
+
+    def start(self, stage: str) -> None:
+        self._finish_current()
+        self._current, self._started = stage, time.perf_counter()
+        if self._is_tty():
+            self._draw(self.stages.index(stage), f"{stage} ...")
+
+    def note(self, message: str) -> None:
+        """Print a message line (even when the bar is disabled) without tearing the bar."""
+        self.break_line()
+        self.stream.write(f"{message}\n")
+        self.stream.flush()
+
+    def break_line(self) -> None:
+        """End a bar line drawn in place, so that what follows starts on a fresh line."""
+        if self._open_line:
+            self.stream.write("\n")
+            self._open_line = False
+
+    def done(self) -> None:
+        self._finish_current()
+        self.break_line()
+
+    def _finish_current(self) -> None:
+        if self._current is not None:
+            spent = time.perf_counter() - self._started
+            self.seconds[self._current] = spent
+            self._draw(self.stages.index(self._current) + 1, f"{self._current} {spent:.2f}s")
+            self._current = None
+
+    def _is_tty(self) -> bool:
+        return bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def _draw(self, finished: int, label: str) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        filled = round(width * finished / len(self.stages))
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{len(self.stages)} {label}"
+        if self._is_tty():
+            self.stream.write(f"\r{line:<56}")
+            self._open_line = True
+        else:
+            self.stream.write(f"{line}\n")
+        self.stream.flush()
+
+
+# ---- distributed launch -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    """Where this process runs: its rank among ``world_size`` (torchrun's environment) and its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    initialised_here: bool = False
+
+    @classmethod
+    def from_env(cls) -> "Launch":
+        """Read torchrun's WORLD_SIZE / RANK / LOCAL_RANK; initialise the default process group when WORLD_SIZE > 1."""
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            device = torch.device("cuda", local % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        rank, world, started = init_world_from_env(device.type)
+        return cls(rank, world, device, initialised_here=started)
+
+    def close(self) -> None:
+        if self.initialised_here:
+            shutdown_world()
+
+
+# ---- the restore command ------------------------------------------------------------------------------------------
+
+
+def _fmt_size(hw: tuple[int, int], frames: int) -> str:
+    return f"{hw[1]}x{hw[0]}, {frames} frame{'s' if frames != 1 else ''}"
+
+
+def _resolve_dtype(name: Optional[str], device: torch.device, demo: bool) -> torch.dtype:
+    if name is None:
+        name = "bf16" if (device.type == "cuda" and not demo) else "fp32"
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def _check_output_path(path: str, num_frames_hint: Optional[int] = None) -> None:
+    kind = output_kind(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise MediaError(f"output directory does not exist: {directory}")
+    if os.path.isdir(path):
+        raise MediaError(f"output path is a directory: {path}")
+    if kind == "image" and num_frames_hint is not None and num_frames_hint > 1:
+        raise MediaError(
+            f"the input has {num_frames_hint} frames but {path} is an image file; use a video extension (.mp4)"
+        )
+
+
+@dataclass
+class LoadedModels:
+    dit: torch.nn.Module
+    vae: torch.nn.Module
+    txt: torch.Tensor
+    demo: bool
+
+
+def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
+    """``[L, txt_in_dim]`` prompt embedding from a safetensors file (key ``pos``, or its only tensor) or a .pt/.pth."""
+    if not os.path.isfile(path):
+        raise InputError(f"text embeddings file not found: {path}")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            tensors = load_file(path)
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            tensors = loaded if isinstance(loaded, dict) else {"pos": loaded}
+    except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault, reported in one line
+        raise InputError(f"cannot read text embeddings {path}: {type(exc).__name__}: {exc}") from None
+    if "pos" in tensors:
+        txt = tensors["pos"]
+    elif len(tensors) == 1:
+        txt = next(iter(tensors.values()))
+    else:
+        raise InputError(f"text embeddings {path} has no 'pos' tensor (keys: {sorted(tensors)})")
+    if not isinstance(txt, torch.Tensor) or txt.dim() != 2 or txt.shape[1] != txt_in_dim or txt.shape[0] < 1:
+        shape = list(txt.shape) if isinstance(txt, torch.Tensor) else type(txt).__name__
+        raise InputError(f"text embeddings {path} must be [tokens, {txt_in_dim}] for this DiT, got {shape}")
+    return txt.float()
+
+
+def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LoadedModels:
+    """The released models from the two checkpoints, or the embedded demo models when neither is given."""
+    if (args.dit_checkpoint is None) != (args.vae_checkpoint is None):
+        given, missing = (("--dit-checkpoint", "--vae-checkpoint") if args.vae_checkpoint is None
+                          else ("--vae-checkpoint", "--dit-checkpoint"))
+        raise InputError(f"{given} was given without {missing}; give both checkpoints, or neither for the demo weights")
+    if args.dit_checkpoint is None:
+        from .demo import demo_models, demo_text_embeds
+
+        dit, vae = demo_models(device, dtype)
+        txt = _read_text_embeds(args.text_embeds, dit.config.txt_in_dim) if args.text_embeds else demo_text_embeds()
+        return LoadedModels(dit, vae, txt, demo=True)
+
+    from .dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+    from .vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint
+
+    for flag, path in (("--dit-checkpoint", args.dit_checkpoint), ("--vae-checkpoint", args.vae_checkpoint)):
+        if not os.path.isfile(path):
+            raise InputError(f"{flag}: file not found: {path}")
+    with torch.device("meta"):
+        dit = SeedVR2NaDiT(NaDiTConfig.seedvr2_3b())
+        vae = CausalVideoVAE(VideoVAEConfig.seedvr2())
+    for flag, loader, model, path in (("--dit-checkpoint", load_dit_checkpoint, dit, args.dit_checkpoint),
+                                      ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint)):
+        try:
+            loader(model, path)
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+            raise InputError(f"{flag} {path}: {exc}") from None
+    txt = _read_text_embeds(args.text_embeds or DEFAULT_TEXT_EMBEDS, dit.config.txt_in_dim)
+    return LoadedModels(dit.to(device=device, dtype=dtype).eval(), vae.to(device=device, dtype=dtype).eval(), txt,
+                        demo=False)
+
+
+def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> str:
+    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input."""
+    from winsp.group import SPGroup
+
+    from .color_fix import wavelet_color_fix
+    from .pipeline import SeedVR2Pipeline
+
+    # Everything cheap to check is checked before any model is built.
+    resolution = parse_resolution(args.resolution) if args.resolution else None
+    if args.scale is not None:
+        plan_geometry((64, 64), scale=args.scale)  # validates the number itself
+    _check_output_path(args.output)
+    demo = args.dit_checkpoint is None and args.vae_checkpoint is None
+    dtype = _resolve_dtype(args.dtype, launch.device, demo)
+    color_fix = (args.color_fix or ("none" if demo else "wavelet")) == "wavelet"
+    is_rank0 = launch.rank == 0
+
+    progress.start("read")
+    media = read_media(args.input)
+    _check_output_path(args.output, media.num_frames)
+    geometry: Geometry = plan_geometry((media.height, media.width), resolution=resolution, scale=args.scale)
+    latent_rows = geometry.work[0] // 8
+    if args.vae_parallel == "height" and launch.world_size > latent_rows:
+        raise InputError(
+            f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
+            f"{geometry.work[0]} has {latent_rows} rows for {launch.world_size} ranks; use --vae-parallel replicated"
+        )
+    video = frames_to_model(media.frames, geometry)
+
+    progress.start("load")
+    models = load_models(args, launch.device, dtype)
+    if models.demo and is_rank0:
+        progress.note(
+            f"{PROG}: WARNING: no checkpoints given: running the embedded tiny DEMO weights (random, seeded). "
+            f"The output is NOT a restoration; pass --dit-checkpoint and --vae-checkpoint for SeedVR2 3B."
+        )
+    pipe = SeedVR2Pipeline(models.dit, models.vae, args.vae_parallel, group=SPGroup.world())
+
+    progress.start("encode")
+    latent = pipe.encode(video)
+    progress.start("DiT")
+    generator = torch.Generator().manual_seed(args.seed)
+    restored_latent = pipe.denoise(latent, models.txt, generator=generator)
+    progress.start("decode")
+    restored = pipe.decode(restored_latent, media.num_frames)
+
+    progress.start("write")
+    if is_rank0:  # every rank holds the full result; one writes it
+        if color_fix:
+            reference = video.to(restored.device).transpose(0, 1)
+            restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
+        write_media(args.output, model_to_frames(restored.cpu(), geometry), media.fps)
+    progress.done()
+
+    seconds = progress.seconds
+    timing = " ".join(f"{stage} {seconds.get(stage, 0.0):.2f}s" for stage in STAGES)
+    fps = f"{float(media.fps):.3g} fps"
+    return (
+        f"{PROG}: {args.input} ({_fmt_size(geometry.input, media.num_frames)}) -> {args.output} "
+        f"({_fmt_size(geometry.output, media.num_frames)}{', ' + fps if not media.is_image else ''}; model at "
+        f"{geometry.work[1]}x{geometry.work[0]}) | SP {pipe.group.size} | {pipe.describe()}; "
+        f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
+        f"{'DEMO weights' if models.demo else 'SeedVR2 3B'}; colour fix {'wavelet' if color_fix else 'off'} | "
+        f"{timing} | total {sum(seconds.values()):.2f}s"
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    launch = Launch.from_env()
+    progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
+    try:
+        summary = run_restore(args, launch, progress)
+    except (MediaError, InputError) as exc:
+        if launch.rank == 0:
+            progress.break_line()
+            message = " ".join(str(exc).split())  # one line, whatever the exception carried
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    finally:
+        launch.close()
+    if launch.rank == 0:
+        print(summary, file=sys.stderr)
+    return 0

@@ -1,0 +1,103 @@
+"""Embedded demo weights and a synthetic sample clip, so the command line works anywhere without checkpoints.
+
+The demo models have the architecture of the released SeedVR2 3B DiT and VAE at a tiny size (the configurations of
+the reference golden files: a 4-layer, 96-wide DiT and a 16/32-channel VAE, about 1.9 M parameters in all). Their
+weights are the modules' own initialisation drawn from a fixed seed at run time, and the "prompt" is random, so the
+whole pipeline (resize, VAE, window-parallel DiT, decode, colour fix, encode to file) runs in seconds, identically on
+every rank and every run. It restores nothing: the output is what random weights make of the input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dit import NaDiTConfig, SeedVR2NaDiT
+from .vae import CausalVideoVAE, VideoVAEConfig
+
+__all__ = [
+    "DEMO_SEED",
+    "DEMO_DIT_CONFIG",
+    "DEMO_VAE_CONFIG",
+    "DEMO_TEXT_TOKENS",
+    "demo_models",
+    "demo_text_embeds",
+    "sample_frames",
+]
+
+DEMO_SEED = 20250601
+DEMO_TEXT_TOKENS = 16
+
+DEMO_DIT_CONFIG = dict(
+    vid_in_channels=33,
+    vid_out_channels=16,
+    vid_dim=96,
+    txt_in_dim=64,
+    txt_dim=96,
+    emb_dim=6 * 96,
+    heads=3,
+    head_dim=32,
+    expand_ratio=4,
+    norm="fusedrms",
+    norm_eps=1e-5,
+    ada="single",
+    qk_bias=False,
+    qk_norm="fusedrms",
+    patch_size=(1, 2, 2),
+    num_layers=4,
+    mm_layers=2,
+    mlp_type="swiglu",
+    block_type="mmdit_sr",
+    window=(4, 3, 3),
+    window_method=["720pwin_by_size_bysize", "720pswin_by_size_bysize"] * 2,
+    rope_type="mmrope3d",
+    rope_dim=32,
+    vid_out_norm="fusedrms",
+    txt_in_norm="fusedln",
+)
+
+DEMO_VAE_CONFIG = dict(
+    block_out_channels=[16, 16, 32, 32],
+    norm_num_groups=4,
+    layers_per_block=2,
+    latent_channels=16,
+    temporal_scale_num=2,
+    spatial_downsample_factor=8,
+    temporal_downsample_factor=4,
+)
+
+
+def demo_models(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[SeedVR2NaDiT, CausalVideoVAE]:
+    """The tiny DiT and VAE with weights drawn from :data:`DEMO_SEED` (the global RNG is left untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(DEMO_SEED)
+        dit = SeedVR2NaDiT(NaDiTConfig(**DEMO_DIT_CONFIG))
+        vae = CausalVideoVAE(VideoVAEConfig(**DEMO_VAE_CONFIG))
+    return dit.to(device=device, dtype=dtype).eval(), vae.to(device=device, dtype=dtype).eval()
+
+
+def demo_text_embeds(tokens: int = DEMO_TEXT_TOKENS) -> torch.Tensor:
+    """A fixed random "prompt embedding" ``[tokens, 64]`` for the demo DiT."""
+    generator = torch.Generator().manual_seed(DEMO_SEED + 1)
+    return torch.randn(tokens, DEMO_DIT_CONFIG["txt_in_dim"], generator=generator)
+
+
+def sample_frames(num_frames: int = 9, height: int = 64, width: int = 96) -> torch.Tensor:
+    """A small synthetic, slightly blurred clip ``uint8 [t, h, w, 3]``: a sky-to-ground gradient, a striped
+    block and a ball moving across. Deterministic (no RNG); used for the shipped sample files and smoke tests."""
+    t = torch.arange(num_frames, dtype=torch.float32)[:, None, None]
+    y = torch.linspace(0, 1, height)[None, :, None]
+    x = torch.linspace(0, 1, width)[None, None, :]
+    sky = torch.stack([0.35 + 0.3 * y, 0.55 + 0.2 * y, 0.95 - 0.5 * y], dim=-1).expand(num_frames, height, width, 3)
+    frame = sky.clone()
+    stripes = ((x * width / 6).floor() % 2 == 0).float() * 0.25 + 0.55
+    block = (x > 0.55) & (x < 0.9) & (y > 0.45) & (y < 0.85)
+    frame = torch.where(block[..., None].expand_as(frame), (stripes[..., None] * torch.tensor([0.9, 0.5, 0.3])), frame)
+    cx = 0.15 + 0.6 * t / max(num_frames - 1, 1)
+    ball = ((x - cx) * width) ** 2 + ((y - 0.35) * height) ** 2 < (0.18 * height) ** 2
+    frame = torch.where(ball[..., None].expand_as(frame), torch.tensor([0.95, 0.85, 0.2]).expand_as(frame), frame)
+    # a mild box blur: the "degradation" a restorer would undo
+    chw = frame.permute(0, 3, 1, 2)
+    chw = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(chw, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
+    return chw.permute(0, 2, 3, 1).clamp(0, 1).mul(255).round().to(torch.uint8)

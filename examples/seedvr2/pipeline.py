@@ -1,0 +1,304 @@
+"""SeedVR2 one-step video restoration: encode, one Euler step of the v-prediction DiT, decode.
+
+The math, as SeedVR2 runs it (facts taken from the reference, code written here):
+
+* frames: a clip of ``t > 1`` frames is extended with copies of its last frame to ``4k + 1`` frames (at least 5), the
+  causal VAE's natural length, and the result is trimmed back; a single frame (an image) is used as is. winsp never
+  splits frames between ranks, so the SP degree does not change this padding;
+* encode: the VAE posterior's mode, moved to ``(t, h, w, c)`` and multiplied by the scaling factor 0.9152;
+* condition (task ``sr``): the latent followed by one channel of ones -> ``(t, h, w, 17)``;
+* diffusion: a linear-interpolation ("lerp") schedule ``x_t = (1 - t/T) x_0 + (t/T) noise`` with ``T = 1000``,
+  trailing sampling timesteps (one step: ``t = 1000``), and a model that predicts the velocity ``v = noise - x_0``
+  ("v_lerp"). The DiT sees ``noise ++ condition`` flattened to ``[L, 33]`` in ``(t h w)`` order, the text embedding,
+  and the timestep; classifier-free guidance at scale 1.0 means the negative prompt is never run;
+* the Euler sampler's last step returns the endpoint ``x_0 = (x_t - (t/T) v) / 1`` which at ``t = T`` is
+  ``noise - v``;
+* decode: divide by the scaling factor, back to ``(c, t, h, w)``, VAE decode, trim to the input's frame count.
+  The result is in [-1, 1] space before clipping and colour fix (both done by the caller, see :mod:`.cli`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "SeedVR2Pipeline",
+    "VAE_PARALLEL_MODES",
+    "SCALING_FACTOR",
+    "NUM_TIMESTEPS",
+    "causal_frame_count",
+    "pad_to_causal_length",
+    "sr_condition",
+    "trailing_timesteps",
+    "v_lerp_endpoint",
+    "euler_v_lerp_sample",
+]
+
+SCALING_FACTOR = 0.9152
+NUM_TIMESTEPS = 1000.0
+LATENT_CHANNELS = 16
+VAE_PARALLEL_MODES = ("replicated", "height", "tiled")
+
+
+# ---- pure functions -----------------------------------------------------------------------------------------------
+
+
+def causal_frame_count(num_frames: int, temporal_factor: int = 4) -> int:
+    """The frame count a clip is padded to: unchanged for one frame, else the next ``4k + 1`` with ``k >= 1``."""
+    if num_frames < 1:
+        raise ValueError(f"a clip needs at least one frame, got {num_frames}")
+    if num_frames == 1:
+        return 1
+    k = max(1, math.ceil((num_frames - 1) / temporal_factor))
+    return temporal_factor * k + 1
+
+
+def pad_to_causal_length(video: torch.Tensor, temporal_factor: int = 4) -> torch.Tensor:
+    """Append copies of the last frame of ``video [c, t, h, w]`` up to :func:`causal_frame_count` frames."""
+    t = video.shape[1]
+    extra = causal_frame_count(t, temporal_factor) - t
+    if extra == 0:
+        return video
+    return torch.cat([video, video[:, -1:].expand(-1, extra, -1, -1)], dim=1)
+
+
+def sr_condition(latent: torch.Tensor) -> torch.Tensor:
+    """The ``sr`` task condition of a ``(t, h, w, c)`` latent: the latent, then one channel of ones."""
+    return torch.cat([latent, latent.new_ones(latent.shape[:-1] + (1,))], dim=-1)
+
+
+def trailing_timesteps(steps: int, T: float = NUM_TIMESTEPS, shift: float = 1.0) -> torch.Tensor:
+    """``steps`` sampling timesteps spaced evenly from ``T`` down, excluding 0 ("trailing"), with an SD3-style shift."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    u = 1.0 - torch.arange(steps, dtype=torch.float64) / steps  # 1, 1 - 1/n, ..., 1/n
+    u = shift * u / (1.0 + (shift - 1.0) * u)
+    return (u * T).to(torch.float32)
+
+
+def v_lerp_endpoint(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor | float, T: float = NUM_TIMESTEPS):
+    """``(x_0, x_T)`` implied by velocity ``v = x_T - x_0`` at ``x_t = (1 - t/T) x_0 + (t/T) x_T``."""
+    b = torch.as_tensor(t, dtype=x_t.dtype, device=x_t.device) / T
+    a = 1.0 - b
+    return (x_t - b * v) / (a + b), (x_t + a * v) / (a + b)
+
+
+def euler_v_lerp_sample(
+    noise: torch.Tensor,
+    predict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    timesteps: torch.Tensor,
+    T: float = NUM_TIMESTEPS,
+) -> torch.Tensor:
+    """Integrate the lerp flow from ``noise`` at ``timesteps[0]`` to ``x_0`` with Euler steps.
+
+    ``predict(x_t, t)`` returns the velocity. Between timesteps the sampler re-noises its ``x_0`` estimate to the
+    next timestep; after the last timestep it returns the ``x_0`` estimate (one step: ``noise - v`` at ``t = T``).
+    """
+    x = noise
+    for i, t in enumerate(timesteps):
+        x_0, x_T = v_lerp_endpoint(x, predict(x, t), t, T)
+        if i + 1 == len(timesteps):
+            return x_0
+        s = timesteps[i + 1] / T
+        x = (1.0 - s) * x_0 + s * x_T
+    raise ValueError("timesteps must not be empty")
+
+
+# ---- the pipeline -------------------------------------------------------------------------------------------------
+
+
+class SeedVR2Pipeline:
+    """SeedVR2's one-step restorer over a DiT (:class:`~examples.seedvr2.dit.SeedVR2NaDiT`) and a VAE
+    (:class:`~examples.seedvr2.vae.CausalVideoVAE`), window-parallel over an SP group.
+
+    Args:
+        dit, vae: the models, already on their device and in their compute dtype (inputs are cast to them).
+        vae_parallel: how the SP ranks share the VAE: ``"replicated"`` (every rank runs the whole VAE; no
+            communication), ``"height"`` (every rank encodes/decodes a band of rows, see
+            :mod:`examples.seedvr2.vae.sharding`), or ``"tiled"`` (the VAE package's tiled mode).
+        group: the SP group (a :class:`winsp.group.SPGroup`, a ``torch.distributed`` process group, or None for a
+            single rank). The DiT's window runtime is built over it with ``ulysses_degree`` = its size.
+        parallel_config: optional :class:`winsp.DiffusionParallelConfig` (e.g. to pick the attention backend); its
+            ``ulysses_degree`` must equal the group size.
+        steps: Euler steps (SeedVR2 is trained for 1).
+        vae_temporal_chunk: frames per causal VAE chunk (the reference's slicing, 4), or None for whole clips.
+        vae_tile_size, vae_tile_overlap: tile and overlap in pixels for ``vae_parallel="tiled"`` (every rank runs
+            all tiles; tiling bounds memory, it is approximate, see :mod:`examples.seedvr2.vae.tiling`).
+
+    Every rank must pass the same inputs (and, when noise is drawn, identically seeded generators); every rank
+    gets the full result.
+    """
+
+    def __init__(
+        self,
+        dit: torch.nn.Module,
+        vae: torch.nn.Module,
+        vae_parallel: str = "replicated",
+        *,
+        group=None,
+        parallel_config=None,
+        steps: int = 1,
+        scaling_factor: float = SCALING_FACTOR,
+        vae_temporal_chunk: Optional[int] = 4,
+        vae_tile_size: int = 256,
+        vae_tile_overlap: int = 64,
+    ) -> None:
+        import winsp
+        from winsp.group import SPGroup
+
+        if vae_parallel not in VAE_PARALLEL_MODES:
+            raise ValueError(f"vae_parallel must be one of {VAE_PARALLEL_MODES}, got {vae_parallel!r}")
+        self.dit, self.vae, self.vae_parallel = dit, vae, vae_parallel
+        self.group = group if isinstance(group, SPGroup) else SPGroup(group)
+        if parallel_config is None:
+            parallel_config = winsp.DiffusionParallelConfig(ulysses_degree=self.group.size)
+        self.runtime = dit.build_runtime(parallel_config=parallel_config, group=self.group)
+        self.timesteps = trailing_timesteps(steps)
+        self.scaling_factor = float(scaling_factor)
+        vae.set_temporal_chunking(vae_temporal_chunk)
+        self.vae_tile_size, self.vae_tile_overlap = vae_tile_size, vae_tile_overlap
+
+    # ---- properties -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.dit.parameters()).device
+
+    @property
+    def txt_in_dim(self) -> int:
+        return self.dit.config.txt_in_dim
+
+    @property
+    def spatial_factor(self) -> int:
+        """Pixels per latent row/column (8)."""
+        return self.vae.config.spatial_downsample_factor
+
+    @property
+    def temporal_factor(self) -> int:
+        """Frames per latent frame (4), past the first frame."""
+        return self.vae.config.temporal_downsample_factor
+
+    def describe(self) -> str:
+        """One line: the DiT's execution path and how the VAE runs."""
+        vae = {"replicated": "VAE replicated", "height": f"VAE height-sharded x{self.group.size}",
+               "tiled": f"VAE tiled ({self.vae_tile_size}px tiles)"}[self.vae_parallel]
+        return f"{self.runtime.describe(self.device)}; {vae}"
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """The ``(t', h', w', 16)`` latent (and noise) shape of a clip of this size."""
+        frames = causal_frame_count(num_frames, self.temporal_factor)
+        f = self.spatial_factor
+        return (1 + (frames - 1) // self.temporal_factor, height // f, width // f, self.vae.config.latent_channels)
+
+    # ---- stages -----------------------------------------------------------------------------------------------
+    def check_video(self, video: torch.Tensor) -> None:
+        """``ValueError`` unless ``video`` is ``[3, t, h, w]`` with h, w multiples of 16 (latent sides even)."""
+        if not isinstance(video, torch.Tensor) or video.dim() != 4 or video.shape[0] != 3:
+            shape = list(video.shape) if isinstance(video, torch.Tensor) else type(video).__name__
+            raise ValueError(f"video must be a [3, t, h, w] tensor, got {shape}")
+        multiple = self.spatial_factor * self.dit.config.patch_size[1]
+        t, h, w = video.shape[1:]
+        if t < 1 or h < multiple or w < multiple or h % multiple or w % multiple:
+            raise ValueError(
+                f"video is {t} frames of {h}x{w}; it needs >= 1 frame and height/width that are positive "
+                f"multiples of {multiple} (crop or resize first, see examples.seedvr2.media)"
+            )
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        """``[3, t, h, w]`` in [-1, 1] -> scaled latent ``(t', h', w', 16)`` (float32), frames padded to 4k + 1."""
+        self.check_video(video)
+        x = pad_to_causal_length(video, self.temporal_factor)[None].to(self.device)
+        latent = self._vae_encode(x)
+        return latent[0].permute(1, 2, 3, 0).float() * self.scaling_factor
+
+    def denoise(
+        self,
+        latent: torch.Tensor,
+        txt: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+        trace: Optional[dict] = None,
+    ) -> torch.Tensor:
+        """Sample the restored latent ``(t', h', w', 16)`` conditioned on ``latent`` and text ``txt [L, txt_in_dim]``.
+
+        ``noise`` (same shape as ``latent``) defaults to a standard normal draw from ``generator`` (on the CPU, so
+        equally seeded generators give the same noise on every rank and device). ``trace`` (a dict) receives the
+        condition, the DiT input/output of the first step and the timesteps.
+        """
+        if latent.dim() != 4:
+            raise ValueError(f"latent must be (t, h, w, c), got shape {list(latent.shape)}")
+        if txt.dim() != 2 or txt.shape[1] != self.txt_in_dim:
+            raise ValueError(f"txt must be [L, {self.txt_in_dim}] (the DiT's txt_in_dim), got {list(txt.shape)}")
+        if txt.shape[0] < 1:
+            raise ValueError("txt must have at least one token")
+        if noise is None:
+            noise = torch.randn(tuple(latent.shape), generator=generator, dtype=torch.float32)
+        elif tuple(noise.shape) != tuple(latent.shape):
+            raise ValueError(f"noise must have the latent's shape {list(latent.shape)}, got {list(noise.shape)}")
+        device = self.device
+        latent, noise, txt = latent.to(device), noise.to(device, torch.float32), txt.to(device)
+        condition = sr_condition(latent.float())
+        vid_shape = torch.tensor([list(latent.shape[:3])], dtype=torch.long, device=device)
+        txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=device)
+
+        def predict(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            vid = torch.cat([x_t, condition], dim=-1).reshape(-1, condition.shape[-1] + x_t.shape[-1])
+            timestep = t.reshape(1).to(device)
+            with torch.no_grad():
+                v = self.dit(vid, txt, vid_shape, txt_shape, timestep).float()
+            if trace is not None and "dit_vid" not in trace:
+                trace.update(condition=condition, dit_vid=vid, timestep=timestep, velocity=v)
+            return v.reshape(x_t.shape)
+
+        return euler_v_lerp_sample(noise, predict, self.timesteps.to(device))
+
+    def decode(self, latent: torch.Tensor, num_frames: int) -> torch.Tensor:
+        """Scaled latent ``(t', h', w', 16)`` -> ``[3, num_frames, h, w]`` float32 (the padding frames dropped)."""
+        z = (latent.to(self.device).float() / self.scaling_factor).permute(3, 0, 1, 2)[None]
+        video = self._vae_decode(z)
+        return video[0, :, :num_frames].float()
+
+    def restore(
+        self,
+        video: torch.Tensor,
+        txt: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+        trace: Optional[dict] = None,
+    ) -> torch.Tensor:
+        """Restore ``video [3, t, h, w]`` in [-1, 1]; returns ``[3, t, h, w]`` in [-1, 1] space, unclipped.
+
+        ``noise`` is the ``(t', h', w', 16)`` latent noise (see :meth:`latent_shape`), drawn from ``generator`` when
+        not given. ``trace`` (a dict) receives the intermediates (``latent``, ``condition``, ``dit_vid``,
+        ``timestep``, ``velocity``, ``restored_latent``).
+        """
+        latent = self.encode(video)
+        restored = self.denoise(latent, txt, noise=noise, generator=generator, trace=trace)
+        if trace is not None:
+            trace.update(latent=latent, restored_latent=restored)
+        return self.decode(restored, video.shape[1])
+
+    # ---- VAE execution (delegated to the VAE package) ----------------------------------------------------------
+    def _vae_encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vae_parallel == "height" and self.group.size > 1:
+            from .vae.sharding import encode_sharded
+
+            return encode_sharded(self.vae, x, self.group)
+        if self.vae_parallel == "tiled":
+            from .vae.tiling import encode_tiled
+
+            return encode_tiled(self.vae, x, tile_size=self.vae_tile_size, overlap=self.vae_tile_overlap)
+        return self.vae.encode(x)
+
+    def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
+        if self.vae_parallel == "height" and self.group.size > 1:
+            from .vae.sharding import decode_sharded
+
+            return decode_sharded(self.vae, z, self.group)
+        if self.vae_parallel == "tiled":
+            from .vae.tiling import decode_tiled
+
+            return decode_tiled(self.vae, z, tile_size=self.vae_tile_size, overlap=self.vae_tile_overlap)
+        return self.vae.decode(z)

@@ -1,0 +1,54 @@
+"""What one forward pass of the VAE carries besides activations: temporal chunk state and the spatial band.
+
+Every layer takes a :class:`RunContext`. Its two optional parts are independent:
+
+* ``cache`` (:class:`CausalCache`) is set while a clip is processed in causal temporal chunks: each causal
+  convolution leaves the trailing frames the next chunk needs, so chunked and whole-clip results agree.
+* ``bands`` (:class:`HeightBands`) is set when the frame height is sharded across ranks: it supplies the halo
+  rows, the group-norm statistics and the full-height gather that a band cannot compute on its own.
+
+With both unset a layer is a plain single-device, whole-clip layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["CausalCache", "HeightBands", "RunContext"]
+
+
+@dataclass
+class CausalCache:
+    """Frames carried between temporal chunks, one entry per causal convolution (and the chunk's position)."""
+
+    first: bool = True
+    tails: dict[nn.Module, torch.Tensor] = field(default_factory=dict)
+
+    def tensor_bytes(self) -> int:
+        """Bytes held by the carried frames (what chunking keeps alive between chunks)."""
+        return sum(t.numel() * t.element_size() for t in self.tails.values())
+
+
+class HeightBands(Protocol):
+    """A rank's band of rows (dim -2 of a [b, c, t, h, w] activation) and the collectives that complete it."""
+
+    def pad_rows(self, x: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
+        """``x`` with ``top``/``bottom`` neighbouring rows attached (zeros beyond the frame's edges)."""
+
+    def group_norm(
+        self, x: torch.Tensor, num_groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Frame-wise group norm of ``x`` [b, c, t, h, w] with statistics over the full frame height."""
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The full frame height, assembled from every rank's band."""
+
+
+@dataclass
+class RunContext:
+    cache: CausalCache | None = None
+    bands: HeightBands | None = None

@@ -1,0 +1,366 @@
+"""The command line ``python -m examples.seedvr2 restore`` on tiny generated inputs (embedded demo weights).
+
+Real runs go through ``subprocess`` (single process, and 2 gloo ranks under ``torchrun``); the many bad-input cases
+call ``cli.main`` in-process (same code path, same exit code and message, without paying a Python start each), and
+two of them are repeated as real processes to prove the exit code and the absence of a traceback end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+av = pytest.importorskip("av")
+
+from examples.seedvr2 import cli  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = "python -m examples.seedvr2: error:"
+RUN_TIMEOUT = 300
+
+
+# ---- inputs, made with PyAV directly --------------------------------------------------------------------------------
+
+
+def _frames(t: int, h: int, w: int) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack(
+        [np.stack([(x * 4 + i * 10) % 256, (y * 6) % 256, ((x + y) * 3) % 256], -1) for i in range(t)]
+    ).astype(np.uint8)
+
+
+def make_mp4(path, t=5, h=32, w=48, fps=Fraction(24)) -> str:
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        for f in _frames(t, h, w):
+            c.mux(s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        c.mux(s.encode(None))
+    return str(path)
+
+
+def make_png(path, h=32, w=48) -> str:
+    with av.open(str(path), "w", format="image2", options={"update": "1"}) as c:
+        s = c.add_stream("png")
+        s.width, s.height, s.pix_fmt = w, h, "rgb24"
+        c.mux(s.encode(av.VideoFrame.from_ndarray(_frames(1, h, w)[0], format="rgb24")))
+        c.mux(s.encode(None))
+    return str(path)
+
+
+def probe(path) -> tuple[int, int, int, Fraction]:
+    """(frames, height, width, fps) of a written file, decoded with PyAV."""
+    with av.open(str(path)) as c:
+        stream = c.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(stream)]
+        return len(frames), frames[0].shape[0], frames[0].shape[1], Fraction(stream.average_rate or 0)
+
+
+def run_cli(*args, nproc: int = 1) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "examples.seedvr2", *map(str, args)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "examples.seedvr2", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+
+
+def leftovers(directory, keep=()) -> list[str]:
+    return sorted(set(os.listdir(directory)) - set(keep))
+
+
+# ---- real runs ----------------------------------------------------------------------------------------------------
+
+
+def test_restore_mp4_single_process(tmp_path):
+    src = make_mp4(tmp_path / "in.mp4", fps=Fraction(24000, 1001))
+    out = tmp_path / "out.mp4"
+    result = run_cli("restore", src, "-o", out)
+    assert result.returncode == 0, result.stderr
+    assert probe(out) == (5, 32, 48, Fraction(24000, 1001))
+    assert "DEMO" in result.stderr and "WARNING" in result.stderr  # says loudly that it is the demo
+    summary = result.stderr.strip().splitlines()[-1]
+    assert "48x32, 5 frames" in summary and "SP 1" in summary and "DiT" in summary and "decode" in summary
+    assert leftovers(tmp_path, {"in.mp4", "out.mp4"}) == []
+
+
+def test_restore_png_with_resolution_not_a_multiple_of_16(tmp_path):
+    src = make_png(tmp_path / "in.png")
+    out = tmp_path / "out.png"
+    result = run_cli("restore", src, "-o", out, "--resolution", "70x40", "--color-fix", "wavelet", "--quiet")
+    assert result.returncode == 0, result.stderr
+    frames, h, w, _ = probe(out)
+    assert (frames, h, w) == (1, 40, 70)
+    assert "model at 64x32" in result.stderr and "colour fix wavelet" in result.stderr
+
+
+def test_restore_is_deterministic_for_a_seed(tmp_path):
+    src = make_png(tmp_path / "in.png")
+    a, b, c = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "c.png"
+    for out, seed in ((a, 1), (b, 1), (c, 2)):
+        assert cli.main(["restore", src, "-o", str(out), "--seed", str(seed), "--quiet"]) == 0
+    read = lambda p: next(av.open(str(p)).decode(video=0)).to_ndarray(format="rgb24")  # noqa: E731
+    assert np.array_equal(read(a), read(b))
+    assert not np.array_equal(read(a), read(c))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("vae_parallel", ["replicated", "height"])
+def test_restore_two_ranks_torchrun(tmp_path, vae_parallel):
+    src = make_mp4(tmp_path / "in.mp4", t=5, h=32, w=48, fps=Fraction(12))
+    single, double = tmp_path / "single.mp4", tmp_path / "double.mp4"
+    result = run_cli("restore", src, "-o", double, "--vae-parallel", vae_parallel, "--scale", "1.5", nproc=2)
+    assert result.returncode == 0, result.stderr
+    assert probe(double) == (5, 48, 72, Fraction(12))
+    assert "SP 2" in result.stderr and "window-aligned SP" in result.stderr
+    assert result.stderr.count("WARNING") == 1  # rank 0 speaks for both
+    # same pixels as one process (the H.264 encoder is deterministic for identical frames)
+    assert cli.main(["restore", src, "-o", str(single), "--scale", "1.5", "--quiet"]) == 0
+    with av.open(str(single)) as a, av.open(str(double)) as b:
+        fa = np.stack([f.to_ndarray(format="rgb24") for f in a.decode(video=0)]).astype(int)
+        fb = np.stack([f.to_ndarray(format="rgb24") for f in b.decode(video=0)]).astype(int)
+    assert np.abs(fa - fb).max() <= 1
+
+
+@pytest.mark.multirank
+def test_image_two_ranks_torchrun(tmp_path):
+    src = make_png(tmp_path / "in.png", h=48, w=32)
+    out = tmp_path / "out.png"
+    result = run_cli("restore", src, "-o", out, "--quiet", nproc=2)
+    assert result.returncode == 0, result.stderr
+    assert probe(out)[:3] == (1, 48, 32)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def _expect_error(capsys, argv, match: str, directory, keep=()) -> str:
+    code = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line.lower()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(PREFIX), err
+    assert match in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert leftovers(directory, keep) == [], "a (partial) output file was left behind"
+    return lines[0]
+
+
+def test_missing_input(tmp_path, capsys):
+    _expect_error(capsys, ["restore", tmp_path / "nope.mp4", "-o", tmp_path / "o.mp4"], "not found", tmp_path)
+
+
+def test_not_a_video(tmp_path, capsys):
+    bad = tmp_path / "notes.mp4"
+    bad.write_text("just some text\n" * 50)
+    _expect_error(capsys, ["restore", bad, "-o", tmp_path / "o.mp4"], "not a readable video or image", tmp_path,
+                  keep={"notes.mp4"})
+
+
+def test_zero_frames(tmp_path, capsys):
+    empty = tmp_path / "empty.mp4"
+    with av.open(str(empty), "w") as c:  # a container whose video track never got a frame
+        s = c.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt = 48, 32, "yuv420p"
+        c.start_encoding()
+    _expect_error(capsys, ["restore", empty, "-o", tmp_path / "o.mp4"], "no video stream", tmp_path,
+                  keep={"empty.mp4"})
+
+
+def test_unreadable_stream(tmp_path, capsys):
+    src = make_mp4(tmp_path / "in.mp4")
+    data = bytearray(open(src, "rb").read())
+    at = data.find(b"mdat")
+    size = int.from_bytes(data[at - 4:at], "big")
+    data[at + 4:at - 4 + size] = b"\x00" * (size - 8)  # keep the container, destroy the coded frames
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(bytes(data))
+    _expect_error(capsys, ["restore", broken, "-o", tmp_path / "o.mp4"], "cannot decode", tmp_path,
+                  keep={"in.mp4", "broken.mp4"})
+
+
+def test_output_under_16_pixels(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--scale", "0.25"], "under the minimum of 16",
+                  tmp_path, keep={"in.png"})
+    small = make_png(tmp_path / "small.png", h=8, w=40)
+    _expect_error(capsys, ["restore", small, "-o", tmp_path / "o.png"], "height 8 is under the minimum", tmp_path,
+                  keep={"in.png", "small.png"})
+
+
+@pytest.mark.parametrize("scale", ["0", "-2", "nan", "inf"])
+def test_nonsensical_scale(tmp_path, capsys, scale):
+    src = make_png(tmp_path / "in.png")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", f"--scale={scale}"], "--scale", tmp_path,
+                  keep={"in.png"})
+
+
+def test_bad_resolution_string(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--resolution", "big"], "WIDTHxHEIGHT",
+                  tmp_path, keep={"in.png"})
+
+
+def test_scale_and_resolution_together_is_a_usage_error(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["restore", src, "-o", str(tmp_path / "o.png"), "--scale", "2", "--resolution", "64x64"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not allowed with argument" in err
+
+
+def test_checkpoint_that_does_not_match(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    src = make_png(tmp_path / "in.png")
+    dit_ckpt, vae_ckpt = tmp_path / "dit.safetensors", tmp_path / "vae.safetensors"
+    save_file({"vid_in.proj.weight": torch.zeros(4, 4)}, str(dit_ckpt))
+    save_file({"encoder.conv_in.weight": torch.zeros(2)}, str(vae_ckpt))
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--dit-checkpoint", dit_ckpt,
+                                  "--vae-checkpoint", vae_ckpt], "--dit-checkpoint", tmp_path,
+                         keep={"in.png", "dit.safetensors", "vae.safetensors"})
+    assert "does not match" in line
+
+
+def test_garbage_checkpoint_file(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    dit_ckpt, vae_ckpt = tmp_path / "dit.pth", tmp_path / "vae.pth"
+    dit_ckpt.write_bytes(b"not a checkpoint")
+    vae_ckpt.write_bytes(b"not a checkpoint")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--dit-checkpoint", dit_ckpt,
+                           "--vae-checkpoint", vae_ckpt], "--dit-checkpoint", tmp_path,
+                  keep={"in.png", "dit.pth", "vae.pth"})
+
+
+def test_one_checkpoint_without_the_other(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    ckpt = tmp_path / "dit.pth"
+    ckpt.write_bytes(b"x")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--dit-checkpoint", ckpt],
+                  "--dit-checkpoint was given without --vae-checkpoint", tmp_path, keep={"in.png", "dit.pth"})
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--vae-checkpoint", ckpt],
+                  "--vae-checkpoint was given without --dit-checkpoint", tmp_path, keep={"in.png", "dit.pth"})
+
+
+def test_text_embeddings_of_the_wrong_width(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    src = make_png(tmp_path / "in.png")
+    embeds = tmp_path / "emb.safetensors"
+    save_file({"pos": torch.zeros(5, 32)}, str(embeds))
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--text-embeds", embeds], "[tokens, 64]",
+                  tmp_path, keep={"in.png", "emb.safetensors"})
+
+
+def test_bad_output_paths(tmp_path, capsys):
+    src = make_mp4(tmp_path / "in.mp4")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.gif"], "unsupported output extension", tmp_path,
+                  keep={"in.mp4"})
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png"], "5 frames", tmp_path, keep={"in.mp4"})
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "missing_dir" / "o.mp4"], "does not exist", tmp_path,
+                  keep={"in.mp4"})
+
+
+def test_failed_write_leaves_no_file(tmp_path, capsys, monkeypatch):
+    import examples.seedvr2.media as media
+
+    def explode(path, frames, fps):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise media.MediaError("disk full (simulated)")
+
+    monkeypatch.setattr(media, "_write_h264", explode)
+    src = make_mp4(tmp_path / "in.mp4")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--quiet"], "disk full", tmp_path,
+                  keep={"in.mp4"})
+
+
+@pytest.mark.parametrize("case", ["missing", "scale"])
+def test_bad_input_as_a_real_process(tmp_path, case):
+    src = make_png(tmp_path / "in.png")
+    args = {"missing": ["restore", tmp_path / "nope.png", "-o", tmp_path / "o.png"],
+            "scale": ["restore", src, "-o", tmp_path / "o.png", "--scale", "-1"]}[case]
+    result = run_cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(PREFIX), result.stderr
+    assert leftovers(tmp_path, {"in.png"}) == []
+
+
+@pytest.mark.multirank
+def test_bad_input_two_ranks_one_message(tmp_path):
+    result = run_cli("restore", tmp_path / "nope.mp4", "-o", tmp_path / "o.mp4", nproc=2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith(PREFIX)]
+    assert len(errors) == 1 and "not found" in errors[0]  # (torchrun then adds its own failure report)
+    assert leftovers(tmp_path) == []
+
+
+def test_checkpoint_path_end_to_end(tmp_path, capsys, monkeypatch):
+    """With checkpoints (here: the golden tiny weights, standing in for the 3B ones) the CLI loads them strictly,
+    applies the wavelet colour fix by default, and writes exactly what the pipeline computes."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from examples.seedvr2.color_fix import wavelet_color_fix
+    from examples.seedvr2.dit import NaDiTConfig
+    from examples.seedvr2.media import frames_to_model, model_to_frames, plan_geometry, read_media
+    from examples.seedvr2.pipeline import SeedVR2Pipeline
+    from examples.seedvr2.vae import VideoVAEConfig
+    from tests.test_pipeline import GOLDEN, build_golden_models
+
+    with safe_open(GOLDEN, "pt") as f:
+        meta = f.metadata()
+        dit_state = {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("dit.")}
+        vae_state = {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("vae.")}
+        txt = f.get_tensor("input.txt_pos").float()
+    assert any(k.endswith("attn.rope.rope.freqs") for k in dit_state)  # the reference layout, as released
+    dit_ckpt, vae_ckpt, embeds = tmp_path / "dit.pth", tmp_path / "vae.safetensors", tmp_path / "emb.safetensors"
+    torch.save(dit_state, dit_ckpt)
+    save_file(vae_state, str(vae_ckpt))
+    save_file({"pos": txt.to(torch.bfloat16), "neg": torch.zeros(3, 64)}, str(embeds))
+    tiny_dit, tiny_vae = NaDiTConfig.from_metadata(meta["dit_config"]), VideoVAEConfig.from_metadata(meta["vae_config"])
+    monkeypatch.setattr(NaDiTConfig, "seedvr2_3b", classmethod(lambda cls: tiny_dit))
+    monkeypatch.setattr(VideoVAEConfig, "seedvr2", classmethod(lambda cls: tiny_vae))
+
+    src = make_png(tmp_path / "in.png", h=40, w=56)
+    out = tmp_path / "out.png"
+    code = cli.main(["restore", src, "-o", str(out), "--dit-checkpoint", str(dit_ckpt), "--vae-checkpoint",
+                     str(vae_ckpt), "--text-embeds", str(embeds), "--seed", "5", "--resolution", "56x40", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "WARNING" not in err and "colour fix wavelet" in err and "model at 48x32" in err
+
+    dit, vae = build_golden_models()
+    media = read_media(src)
+    geometry = plan_geometry((40, 56), resolution=(40, 56))
+    video = frames_to_model(media.frames, geometry)
+    restored = SeedVR2Pipeline(dit, vae).restore(video, txt.to(torch.bfloat16).float(),
+                                                generator=torch.Generator().manual_seed(5))
+    fixed = wavelet_color_fix(restored.transpose(0, 1), video.transpose(0, 1)).transpose(0, 1)
+    expected = model_to_frames(fixed, geometry)
+    written = read_media(out).frames
+    assert written.shape == (1, 40, 56, 3)
+    assert np.abs(written.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_height_sharding_needs_a_latent_row_per_rank(tmp_path):
+    """Checked before any model is built or any collective runs (so every rank fails the same way)."""
+    import torch
+
+    src = make_png(tmp_path / "in.png", h=16, w=48)
+    args = cli.build_parser().parse_args(["restore", src, "-o", str(tmp_path / "o.png"), "--vae-parallel", "height"])
+    launch = cli.Launch(rank=0, world_size=3, device=torch.device("cpu"))
+    with pytest.raises(cli.InputError, match="2 rows for 3 ranks"):
+        cli.run_restore(args, launch, cli.StageProgress(cli.STAGES, enabled=False))
+    assert leftovers(tmp_path, {"in.png"}) == []

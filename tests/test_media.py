@@ -1,0 +1,335 @@
+"""Video/image I/O, the resize/crop geometry, and the wavelet colour fix (examples/seedvr2/media.py, color_fix.py)."""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+av = pytest.importorskip("av")
+
+from examples.seedvr2.color_fix import wavelet_color_fix, wavelet_lowpass  # noqa: E402
+from examples.seedvr2.media import (  # noqa: E402
+    MediaError,
+    center_crop,
+    frames_to_model,
+    model_to_frames,
+    parse_resolution,
+    plan_geometry,
+    read_media,
+    resize_frames,
+    write_media,
+)
+
+
+def smooth_clip(t: int, h: int, w: int, seed: int = 0) -> np.ndarray:
+    """Frames with smooth colour ramps that move over time: codec-friendly, so round trips are near-lossless."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    frames = []
+    for i in range(t):
+        phase = rng.uniform(0, 2 * np.pi, 3)
+        r = 128 + 60 * np.sin(x / w * np.pi + phase[0] + i * 0.3)
+        g = 128 + 60 * np.sin(y / h * np.pi + phase[1])
+        b = 128 + 60 * np.cos((x + y) / (h + w) * np.pi + phase[2])
+        frames.append(np.stack([r, g, b], -1))
+    return np.clip(np.round(np.stack(frames)), 0, 255).astype(np.uint8)
+
+
+# ---- round trips --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fps", [Fraction(25), Fraction(24000, 1001), Fraction(12)])
+def test_mp4_round_trip_keeps_frames_size_fps(tmp_path, fps):
+    clip = smooth_clip(5, 32, 48)
+    path = tmp_path / "clip.mp4"
+    write_media(path, clip, fps)
+    media = read_media(path)
+    assert media.frames.shape == clip.shape
+    assert media.fps == fps
+    assert not media.is_image
+    assert np.abs(media.frames.astype(int) - clip.astype(int)).mean() < 3.0
+    # the stream really is H.264
+    with av.open(str(path)) as c:
+        assert c.streams.video[0].codec_context.name == "h264"
+
+
+def test_mp4_odd_size_is_kept_exactly(tmp_path):
+    clip = smooth_clip(3, 33, 47)
+    path = tmp_path / "odd.mp4"
+    write_media(path, clip, Fraction(30))
+    media = read_media(path)
+    assert media.frames.shape == (3, 33, 47, 3)
+    assert np.abs(media.frames.astype(int) - clip.astype(int)).mean() < 3.0
+
+
+def test_png_round_trip_is_lossless(tmp_path):
+    image = smooth_clip(1, 32, 48)
+    path = tmp_path / "image.png"
+    write_media(path, image)
+    media = read_media(path)
+    assert media.is_image and media.num_frames == 1
+    np.testing.assert_array_equal(media.frames, image)
+
+
+def test_jpeg_reads_as_one_frame_image(tmp_path):
+    image = smooth_clip(1, 32, 48)
+    path = tmp_path / "image.jpg"
+    write_media(path, image)
+    media = read_media(path)
+    assert media.is_image and media.frames.shape == image.shape
+    assert np.abs(media.frames.astype(int) - image.astype(int)).mean() < 4.0
+
+
+def test_single_frame_mp4_is_a_video_not_an_image(tmp_path):
+    path = tmp_path / "one.mp4"
+    write_media(path, smooth_clip(1, 32, 32), Fraction(10))
+    media = read_media(path)
+    assert media.num_frames == 1 and not media.is_image and media.fps == 10
+
+
+def test_writing_many_frames_to_png_is_refused_and_leaves_nothing(tmp_path):
+    path = tmp_path / "x.png"
+    with pytest.raises(MediaError, match="5 frames"):
+        write_media(path, smooth_clip(5, 16, 16))
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    import examples.seedvr2.media as media_mod
+
+    def broken(path, frames, fps):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise RuntimeError("encoder died")
+
+    monkeypatch.setattr(media_mod, "_write_h264", broken)
+    with pytest.raises(RuntimeError, match="encoder died"):
+        write_media(tmp_path / "out.mp4", smooth_clip(2, 16, 16))
+    assert os.listdir(tmp_path) == []
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(MediaError, match="not found"):
+        read_media(tmp_path / "nope.mp4")
+
+
+def test_not_a_media_file(tmp_path):
+    path = tmp_path / "notes.mp4"
+    path.write_text("this is not a video\n" * 20)
+    with pytest.raises(MediaError, match="not a readable video or image"):
+        read_media(path)
+
+
+def test_truncated_video_is_an_error(tmp_path):
+    good = tmp_path / "good.mp4"
+    write_media(good, smooth_clip(5, 32, 48), Fraction(25))
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(MediaError):
+        read_media(bad)
+
+
+def test_audio_only_file_has_no_video_stream(tmp_path):
+    path = tmp_path / "tone.wav"
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        c.mux(s.encode(frame))
+        c.mux(s.encode(None))
+    with pytest.raises(MediaError, match="no video stream"):
+        read_media(path)
+
+
+# ---- geometry -----------------------------------------------------------------------------------------------------
+
+
+def test_parse_resolution():
+    assert parse_resolution("1280x720") == (720, 1280)
+    assert parse_resolution("48X32") == (32, 48)
+    for bad in ("1280", "axb", "12x34x56", ""):
+        with pytest.raises(MediaError, match="WIDTHxHEIGHT"):
+            parse_resolution(bad)
+
+
+def test_geometry_multiples_of_16_need_no_crop():
+    g = plan_geometry((360, 640), resolution=(720, 1280))
+    assert g.resized == (720, 1280) and g.output == (720, 1280) and g.work == (720, 1280)
+
+
+def test_geometry_crops_to_multiples_of_16_and_keeps_requested_output():
+    g = plan_geometry((720, 1280), resolution=(1080, 1920))
+    assert g.output == (1080, 1920) and g.work == (1072, 1920)
+    g = plan_geometry((33, 47), scale=2.0)
+    assert g.output == (66, 94) and g.work == (64, 80)
+
+
+def test_geometry_other_aspect_covers_then_crops():
+    g = plan_geometry((480, 640), resolution=(720, 1280))  # 4:3 into 16:9: scale to width, crop height
+    assert g.resized == (960, 1280) and g.output == (720, 1280)
+
+
+def test_geometry_scale_default_is_identity():
+    g = plan_geometry((32, 48))
+    assert g.input == g.resized == g.output == g.work == (32, 48)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_geometry_rejects_nonsensical_scale(scale):
+    with pytest.raises(MediaError, match="--scale"):
+        plan_geometry((32, 48), scale=scale)
+
+
+def test_geometry_rejects_tiny_and_huge_outputs():
+    with pytest.raises(MediaError, match="under the minimum of 16"):
+        plan_geometry((32, 48), scale=0.25)
+    with pytest.raises(MediaError, match="under the minimum of 16"):
+        plan_geometry((32, 48), resolution=(15, 64))
+    with pytest.raises(MediaError, match="over the maximum"):
+        plan_geometry((32, 48), scale=1000.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    in_h=st.integers(1, 4000), in_w=st.integers(1, 4000),
+    out_h=st.integers(16, 4000), out_w=st.integers(16, 4000),
+)
+def test_geometry_invariants(in_h, in_w, out_h, out_w):
+    g = plan_geometry((in_h, in_w), resolution=(out_h, out_w))
+    assert g.output == (out_h, out_w)  # exactly what was asked
+    for work, out, resized in zip(g.work, g.output, g.resized):
+        assert work % 16 == 0 and out - 16 < work <= out  # the largest multiple of 16 inside the output
+        assert resized >= out  # the resize covers the output, so the crop never pads
+    # aspect ratio kept by the resize (to rounding)
+    assert abs(g.resized[0] / g.resized[1] - in_h / in_w) <= (1 / g.resized[1]) * (1 + in_h / in_w) + 1e-9
+
+
+def test_center_crop_offsets_round_like_torchvision():
+    x = torch.arange(10.0).reshape(1, 10).expand(10, 10)  # column index as value
+    assert center_crop(x, (10, 7))[0].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]  # round(1.5) == 2
+    assert center_crop(x, (10, 5))[0].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]  # round(2.5) == 2 (banker's)
+    with pytest.raises(ValueError, match="larger"):
+        center_crop(x, (11, 5))
+
+
+def test_resize_is_antialiased_bicubic():
+    x = torch.rand(3, 2, 40, 60)
+    assert resize_frames(x, (40, 60)) is x
+    expected = torch.nn.functional.interpolate(x, size=(20, 30), mode="bicubic", antialias=True)
+    torch.testing.assert_close(resize_frames(x, (20, 30)), expected)
+    # a constant image stays constant (filter taps sum to one)
+    c = torch.full((1, 1, 17, 23), 0.3)
+    torch.testing.assert_close(resize_frames(c, (50, 31)), torch.full((1, 1, 50, 31), 0.3))
+
+
+def test_frames_to_model_and_back():
+    clip = smooth_clip(2, 32, 48)
+    g = plan_geometry((32, 48))
+    x = frames_to_model(clip, g)
+    assert x.shape == (3, 2, 32, 48) and x.dtype == torch.float32
+    torch.testing.assert_close(x, torch.from_numpy(clip).permute(3, 0, 1, 2).float() / 255 * 2 - 1)
+    np.testing.assert_array_equal(model_to_frames(x, g), clip)
+    # out of range values are clipped, not wrapped
+    assert model_to_frames(torch.full((3, 1, 32, 48), 5.0), g).min() == 255
+    # processing at a cropped size and writing at the requested size
+    g = plan_geometry((32, 48), resolution=(40, 70))
+    x = frames_to_model(clip, g)
+    assert x.shape == (3, 2, 32, 64)
+    assert model_to_frames(x, g).shape == (2, 40, 70, 3)
+
+
+# ---- colour fix ---------------------------------------------------------------------------------------------------
+
+
+def test_color_fix_with_itself_is_identity():
+    x = torch.rand(4, 3, 40, 56) * 2 - 1
+    torch.testing.assert_close(wavelet_color_fix(x, x), x, atol=1e-6, rtol=0)
+
+
+def test_color_fix_removes_a_colour_cast_and_keeps_detail():
+    reference = torch.rand(2, 3, 48, 64) * 2 - 1
+    cast = torch.tensor([0.3, -0.2, 0.1]).view(1, 3, 1, 1)
+    restored = reference + cast  # same detail, shifted colours
+    torch.testing.assert_close(wavelet_color_fix(restored, reference), reference, atol=1e-5, rtol=0)
+
+
+def test_color_fix_transfers_low_frequencies_only():
+    h = w = 160
+    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
+    detail = 0.3 * torch.sin(2 * torch.pi * x / 6) * torch.sin(2 * torch.pi * y / 7)  # fine texture
+    content = detail + (0.002 * x - 0.001 * y - 0.2)  # texture on one smooth ramp
+    style = -0.003 * x + 0.002 * y + 0.1  # another smooth ramp, no texture
+    fixed = wavelet_color_fix(content, style)
+    # away from the borders (the 5-level pyramid reaches 31 pixels) the result is the content's texture on the
+    # style's ramp: linear ramps pass the symmetric low-pass unchanged and the texture is filtered out of it
+    inner = (slice(32, -32), slice(32, -32))
+    torch.testing.assert_close(fixed[inner], (detail + style)[inner], atol=0.01, rtol=0)
+    assert (fixed - content)[inner].abs().mean() > 0.1  # it really moved the colours
+
+
+def test_lowpass_keeps_constants_and_smooths_noise():
+    c = torch.full((1, 3, 20, 30), 0.7)
+    torch.testing.assert_close(wavelet_lowpass(c), c)
+    noise = torch.randn(1, 1, 64, 64)
+    assert wavelet_lowpass(noise).std() < 0.2 * noise.std()
+
+
+def test_color_fix_shape_mismatch():
+    with pytest.raises(ValueError, match="matching shapes"):
+        wavelet_color_fix(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 9))
+
+
+def test_stream_that_decodes_to_zero_frames(tmp_path, monkeypatch):
+    """A container whose video stream yields no frame at all (FFmpeg can produce such files) is refused."""
+    path = tmp_path / "empty.mp4"
+    write_media(path, smooth_clip(1, 16, 16), Fraction(25))
+    real_open = av.open
+
+    class NoFrames:
+        def __init__(self, inner):
+            self.inner = inner
+            self.streams, self.format = inner.streams, inner.format
+
+        def decode(self, *args, **kwargs):
+            return iter(())
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.inner.close()
+
+    monkeypatch.setattr(av, "open", lambda *a, **k: NoFrames(real_open(*a, **k)))
+    with pytest.raises(MediaError, match="no frames could be decoded"):
+        read_media(path)
+
+
+def test_written_files_get_normal_permissions(tmp_path):
+    path = tmp_path / "x.png"
+    write_media(path, smooth_clip(1, 16, 16))
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_shipped_samples_are_the_generated_clip():
+    """examples/seedvr2/assets/sample.{mp4,png} are demo.sample_frames(9, 64, 96) (frame 4 for the png)."""
+    from examples.seedvr2.demo import sample_frames
+
+    assets = os.path.join(os.path.dirname(__file__), "..", "examples", "seedvr2", "assets")
+    frames = sample_frames(9, 64, 96).numpy()
+    png = read_media(os.path.join(assets, "sample.png"))
+    np.testing.assert_array_equal(png.frames[0], frames[4])
+    mp4 = read_media(os.path.join(assets, "sample.mp4"))
+    assert mp4.frames.shape == frames.shape and mp4.fps == 8
+    assert np.abs(mp4.frames.astype(int) - frames.astype(int)).mean() < 4.0
+    assert os.path.getsize(os.path.join(assets, "sample.mp4")) < 50_000
