@@ -17,7 +17,7 @@ from .geometry import (
 from .group import SPGroup
 from .layout import Layout, build_layout
 from .planner import PLANNER_VERSION, Plan, PlanCache, default_plan_cache, lpt_assign, plan_windows
-from .redistribute import Transition, gather_rows, plan_transition, redistribute, scatter_rows
+from .redistribute import Transition, ensure_layout, gather_rows, plan_transition, redistribute, scatter_rows
 from .text import reduce_window_text
 from .attention import WindowAttention, WindowSegments, available_backends, reference_window_attention, window_attention
 from .runtime import WindowRequest, WindowRuntime
@@ -44,6 +44,7 @@ __all__ = [
     "available_backends",
     "build_layout",
     "default_plan_cache",
+    "ensure_layout",
     "gather_rows",
     "lpt_assign",
     "make_geometry",

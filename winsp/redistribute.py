@@ -28,6 +28,7 @@ __all__ = [
     "scatter_rows",
     "gather_rows",
     "count_layout_changes",
+    "ensure_layout",
 ]
 
 
@@ -183,6 +184,13 @@ def redistribute(x: torch.Tensor, transition: Transition, group: SPGroup) -> tor
             f"rank {group.rank}: redistribute got {x.shape[0]} rows but the source plan gives this rank {expected}"
         )
     return _Redistribute.apply(x, rt, group)
+
+
+def ensure_layout(x: torch.Tensor, current: Plan, required: Plan, group: SPGroup) -> torch.Tensor:
+    """Rows of ``current``'s layout -> rows of ``required``'s; nothing at all when the two are the same plan."""
+    if current is required or (current.key and current.key == required.key):
+        return x
+    return redistribute(x, plan_transition(current, required), group)
 
 
 # ---- entry and exit -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .geometry import WindowGeometry
 from .group import SPGroup
 from .layout import check_grids
 from .planner import Plan, PlanCache
-from .redistribute import count_layout_changes, gather_rows, plan_transition, redistribute, scatter_rows
+from .redistribute import count_layout_changes, ensure_layout, gather_rows, scatter_rows
 from .text import TextReduction, reduce_window_text, replicated_text_entry
 
 __all__ = ["WindowRuntime", "WindowRequest", "LocalWindows"]
@@ -275,10 +275,11 @@ class WindowRequest:
         """``ensure_layout``: bring local rows into ``layer``'s layout; nothing happens if it is the current one."""
         src, dst = self.plan(self._current()), self.plan(layer)
         self.layer = layer
-        if src is dst:
-            return x
-        self.transitions_done += 1
-        return redistribute(x, plan_transition(src, dst), self.group)
+        if src is not dst:
+            self.transitions_done += 1
+        return ensure_layout(x, src, dst, self.group)
+
+    ensure_layout = to_layer
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Exit: the canonical tensor [N, ...] from every rank's local rows, complete on every rank."""
