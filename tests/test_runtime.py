@@ -123,3 +123,16 @@ def test_attention_can_skip_the_text_output():
     vid_b, txt_b = req.attention(q, q, q, t, t, t, text_output=False)
     assert txt_a.shape == (3, 2, 4) and txt_b is None
     assert torch.equal(vid_a, vid_b)
+
+
+def test_from_config_logs_the_execution_path(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="winsp"):
+        winsp.WindowRuntime.from_config(None, [REG, SHIFT, REG])
+    assert "single rank" in caplog.text and "2 layout transitions" in caplog.text
+
+
+def test_from_config_rejects_other_config_types():
+    with pytest.raises(ValueError, match="DiffusionParallelConfig"):
+        winsp.WindowRuntime.from_config({"ulysses_degree": 2}, [REG])

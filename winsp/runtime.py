@@ -9,6 +9,7 @@ and ``gather`` (the canonical output on every rank). Model code calls only these
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from functools import cached_property
 from typing import Sequence
@@ -26,6 +27,8 @@ from .redistribute import count_layout_changes, ensure_layout, gather_rows, scat
 from .text import TextReduction, reduce_window_text, replicated_text_entry
 
 __all__ = ["WindowRuntime", "WindowRequest", "LocalWindows"]
+
+_log = logging.getLogger("winsp")
 
 
 class LocalWindows:
@@ -155,8 +158,11 @@ class WindowRuntime:
             raise ValueError(
                 f"ulysses_degree={n} but the SP group has {sp.size} ranks; pass a subgroup of exactly {n} ranks"
             )
-        return cls(schedule, group=sp, attention_backend=config.attention_backend,
-                   plan_cache=PlanCache(config.plan_cache_size))
+        runtime = cls(schedule, group=sp, attention_backend=config.attention_backend,
+                      plan_cache=PlanCache(config.plan_cache_size))
+        _log.info("winsp rank %d: %s (%d layers, %d layout transitions per forward)", runtime.rank,
+                  runtime.execution_path, len(runtime.schedule), runtime.num_transitions)
+        return runtime
 
     @property
     def world_size(self) -> int:
