@@ -32,14 +32,6 @@ WINDOW_SETS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def inputs_for(segments: WindowSegments):
     gen = torch.Generator().manual_seed(0)
 

@@ -39,14 +39,6 @@ HIT_GOAL_S = 50e-6
 PERMUTATION_GOAL_RATIO = 1.3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 PLAN_CASES = [(shape, layout) for shape in GRIDS for layout in GEOMETRIES]
 
 

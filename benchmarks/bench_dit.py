@@ -173,14 +173,6 @@ def plain_forward(model: SeedVR2NaDiT, vid, txt, vid_shape, txt_shape, timestep)
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def golden_model():
     model, inputs = load_golden()

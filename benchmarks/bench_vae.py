@@ -25,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig  # noqa: E402
+from examples.seedvr2.vae import CausalVideoVAE  # noqa: E402
 from examples.seedvr2.vae.memory import peak_tensor_bytes  # noqa: E402
 from examples.seedvr2.vae.sharding import decode_sharded, encode_sharded  # noqa: E402
 from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled  # noqa: E402
+from tests.helpers import random_video, tiny_vae  # noqa: E402
 from winsp.group import SPGroup  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
 
@@ -36,20 +37,10 @@ MIB = 1024 * 1024
 
 
 def build_vae(split: int | None = None) -> CausalVideoVAE:
-    torch.manual_seed(0)
-    vae = CausalVideoVAE(VideoVAEConfig(block_out_channels=[16, 16, 32, 32], norm_num_groups=4)).eval()
-    with torch.no_grad():
-        for module in vae.modules():
-            if isinstance(module, torch.nn.GroupNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.3, 0.3)
+    """The shared tiny VAE (seed 0) with causal temporal chunks of ``split`` frames."""
+    vae = tiny_vae(seed=0)
     vae.set_temporal_chunking(split)
     return vae
-
-
-def make_video(frames: int, height: int, width: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.rand(1, 3, frames, height, width, generator=g) * 2 - 1
 
 
 def measured(fn):
@@ -81,7 +72,7 @@ def bench_chunking(video: torch.Tensor) -> dict:
 def _sharded_rank(rank: int, world: int, frames: int, height: int, width: int) -> dict:
     torch.set_num_threads(1)
     vae = build_vae(4)
-    video = make_video(frames, height, width)
+    video = random_video(frames, height, width)
     group = SPGroup.world()
     latent, enc_peak, enc_s = measured(lambda: encode_sharded(vae, video, group))
     decoded, dec_peak, dec_s = measured(lambda: decode_sharded(vae, latent, group))
@@ -149,7 +140,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    video = make_video(args.frames, args.height, args.width)
+    video = random_video(args.frames, args.height, args.width)
     print(f"video {tuple(video.shape)}, tiny VAE, peaks = live activation bytes")
     results = {"chunking": bench_chunking(video)}
     _print("temporal chunking (single device)", results["chunking"])

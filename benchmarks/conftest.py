@@ -1,4 +1,5 @@
-"""Benchmark-run helpers: a summary of goal figures and generated tables, printed in the terminal summary.
+"""Benchmark-run helpers: one intra-op thread per benchmark, and a summary of goal figures and generated tables
+printed in the terminal summary.
 
 Benchmarks record results through the ``goal_report`` fixture; nothing here affects the test suite
 (``testpaths = ["tests"]`` never collects this folder).
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 _GOALS: list["GoalResult"] = []
 _TEXTS: list[tuple[str, str]] = []
@@ -57,6 +59,15 @@ class GoalReport:
     median_seconds = staticmethod(median_seconds)
     goal = staticmethod(record_goal)
     text = staticmethod(record_text)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every benchmark runs on one intra-op thread (comparable figures on a shared machine); restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture

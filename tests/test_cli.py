@@ -141,7 +141,10 @@ def test_image_two_ranks_torchrun(tmp_path):
 
 
 def _expect_error(capsys, argv, match: str, directory, keep=()) -> str:
-    code = cli.main([str(a) for a in argv])
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exc:  # a usage error found by argparse (an option's type); same one-line contract
+        code = exc.code
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "error" in line.lower()]
     assert code == 2, err
@@ -161,6 +164,13 @@ def test_not_a_video(tmp_path, capsys):
     bad.write_text("just some text\n" * 50)
     _expect_error(capsys, ["restore", bad, "-o", tmp_path / "o.mp4"], "not a readable video or image", tmp_path,
                   keep={"notes.mp4"})
+
+
+def test_empty_file(tmp_path, capsys):
+    empty = tmp_path / "empty.mp4"
+    empty.write_bytes(b"")
+    _expect_error(capsys, ["restore", empty, "-o", tmp_path / "o.mp4"], "input file is empty", tmp_path,
+                  keep={"empty.mp4"})
 
 
 def test_zero_frames(tmp_path, capsys):
@@ -194,17 +204,24 @@ def test_output_under_16_pixels(tmp_path, capsys):
                   keep={"in.png", "small.png"})
 
 
-@pytest.mark.parametrize("scale", ["0", "-2", "nan", "inf"])
+@pytest.mark.parametrize("scale", ["0", "-1", "-2", "nan", "inf", "abc"])
 def test_nonsensical_scale(tmp_path, capsys, scale):
     src = make_png(tmp_path / "in.png")
     _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", f"--scale={scale}"], "--scale", tmp_path,
                   keep={"in.png"})
 
 
-def test_bad_resolution_string(tmp_path, capsys):
+@pytest.mark.parametrize("text", ["big", "abc", "", "16x16x16", "1.5x20"])
+def test_bad_resolution_string(tmp_path, capsys, text):
     src = make_png(tmp_path / "in.png")
-    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--resolution", "big"], "WIDTHxHEIGHT",
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--resolution", text], "WIDTHxHEIGHT",
                   tmp_path, keep={"in.png"})
+
+
+def test_resolution_under_16_pixels(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--resolution", "10x10"],
+                  "height 10 is under the minimum of 16", tmp_path, keep={"in.png"})
 
 
 def test_scale_and_resolution_together_is_a_usage_error(tmp_path, capsys):
@@ -230,14 +247,53 @@ def test_checkpoint_that_does_not_match(tmp_path, capsys):
     assert "does not match" in line
 
 
-def test_garbage_checkpoint_file(tmp_path, capsys):
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_garbage_checkpoint_file(tmp_path, capsys, suffix):
     src = make_png(tmp_path / "in.png")
-    dit_ckpt, vae_ckpt = tmp_path / "dit.pth", tmp_path / "vae.pth"
+    dit_ckpt, vae_ckpt = tmp_path / f"dit{suffix}", tmp_path / f"vae{suffix}"
     dit_ckpt.write_bytes(b"not a checkpoint")
     vae_ckpt.write_bytes(b"not a checkpoint")
     _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--dit-checkpoint", dit_ckpt,
                            "--vae-checkpoint", vae_ckpt], "--dit-checkpoint", tmp_path,
-                  keep={"in.png", "dit.pth", "vae.pth"})
+                  keep={"in.png", dit_ckpt.name, vae_ckpt.name})
+
+
+def golden_checkpoints(monkeypatch) -> tuple[dict, dict, "torch.Tensor"]:
+    """The golden tiny DiT and VAE state dicts (the reference layout, as released) and prompt embedding; the
+    CLI's released configurations are patched to the tiny ones, so these stand in for the 3B checkpoints."""
+    from safetensors import safe_open
+
+    from examples.seedvr2.dit import NaDiTConfig
+    from examples.seedvr2.vae import VideoVAEConfig
+    from tests.test_pipeline import GOLDEN
+
+    with safe_open(GOLDEN, "pt") as f:
+        meta = f.metadata()
+        dit_state = {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("dit.")}
+        vae_state = {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("vae.")}
+        txt = f.get_tensor("input.txt_pos").float()
+    tiny_dit, tiny_vae = NaDiTConfig.from_metadata(meta["dit_config"]), VideoVAEConfig.from_metadata(meta["vae_config"])
+    monkeypatch.setattr(NaDiTConfig, "seedvr2_3b", classmethod(lambda cls: tiny_dit))
+    monkeypatch.setattr(VideoVAEConfig, "seedvr2", classmethod(lambda cls: tiny_vae))
+    return dit_state, vae_state, txt
+
+
+@pytest.mark.parametrize("model", ["dit", "vae"])
+def test_checkpoint_with_one_wrong_key(tmp_path, capsys, monkeypatch, model):
+    """A checkpoint that is right but for one renamed key is refused, naming both keys."""
+    from safetensors.torch import save_file
+
+    states = dict(zip(("dit", "vae"), golden_checkpoints(monkeypatch)[:2]))
+    key = sorted(states[model])[0]
+    states[model][key + "_renamed"] = states[model].pop(key)
+    for name, state in states.items():
+        save_file(state, str(tmp_path / f"{name}.safetensors"))
+    src = make_png(tmp_path / "in.png")
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png",
+                                  "--dit-checkpoint", tmp_path / "dit.safetensors",
+                                  "--vae-checkpoint", tmp_path / "vae.safetensors"], f"--{model}-checkpoint",
+                         tmp_path, keep={"in.png", "dit.safetensors", "vae.safetensors"})
+    assert "missing keys: " + key in line and "unexpected keys: " + key + "_renamed" in line
 
 
 def test_one_checkpoint_without_the_other(tmp_path, capsys):
@@ -309,29 +365,19 @@ def test_checkpoint_path_end_to_end(tmp_path, capsys, monkeypatch):
     """With checkpoints (here: the golden tiny weights, standing in for the 3B ones) the CLI loads them strictly,
     applies the wavelet colour fix by default, and writes exactly what the pipeline computes."""
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from examples.seedvr2.color_fix import wavelet_color_fix
-    from examples.seedvr2.dit import NaDiTConfig
     from examples.seedvr2.media import frames_to_model, model_to_frames, plan_geometry, read_media
     from examples.seedvr2.pipeline import SeedVR2Pipeline
-    from examples.seedvr2.vae import VideoVAEConfig
-    from tests.test_pipeline import GOLDEN, build_golden_models
+    from tests.test_pipeline import build_golden_models
 
-    with safe_open(GOLDEN, "pt") as f:
-        meta = f.metadata()
-        dit_state = {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("dit.")}
-        vae_state = {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("vae.")}
-        txt = f.get_tensor("input.txt_pos").float()
+    dit_state, vae_state, txt = golden_checkpoints(monkeypatch)
     assert any(k.endswith("attn.rope.rope.freqs") for k in dit_state)  # the reference layout, as released
     dit_ckpt, vae_ckpt, embeds = tmp_path / "dit.pth", tmp_path / "vae.safetensors", tmp_path / "emb.safetensors"
     torch.save(dit_state, dit_ckpt)
     save_file(vae_state, str(vae_ckpt))
     save_file({"pos": txt.to(torch.bfloat16), "neg": torch.zeros(3, 64)}, str(embeds))
-    tiny_dit, tiny_vae = NaDiTConfig.from_metadata(meta["dit_config"]), VideoVAEConfig.from_metadata(meta["vae_config"])
-    monkeypatch.setattr(NaDiTConfig, "seedvr2_3b", classmethod(lambda cls: tiny_dit))
-    monkeypatch.setattr(VideoVAEConfig, "seedvr2", classmethod(lambda cls: tiny_vae))
 
     src = make_png(tmp_path / "in.png", h=40, w=56)
     out = tmp_path / "out.png"

@@ -122,6 +122,13 @@ def test_missing_file(tmp_path):
         read_media(tmp_path / "nope.mp4")
 
 
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.mp4"
+    path.write_bytes(b"")
+    with pytest.raises(MediaError, match="input file is empty"):
+        read_media(path)
+
+
 def test_not_a_media_file(tmp_path):
     path = tmp_path / "notes.mp4"
     path.write_text("this is not a video\n" * 20)

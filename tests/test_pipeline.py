@@ -240,50 +240,46 @@ def test_tiled_vae_mode_runs_and_stays_close(golden_pipeline):
 # ---- window-parallel ----------------------------------------------------------------------------------------------
 
 
-def _rank_restore_small(rank: int, world: int, modes: tuple) -> dict:
+def restore_small(pipe: SeedVR2Pipeline) -> torch.Tensor:
+    """A 5-frame 64x96 crop of the golden clip, restored with noise from seed 3."""
+    video, txt, _ = golden_inputs()
+    return pipe.restore(video[:, :5, :64, :96], txt, generator=torch.Generator().manual_seed(3))
+
+
+def restore_golden_errors(pipe: SeedVR2Pipeline) -> dict:
+    """The golden restore with the golden noise; returns :func:`golden_errors`."""
+    video, txt, noise = golden_inputs()
+    trace: dict = {}
+    out = pipe.restore(video, txt, noise=noise, trace=trace)
+    return golden_errors(out, trace)
+
+
+def _rank_run_modes(rank: int, world: int, modes: tuple, job) -> dict:
+    """``job(pipeline)`` on this rank for each VAE mode, over the whole world as the SP group."""
     from winsp.group import SPGroup
 
     dit, vae = build_golden_models()
-    video, txt, _ = golden_inputs()
-    outputs = {}
-    for mode in modes:
-        pipe = SeedVR2Pipeline(dit, vae, mode, group=SPGroup.world())
-        outputs[mode] = pipe.restore(video[:, :5, :64, :96], txt, generator=torch.Generator().manual_seed(3))
-    return outputs
+    return {mode: job(SeedVR2Pipeline(dit, vae, mode, group=SPGroup.world())) for mode in modes}
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 3])
 def test_parallel_restore_equals_single_rank_small(golden_pipeline, world):
-    video, txt, _ = golden_inputs()
-    single = golden_pipeline.restore(video[:, :5, :64, :96], txt, generator=torch.Generator().manual_seed(3))
+    single = restore_small(golden_pipeline)
     modes = ("replicated", "height")
-    results = run_ranks(_rank_restore_small, world, modes, timeout=RANK_TIMEOUT)
+    results = run_ranks(_rank_run_modes, world, modes, restore_small, timeout=RANK_TIMEOUT)
     for rank, outputs in enumerate(results):
         for mode in modes:
             err = (outputs[mode] - single).abs().max().item()
             assert err <= 1e-4, f"rank {rank} of {world} (VAE {mode}): max |error| vs single rank {err:.3g}"
 
 
-def _rank_golden(rank: int, world: int, modes: tuple) -> dict:
-    from winsp.group import SPGroup
-
-    dit, vae = build_golden_models()
-    video, txt, noise = golden_inputs()
-    errors = {}
-    for mode in modes:
-        pipe = SeedVR2Pipeline(dit, vae, mode, group=SPGroup.world())
-        trace: dict = {}
-        out = pipe.restore(video, txt, noise=noise, trace=trace)
-        errors[mode] = golden_errors(out, trace)
-    return errors
-
-
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("world,modes", [(2, ("replicated", "height")), (3, ("height",))])
 def test_restore_matches_reference_parallel(world, modes):
-    for rank, per_mode in enumerate(run_ranks(_rank_golden, world, modes, timeout=RANK_TIMEOUT)):
+    results = run_ranks(_rank_run_modes, world, modes, restore_golden_errors, timeout=RANK_TIMEOUT)
+    for rank, per_mode in enumerate(results):
         for mode, errors in per_mode.items():
             print(f"SP={world} VAE {mode} rank {rank}: {errors}")
             check_golden_errors(errors)

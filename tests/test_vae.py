@@ -9,10 +9,11 @@ import pathlib
 import pytest
 import torch
 
-from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint
+from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint, moments_to_latent
 from examples.seedvr2.vae.context import CausalCache, RunContext
 from examples.seedvr2.vae.memory import peak_tensor_bytes
 from examples.seedvr2.vae.model import _chunk_bounds
+from tests.helpers import random_video, tiny_vae
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 PARITY_ATOL = 5e-4
@@ -36,22 +37,6 @@ def golden():
     config, state, tensors = _golden()
     vae = load_vae_checkpoint(CausalVideoVAE(config).eval(), state)
     return vae, tensors
-
-
-def tiny_vae(seed: int = 0) -> CausalVideoVAE:
-    torch.manual_seed(seed)
-    vae = CausalVideoVAE(VideoVAEConfig(block_out_channels=[16, 16, 32, 32], norm_num_groups=4)).eval()
-    with torch.no_grad():
-        for module in vae.modules():
-            if isinstance(module, torch.nn.GroupNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.3, 0.3)
-    return vae
-
-
-def random_video(frames: int, height: int, width: int, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(1, 3, frames, height, width, generator=g) * 2 - 1
 
 
 # ---- parity with the reference ---------------------------------------------------------------------------------
@@ -165,6 +150,11 @@ def test_single_frame_and_sampling():
     std = torch.exp(0.5 * moments[:, 16:].clamp(-30, 20))
     noise = torch.randn(mode.shape, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(one, mode + std * noise)
+    # the samples are centred on the mode: the mean of n draws is within 5 standard errors of it, everywhere
+    n = 400
+    draws = torch.stack([moments_to_latent(moments, sample=True, generator=torch.Generator().manual_seed(100 + i))
+                         for i in range(n)])
+    assert ((draws.mean(0) - mode).abs() <= 5 * std / n**0.5).all()
     assert vae.decode(mode).shape == (1, 3, 1, 16, 16)
 
 
@@ -287,7 +277,7 @@ def test_loader_reads_safetensors_and_torch_files(tmp_path):
     safetensors.save_file(state, str(tmp_path / "vae.safetensors"))
     target = load_vae_checkpoint(tiny_vae(seed=2), str(tmp_path / "vae.safetensors"))
     assert all(torch.equal(target.state_dict()[k], v) for k, v in state.items())
-    with pytest.raises(ValueError, match="unsupported checkpoint format '.npz'"):
+    with pytest.raises(ValueError, match="unsupported file type '.npz'"):
         (tmp_path / "vae.npz").write_bytes(b"")
         load_vae_checkpoint(target, tmp_path / "vae.npz")
 

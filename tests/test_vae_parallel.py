@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig
 from examples.seedvr2.vae.memory import peak_tensor_bytes
 from examples.seedvr2.vae.sharding import decode_sharded, encode_sharded
 from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled
@@ -20,27 +19,10 @@ from winsp.spatial import (
     halo_exchange,
     take_band,
 )
+from tests.helpers import random_video, tiny_vae
 from winsp.testing import RankError, run_ranks
 
 TIMEOUT = 120.0
-
-
-def tiny_vae(seed: int = 0) -> CausalVideoVAE:
-    """The golden file's tiny architecture with seeded random weights (norm affines moved away from 1/0)."""
-    torch.manual_seed(seed)
-    cfg = VideoVAEConfig(block_out_channels=[16, 16, 32, 32], norm_num_groups=4)
-    vae = CausalVideoVAE(cfg).eval()
-    with torch.no_grad():
-        for module in vae.modules():
-            if isinstance(module, torch.nn.GroupNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.3, 0.3)
-    return vae
-
-
-def random_video(frames: int, height: int, width: int, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(1, 3, frames, height, width, generator=g) * 2 - 1
 
 
 # ---- winsp.spatial at one rank --------------------------------------------------------------------------------

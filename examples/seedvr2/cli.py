@@ -47,10 +47,10 @@ class InputError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (exit code 2, as argparse does)."""
+    """argparse that reports a usage error as one line like every other error (exit code 2, as argparse does)."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,7 +260,7 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                                       ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint)):
         try:
             loader(model, path)
-        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+        except (ValueError, OSError) as exc:  # the loaders report every checkpoint problem as one of these
             raise InputError(f"{flag} {path}: {exc}") from None
     txt = _read_text_embeds(args.text_embeds or DEFAULT_TEXT_EMBEDS, dit.config.txt_in_dim)
     return LoadedModels(dit.to(device=device, dtype=dtype).eval(), vae.to(device=device, dtype=dtype).eval(), txt,
@@ -275,7 +275,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     from .pipeline import SeedVR2Pipeline
 
     # Everything cheap to check is checked before any model is built.
-    resolution = parse_resolution(args.resolution) if args.resolution else None
+    resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         plan_geometry((64, 64), scale=args.scale)  # validates the number itself
     _check_output_path(args.output)

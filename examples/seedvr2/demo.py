@@ -27,32 +27,9 @@ __all__ = [
 DEMO_SEED = 20250601
 DEMO_TEXT_TOKENS = 16
 
-DEMO_DIT_CONFIG = dict(
-    vid_in_channels=33,
-    vid_out_channels=16,
-    vid_dim=96,
-    txt_in_dim=64,
-    txt_dim=96,
-    emb_dim=6 * 96,
-    heads=3,
-    head_dim=32,
-    expand_ratio=4,
-    norm="fusedrms",
-    norm_eps=1e-5,
-    ada="single",
-    qk_bias=False,
-    qk_norm="fusedrms",
-    patch_size=(1, 2, 2),
-    num_layers=4,
-    mm_layers=2,
-    mlp_type="swiglu",
-    block_type="mmdit_sr",
-    window=(4, 3, 3),
-    window_method=["720pwin_by_size_bysize", "720pswin_by_size_bysize"] * 2,
-    rope_type="mmrope3d",
-    rope_dim=32,
-    vid_out_norm="fusedrms",
-    txt_in_norm="fusedln",
+#: the golden files' tiny DiT: the 3B architecture at 4 layers of width 96 (3 heads of 32)
+DEMO_DIT_CONFIG = NaDiTConfig.seedvr2_at_size(
+    vid_dim=96, txt_in_dim=64, heads=3, head_dim=32, num_layers=4, mm_layers=2, rope_dim=32
 )
 
 DEMO_VAE_CONFIG = dict(
@@ -72,7 +49,7 @@ def demo_models(
     """The tiny DiT and VAE with weights drawn from :data:`DEMO_SEED` (the global RNG is left untouched)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEMO_SEED)
-        dit = SeedVR2NaDiT(NaDiTConfig(**DEMO_DIT_CONFIG))
+        dit = SeedVR2NaDiT(DEMO_DIT_CONFIG)
         vae = CausalVideoVAE(VideoVAEConfig(**DEMO_VAE_CONFIG))
     return dit.to(device=device, dtype=dtype).eval(), vae.to(device=device, dtype=dtype).eval()
 
@@ -80,7 +57,7 @@ def demo_models(
 def demo_text_embeds(tokens: int = DEMO_TEXT_TOKENS) -> torch.Tensor:
     """A fixed random "prompt embedding" ``[tokens, 64]`` for the demo DiT."""
     generator = torch.Generator().manual_seed(DEMO_SEED + 1)
-    return torch.randn(tokens, DEMO_DIT_CONFIG["txt_in_dim"], generator=generator)
+    return torch.randn(tokens, DEMO_DIT_CONFIG.txt_in_dim, generator=generator)
 
 
 def sample_frames(num_frames: int = 9, height: int = 64, width: int = 96) -> torch.Tensor:

@@ -88,8 +88,8 @@ class Media:
 def read_media(path: str | os.PathLike) -> Media:
     """Decode every frame of the first video stream of ``path`` (a video or an image) to RGB ``uint8``.
 
-    Raises :class:`MediaError` for a missing file, a file FFmpeg cannot open, a file without a video stream, a stream
-    that fails to decode, or one that decodes to zero frames.
+    Raises :class:`MediaError` for a missing or empty file, a file FFmpeg cannot open, a file without a video stream,
+    a stream that fails to decode, or one that decodes to zero frames.
     """
     import av
 
@@ -98,6 +98,8 @@ def read_media(path: str | os.PathLike) -> Media:
         raise MediaError(f"input file not found: {path}")
     if os.path.isdir(path):
         raise MediaError(f"input is a directory, not a video or image file: {path}")
+    if os.path.getsize(path) == 0:
+        raise MediaError(f"input file is empty: {path}")
     try:
         container = av.open(path)
     except av.FFmpegError as exc:
@@ -248,10 +250,6 @@ class Geometry:
     resized: tuple[int, int]  # after the aspect-keeping resize that covers the output size
     output: tuple[int, int]  # exactly what the user asked for
     work: tuple[int, int]  # output centre-cropped to multiples of 16
-
-    def describe(self) -> str:
-        fmt = lambda hw: f"{hw[1]}x{hw[0]}"  # noqa: E731 - WxH, as on the command line
-        return f"{fmt(self.input)} -> {fmt(self.output)} (model at {fmt(self.work)})"
 
 
 def parse_resolution(text: str) -> tuple[int, int]:

@@ -24,6 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .vae.modes import VAE_MODES, make_vae_runner
+
 __all__ = [
     "SeedVR2Pipeline",
     "VAE_PARALLEL_MODES",
@@ -40,7 +42,7 @@ __all__ = [
 SCALING_FACTOR = 0.9152
 NUM_TIMESTEPS = 1000.0
 LATENT_CHANNELS = 16
-VAE_PARALLEL_MODES = ("replicated", "height", "tiled")
+VAE_PARALLEL_MODES = VAE_MODES
 
 
 # ---- pure functions -----------------------------------------------------------------------------------------------
@@ -160,6 +162,11 @@ class SeedVR2Pipeline:
         self.scaling_factor = float(scaling_factor)
         vae.set_temporal_chunking(vae_temporal_chunk)
         self.vae_tile_size, self.vae_tile_overlap = vae_tile_size, vae_tile_overlap
+        # height sharding over one rank is the whole frame: run it as such
+        mode = "replicated" if vae_parallel == "height" and self.group.size == 1 else vae_parallel
+        self.vae_runner = make_vae_runner(
+            mode, vae, group=self.group, tile_size=vae_tile_size, overlap=vae_tile_overlap
+        )
 
     # ---- properties -------------------------------------------------------------------------------------------
     @property
@@ -210,7 +217,7 @@ class SeedVR2Pipeline:
         """``[3, t, h, w]`` in [-1, 1] -> scaled latent ``(t', h', w', 16)`` (float32), frames padded to 4k + 1."""
         self.check_video(video)
         x = pad_to_causal_length(video, self.temporal_factor)[None].to(self.device)
-        latent = self._vae_encode(x)
+        latent = self.vae_runner.encode(x)
         return latent[0].permute(1, 2, 3, 0).float() * self.scaling_factor
 
     def denoise(
@@ -257,7 +264,7 @@ class SeedVR2Pipeline:
     def decode(self, latent: torch.Tensor, num_frames: int) -> torch.Tensor:
         """Scaled latent ``(t', h', w', 16)`` -> ``[3, num_frames, h, w]`` float32 (the padding frames dropped)."""
         z = (latent.to(self.device).float() / self.scaling_factor).permute(3, 0, 1, 2)[None]
-        video = self._vae_decode(z)
+        video = self.vae_runner.decode(z)
         return video[0, :, :num_frames].float()
 
     def restore(
@@ -279,26 +286,3 @@ class SeedVR2Pipeline:
         if trace is not None:
             trace.update(latent=latent, restored_latent=restored)
         return self.decode(restored, video.shape[1])
-
-    # ---- VAE execution (delegated to the VAE package) ----------------------------------------------------------
-    def _vae_encode(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vae_parallel == "height" and self.group.size > 1:
-            from .vae.sharding import encode_sharded
-
-            return encode_sharded(self.vae, x, self.group)
-        if self.vae_parallel == "tiled":
-            from .vae.tiling import encode_tiled
-
-            return encode_tiled(self.vae, x, tile_size=self.vae_tile_size, overlap=self.vae_tile_overlap)
-        return self.vae.encode(x)
-
-    def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
-        if self.vae_parallel == "height" and self.group.size > 1:
-            from .vae.sharding import decode_sharded
-
-            return decode_sharded(self.vae, z, self.group)
-        if self.vae_parallel == "tiled":
-            from .vae.tiling import decode_tiled
-
-            return decode_tiled(self.vae, z, tile_size=self.vae_tile_size, overlap=self.vae_tile_overlap)
-        return self.vae.decode(z)

@@ -250,18 +250,29 @@ class NaDiTConfig:
     @classmethod
     def seedvr2_3b(cls) -> "NaDiTConfig":
         """The released SeedVR2 3B DiT (``configs_3b/main.yaml``)."""
-        layers = 32
+        return cls.seedvr2_at_size(
+            vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=32, mm_layers=10, rope_dim=128
+        )
+
+    @classmethod
+    def seedvr2_at_size(
+        cls, *, vid_dim: int, txt_in_dim: int, heads: int, head_dim: int, num_layers: int, mm_layers: int,
+        rope_dim: int,
+    ) -> "NaDiTConfig":
+        """The SeedVR2 3B architecture at another width and depth: every other choice as released (33 -> 16
+        channels, fused RMS norms, SwiGLU, 1x2x2 patches, (4, 3, 3) windows alternating regular/shifted, mmrope3d).
+        """
         return cls(
             vid_in_channels=33,
             vid_out_channels=16,
-            vid_dim=2560,
+            vid_dim=vid_dim,
             vid_out_norm="fusedrms",
-            txt_in_dim=5120,
+            txt_in_dim=txt_in_dim,
             txt_in_norm="fusedln",
-            txt_dim=2560,
-            emb_dim=6 * 2560,
-            heads=20,
-            head_dim=128,
+            txt_dim=vid_dim,
+            emb_dim=6 * vid_dim,
+            heads=heads,
+            head_dim=head_dim,
             expand_ratio=4,
             norm="fusedrms",
             norm_eps=1.0e-05,
@@ -269,15 +280,15 @@ class NaDiTConfig:
             qk_bias=False,
             qk_norm="fusedrms",
             patch_size=(1, 2, 2),
-            num_layers=layers,
-            mm_layers=10,
+            num_layers=num_layers,
+            mm_layers=mm_layers,
             mlp_type="swiglu",
             msa_type=None,
-            block_type=("mmdit_sr",) * layers,
-            window=((4, 3, 3),) * layers,
-            window_method=("720pwin_by_size_bysize", "720pswin_by_size_bysize") * (layers // 2),
+            block_type="mmdit_sr",
+            window=(4, 3, 3),
+            window_method=[WINDOW_METHODS[i % 2] for i in range(num_layers)],
             rope_type="mmrope3d",
-            rope_dim=128,
+            rope_dim=rope_dim,
         )
 
     @classmethod

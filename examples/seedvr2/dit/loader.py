@@ -2,21 +2,20 @@
 
 Exactly one key rename is applied: the reference stores each block's RoPE table as ``blocks.<i>.attn.rope.rope.freqs``
 and this port as ``blocks.<i>.attn.rope.freqs``. After that, any missing, unexpected or shape-mismatched key is an
-error, so a checkpoint that does not match the model cannot reach inference. ``.pth``/``.pt`` files are read with
-``torch.load(weights_only=True)``, which refuses pickled code instead of running it.
+error, so a checkpoint that does not match the model cannot reach inference. Files are read by
+:mod:`..checkpoint_file` (``.pth``/``.pt`` through ``torch.load(weights_only=True)``, which never runs pickled code).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import re
-from pathlib import Path
 from typing import Mapping, Union
 
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint_file import read_checkpoint_file, tensor_state
 from .rope import RotaryEmbedding3d
 
 __all__ = ["load_dit_checkpoint", "read_state_dict", "normalize_checkpoint_keys"]
@@ -37,51 +36,11 @@ def _short(keys, limit: int = 8) -> str:
 
 def read_state_dict(source: Source) -> dict[str, Tensor]:
     """Tensors of a checkpoint: a ``.safetensors`` / ``.pth`` / ``.pt`` path, or a mapping of name -> tensor."""
-    if isinstance(source, Mapping):
-        state = dict(source)
-    elif isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"checkpoint {str(path)!r} does not exist or is not a file")
-        suffix = path.suffix.lower()
-        if suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        elif suffix in (".pth", ".pt"):
-            state = _torch_load_weights_only(path)
-        else:
-            raise ValueError(
-                f"checkpoint {str(path)!r}: unsupported file type {suffix!r} (use .safetensors, .pth or .pt)"
-            )
-    else:
+    if isinstance(source, (str, os.PathLike)):
+        return read_checkpoint_file(source)
+    if not isinstance(source, Mapping):
         raise TypeError(f"checkpoint source must be a path or a mapping of tensors, got {type(source).__name__}")
-    for key, value in state.items():
-        if not isinstance(key, str):
-            raise ValueError(f"checkpoint key {key!r} is not a string")
-        if not isinstance(value, Tensor):
-            raise ValueError(f"checkpoint entry {key!r} is a {type(value).__name__}, not a tensor")
-    return state
-
-
-def _torch_load_weights_only(path: Path) -> dict:
-    """``torch.load`` restricted to tensors and plain containers (never executes pickled code); memory-mapped when
-    the file format allows it."""
-    try:
-        try:
-            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            state = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy (non-zip) format
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"checkpoint {str(path)!r} was refused: it is not a plain tensor checkpoint (loading it would need to run "
-            f"pickled code, which weights_only loading does not do). Details: {err}"
-        ) from None
-    if not isinstance(state, Mapping):
-        raise ValueError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a state dict")
-    return dict(state)
+    return tensor_state(source)
 
 
 def normalize_checkpoint_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:

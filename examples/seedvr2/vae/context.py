@@ -28,10 +28,6 @@ class CausalCache:
     first: bool = True
     tails: dict[nn.Module, torch.Tensor] = field(default_factory=dict)
 
-    def tensor_bytes(self) -> int:
-        """Bytes held by the carried frames (what chunking keeps alive between chunks)."""
-        return sum(t.numel() * t.element_size() for t in self.tails.values())
-
 
 class HeightBands(Protocol):
     """A rank's band of rows (dim -2 of a [b, c, t, h, w] activation) and the collectives that complete it."""

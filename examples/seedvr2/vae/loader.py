@@ -1,46 +1,20 @@
-"""Strict loading of VAE weights (``.safetensors``, or ``.pth``/``.pt`` read without running pickled code)."""
+"""Strict loading of VAE weights (``.safetensors``, or ``.pth``/``.pt`` read without running pickled code, see
+:mod:`..checkpoint_file`)."""
 
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Mapping, Union
 
 import torch
 from torch import nn
 
-__all__ = ["load_vae_checkpoint", "read_state_dict", "check_state_dict"]
+from ..checkpoint_file import read_checkpoint_file
+
+__all__ = ["load_vae_checkpoint", "check_state_dict"]
 
 StateSource = Union[str, "os.PathLike[str]", Mapping[str, torch.Tensor]]
 _LIST_LIMIT = 12
-
-
-def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Tensors of a checkpoint file. Pickle files go through ``torch.load(weights_only=True, mmap=True)``,
-    which refuses anything but tensors and plain containers, so a crafted file cannot run code."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("reading .safetensors needs the 'safetensors' package (pip install safetensors)") from exc
-        return load_file(path, device="cpu")
-    if suffix in (".pth", ".pt", ".bin", ".ckpt"):
-        try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as exc:
-            raise ValueError(
-                f"refused to load {path}: it holds more than tensors (torch.load weights_only=True rejected it): {exc}"
-            ) from exc
-        except RuntimeError as exc:
-            raise ValueError(f"could not read {path} as a torch checkpoint: {exc}") from exc
-        if not isinstance(loaded, Mapping):
-            raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
-        return dict(loaded)
-    raise ValueError(f"unsupported checkpoint format {suffix!r} for {path}; use .safetensors, .pth or .pt")
 
 
 def _listing(names: list[str]) -> str:
@@ -82,7 +56,7 @@ def load_vae_checkpoint(vae: nn.Module, source: StateSource) -> nn.Module:
     if isinstance(source, Mapping):
         state = dict(source)
     elif isinstance(source, (str, os.PathLike)):
-        state = read_state_dict(source)
+        state = read_checkpoint_file(source)
     else:
         raise TypeError(f"source must be a path or a state dict, got {type(source).__name__}")
     check_state_dict(vae, state)

@@ -224,10 +224,15 @@ class CausalVideoVAE(nn.Module):
 def moments_to_latent(
     moments: torch.Tensor, *, sample: bool = False, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """The diagonal Gaussian's mean, or ``mean + std * noise`` (log-variance clamped to [-30, 20]) when ``sample``."""
+    """The diagonal Gaussian's mean, or ``mean + std * noise`` (log-variance clamped to [-30, 20]) when ``sample``.
+
+    The noise is drawn on the generator's device (a CPU generator gives the same draw whatever device the model
+    runs on) and moved to the latent's.
+    """
     mean, logvar = moments.chunk(2, dim=1)
     if not sample:
         return mean
     std = torch.exp(0.5 * logvar.clamp(*LOGVAR_RANGE))
-    noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+    device = mean.device if generator is None else generator.device
+    noise = torch.randn(mean.shape, generator=generator, device=device, dtype=mean.dtype).to(mean.device)
     return mean + std * noise

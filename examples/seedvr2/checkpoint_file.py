@@ -1,0 +1,75 @@
+"""Reading a checkpoint file into ``{name: tensor}`` without ever running code from it.
+
+Shared by the DiT and VAE loaders. ``.safetensors`` files hold only tensors; ``.pth``/``.pt`` files are pickles and
+go through ``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and refuses anything else
+(memory-mapped when the file's format allows it). Every failure is a ``ValueError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Mapping
+
+import torch
+
+__all__ = ["CHECKPOINT_SUFFIXES", "read_checkpoint_file", "tensor_state"]
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt")
+
+
+def read_checkpoint_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` / ``.pth`` / ``.pt`` checkpoint, on the CPU."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path!r} does not exist or is not a file")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".safetensors":
+        state = _read_safetensors(path)
+    elif suffix in (".pth", ".pt"):
+        state = _torch_load_weights_only(path)
+    else:
+        raise ValueError(
+            f"checkpoint {path!r}: unsupported file type {suffix!r} (use {', '.join(CHECKPOINT_SUFFIXES)})"
+        )
+    return tensor_state(state)
+
+
+def tensor_state(state: Mapping) -> dict[str, torch.Tensor]:
+    """``state`` as a dict, after checking that every key is a string and every value a tensor."""
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise ValueError(f"checkpoint key {key!r} is not a string")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"checkpoint entry {key!r} is a {type(value).__name__}, not a tensor")
+    return dict(state)
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except SafetensorError as err:
+        raise ValueError(f"checkpoint {path!r} is not a readable safetensors file ({err})") from None
+
+
+def _torch_load_weights_only(path: str) -> dict:
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"refused to load checkpoint {path!r}: it is not a plain tensor checkpoint (loading it would need to run "
+            f"pickled code, which weights_only loading does not do). Details: {err}"
+        ) from None
+    except (RuntimeError, EOFError) as err:
+        raise ValueError(f"checkpoint {path!r} could not be read as a torch checkpoint ({err})") from None
+    if not isinstance(state, Mapping):
+        raise ValueError(f"checkpoint {path!r} holds a {type(state).__name__}, not a state dict")
+    return dict(state)
