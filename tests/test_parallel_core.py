@@ -205,3 +205,21 @@ def test_toy_block_abab_forward_and_gradients_equal_one_rank(world_size):
 def test_redistribution_at_larger_world_sizes(world_size):
     test_redistribution_and_text_reduction_match_the_single_rank_oracle(world_size)
     test_toy_block_abab_forward_and_gradients_equal_one_rank(world_size)
+
+
+def _toy_bf16_worker(rank, world_size):
+    torch.manual_seed(3)
+    model = ToyWindowedDiT(dim=DIM).to(torch.bfloat16)
+    model.parallelize(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    vid, txt, _ = _toy_inputs()
+    return model(vid.bfloat16(), txt.bfloat16(), GRIDS, LENGTHS).float()
+
+
+def test_bfloat16_collectives_run_and_match_one_rank():
+    torch.manual_seed(3)
+    model = ToyWindowedDiT(dim=DIM).to(torch.bfloat16)
+    vid, txt, _ = _toy_inputs()
+    single = model(vid.bfloat16(), txt.bfloat16(), GRIDS, LENGTHS).float()
+    for out in run_ranks(_toy_bf16_worker, 2, timeout=120):
+        rel = ((out - single).norm() / single.norm()).item()
+        assert rel <= 1e-2, rel
