@@ -136,3 +136,24 @@ def test_from_config_logs_the_execution_path(caplog):
 def test_from_config_rejects_other_config_types():
     with pytest.raises(ValueError, match="DiffusionParallelConfig"):
         winsp.WindowRuntime.from_config({"ulysses_degree": 2}, [REG])
+
+
+def test_nn_modules_compose_the_request_steps():
+    from winsp.nn import EnsureLayout, GatherWindows, ReplicatedTextWindowAttention, ScatterWindows
+
+    rt = winsp.WindowRuntime([REG, SHIFT])
+    grid = (5, 32, 56)
+    x = torch.randn(5 * 32 * 56, 2, 8, dtype=torch.float64)
+    t = torch.randn(4, 2, 8, dtype=torch.float64)
+
+    req = rt.request([grid], [4])
+    local = ScatterWindows()(x.flatten(1), req).unflatten(1, (2, 8))
+    local = EnsureLayout(1)(local, req)
+    vid, txt = ReplicatedTextWindowAttention()(req, local, local, local, t, t, t)
+    out = GatherWindows()(vid.flatten(1), req)
+
+    ref = rt.request([grid], [4])
+    ref_local = ref.to_layer(ref.scatter(x), 1)
+    ref_vid, ref_txt = ref.attention(ref_local, ref_local, ref_local, t, t, t)
+    assert torch.equal(out, ref.gather(ref_vid).flatten(1)) and torch.equal(txt, ref_txt)
+    assert "layer=1" in repr(EnsureLayout(1))
