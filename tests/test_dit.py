@@ -476,3 +476,19 @@ def test_single_rank_runtime_is_built_lazily(tiny_cfg):
     assert model.runtime is rt and len(rt.schedule) == tiny_cfg.num_layers
     assert rt.num_transitions == tiny_cfg.num_layers - 1
     assert "single rank" in rt.execution_path
+
+
+def test_rope_tables_are_shared_only_between_blocks_with_equal_frequencies(golden, tiny_cfg):
+    model = SeedVR2NaDiT(tiny_cfg).eval()
+    load_dit_checkpoint(model, golden[1])
+    inputs = random_batch(tiny_cfg, [(3, 16, 24)], [5], [500.0])
+    assert model.rope_groups() == (0, 0, 0, 0)
+    before = run(model, inputs)
+    with torch.no_grad():
+        model.blocks[2].attn.rope.freqs.mul_(1.5)  # in place: the groups must be recomputed
+    assert model.rope_groups() == (0, 0, 2, 0)
+    after = run(model, inputs)
+    fresh = SeedVR2NaDiT(tiny_cfg).eval()
+    load_dit_checkpoint(fresh, {k: v.clone() for k, v in model.state_dict().items()})
+    assert (after - before).abs().max() > 1e-4
+    assert torch.equal(after, run(fresh, inputs))

@@ -35,12 +35,15 @@ class ForwardContext:
     """Per-forward state the blocks read: embeddings, row->sample maps and RoPE tables, plus the winsp request.
 
     RoPE tables depend on the layout (window-local coordinates) and on a block's frequency buffer; they are built once
-    per (layout, frequency values) and reused by every block with the same layout.
+    per (layout, frequency group) and reused by every block with the same layout. ``rope_groups[i]`` names block i's
+    group of equal frequency buffers (see :meth:`SeedVR2NaDiT.rope_groups`), so no values are compared per block.
     """
 
     def __init__(self, request: "winsp.WindowRequest", emb_slots: Tensor, text_lengths: Sequence[int],
-                 schedule_keys: Sequence[object], device: torch.device, head_dim: int) -> None:
+                 schedule_keys: Sequence[object], device: torch.device, head_dim: int,
+                 rope_groups: Sequence[int]) -> None:
         self.request = request
+        self.rope_groups = tuple(rope_groups)
         self.emb_slots = emb_slots
         self.single_sample = emb_slots.shape[0] == 1
         self.schedule_keys = tuple(schedule_keys)
@@ -68,13 +71,12 @@ class ForwardContext:
         return per_sample.index_select(0, self.txt_sample)
 
     # ---- RoPE -----------------------------------------------------------------------------------------
-    def _cached(self, key: object, freqs: Tensor, build) -> tuple[Tensor, Tensor]:
+    def _cached(self, key: object, build) -> tuple[Tensor, Tensor]:
+        key = (self.rope_groups[self._layer],) + key
         hit = self._rope_cache.get(key)
-        if hit is not None and hit[0].shape == freqs.shape and torch.equal(hit[0], freqs):
-            return hit[1], hit[2]
-        cos, sin = build()
-        self._rope_cache[key] = (freqs, cos, sin)
-        return cos, sin
+        if hit is None:
+            hit = self._rope_cache[key] = build()
+        return hit
 
     def rope_vid(self, rope: RotaryEmbedding3d) -> tuple[Tensor, Tensor]:
         def build():
@@ -84,11 +86,10 @@ class ForwardContext:
             positions[:, 0] += offset
             return rope.tables(positions, self.table_width)
 
-        return self._cached(("vid", self.schedule_keys[self._layer]), rope.freqs, build)
+        return self._cached(("vid", self.schedule_keys[self._layer]), build)
 
     def rope_txt(self, rope: RotaryEmbedding3d) -> tuple[Tensor, Tensor]:
-        return self._cached(("txt",), rope.freqs,
-                            lambda: rope.tables(self.txt_position[:, None].expand(-1, 3), self.table_width))
+        return self._cached(("txt",), lambda: rope.tables(self.txt_position[:, None].expand(-1, 3), self.table_width))
 
     def attention(self, q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, *, text_output: bool = True):
         return self.request.attention(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, text_output=text_output)
@@ -124,6 +125,26 @@ class SeedVR2NaDiT(nn.Module):
         self.vid_out = PatchOut(cfg.vid_out_channels, cfg.patch_size, dim)
         self._runtime: Optional[winsp.WindowRuntime] = None
         self._patch_plans: "OrderedDict[tuple, PatchPlan]" = OrderedDict()
+        self._rope_groups: tuple[tuple, tuple[int, ...]] = ((), ())
+
+    def rope_groups(self) -> tuple[int, ...]:
+        """For each block, the first block whose RoPE frequency buffer holds the same values (-1 without RoPE).
+
+        Compared once per change of the buffers (new storage, in-place update, device or dtype move), not per forward,
+        so the forward never reads device values to decide whether two blocks can share RoPE tables.
+        """
+        ropes = [block.attn.rope for block in self.blocks]
+        freqs = [r.freqs if r is not None else None for r in ropes]
+        stamp = tuple(None if f is None else (f.data_ptr(), f._version, f.device, f.dtype, tuple(f.shape))
+                      for f in freqs)
+        if self._rope_groups[0] != stamp:
+            groups = []
+            for i, f in enumerate(freqs):
+                same = (j for j in range(i) if f is not None and freqs[j] is not None
+                        and freqs[j].shape == f.shape and torch.equal(freqs[j], f))
+                groups.append(-1 if f is None else next(same, i))
+            self._rope_groups = (stamp, tuple(groups))
+        return self._rope_groups[1]
 
     # ------------------------------------------------------------------ runtime
     def window_schedule(self) -> list:
@@ -227,7 +248,7 @@ class SeedVR2NaDiT(nn.Module):
         txt = self.txt_in(txt.to(dtype))
         emb_slots = Modulation.split_embedding(self.emb_in(timestep, dtype), cfg.vid_dim)
         keys = list(zip(cfg.window_method, cfg.window))
-        ctx = ForwardContext(req, emb_slots, text_lengths, keys, vid.device, cfg.head_dim)
+        ctx = ForwardContext(req, emb_slots, text_lengths, keys, vid.device, cfg.head_dim, self.rope_groups())
 
         for i, block in enumerate(self.blocks):
             x = req.to_layer(x, i)
