@@ -98,16 +98,6 @@ class SPGroup:
         send = tensor.contiguous().repeat((self.size,) + (1,) * (tensor.dim() - 1))
         return self.all_to_all_single(send, list(sizes), [tensor.shape[0]] * self.size)
 
-    def all_gather_object_equal(self, value: object) -> list:
-        """Gather a small picklable value from every rank (used only for up-front consistency checks)."""
-        if self.is_single:
-            return [value]
-        import torch.distributed as dist
-
-        out: list = [None] * self.size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
-
 
 # ---- launch -----------------------------------------------------------------------------------------------------
 

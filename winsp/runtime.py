@@ -237,7 +237,6 @@ class WindowRequest:
         self.device = device
         self.group = runtime.group
         self._plans: dict[str, Plan] = {}
-        self._local: dict[int, LocalWindows] = {}
         self.layer: int | None = None
         self.transitions_done = 0
 
@@ -257,12 +256,7 @@ class WindowRequest:
     def local(self, layer: int | None = None) -> LocalWindows:
         """This rank's windows in ``layer``'s layout (default: the current layer)."""
         layer = self._current() if layer is None else layer
-        plan = self.plan(layer)
-        found = self._local.get(id(plan))
-        if found is None:
-            found = _local_windows(plan, self.group.rank, self.text_lengths)
-            self._local[id(plan)] = found
-        return found
+        return _local_windows(self.plan(layer), self.group.rank, self.text_lengths)
 
     def _current(self) -> int:
         if self.layer is None:
