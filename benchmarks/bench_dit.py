@@ -84,7 +84,7 @@ class PlainContext:
         if found is not None:
             return found
         geometry = winsp.make_geometry(*key)
-        order, coords, groups, offset = [], [], {}, 0
+        order, groups, offset = [], {}, 0
         for s, (t, h, w) in enumerate(self.grids):
             ids = torch.arange(t * h * w).reshape(t, h, w) + offset
             for box in geometry.slices((t, h, w)):

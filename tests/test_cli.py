@@ -258,7 +258,7 @@ def test_garbage_checkpoint_file(tmp_path, capsys, suffix):
                   keep={"in.png", dit_ckpt.name, vae_ckpt.name})
 
 
-def golden_checkpoints(monkeypatch) -> tuple[dict, dict, "torch.Tensor"]:
+def golden_checkpoints(monkeypatch) -> tuple:
     """The golden tiny DiT and VAE state dicts (the reference layout, as released) and prompt embedding; the
     CLI's released configurations are patched to the tiny ones, so these stand in for the 3B checkpoints."""
     from safetensors import safe_open

@@ -1,6 +1,5 @@
 """LPT planner: the exact rule, determinism, plan data, and the fingerprinted LRU cache."""
 
-import itertools
 import math
 
 import numpy as np

@@ -15,7 +15,14 @@ import numpy as np
 
 from .geometry import Grid, WindowGeometry, check_grid
 
-__all__ = ["Layout", "build_layout", "check_grids"]
+__all__ = ["Layout", "build_layout", "check_grids", "inverse_permutation"]
+
+
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """``inv`` with ``inv[perm[i]] = i``: where each value of a permutation of ``0..n-1`` sits."""
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
+    return inv
 
 
 def check_grids(grids: Sequence[Sequence[int]]) -> tuple[Grid, ...]:
@@ -130,9 +137,7 @@ class Layout:
     @cached_property
     def position_of_token(self) -> np.ndarray:
         """[N] layout position of each canonical token id (the inverse of ``token_ids``)."""
-        inverse = np.empty_like(self.token_ids)
-        inverse[self.token_ids] = np.arange(self.num_tokens, dtype=np.int64)
-        return inverse
+        return inverse_permutation(self.token_ids)
 
     @cached_property
     def window_of_position(self) -> np.ndarray:

@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .geometry import WindowGeometry
-from .layout import Layout, build_layout, check_grids
+from .layout import Layout, build_layout, check_grids, inverse_permutation
 
 __all__ = [
     "PLANNER_VERSION",
@@ -126,10 +126,7 @@ class Plan:
     @cached_property
     def gather_order(self) -> np.ndarray:
         """[N] for each canonical id, its row in the concatenation of all ranks' local rows (rank order)."""
-        concat = np.concatenate([self.rank_token_ids(r) for r in range(self.world_size)])
-        order = np.empty_like(concat)
-        order[concat] = np.arange(concat.size, dtype=np.int64)
-        return order
+        return inverse_permutation(np.concatenate([self.rank_token_ids(r) for r in range(self.world_size)]))
 
     def _check_rank(self, rank: int) -> int:
         if not 0 <= rank < self.world_size:

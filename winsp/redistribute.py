@@ -12,12 +12,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 import torch
 
 from .group import SPGroup
+from .layout import inverse_permutation
 from .planner import Plan
 
 __all__ = [
@@ -30,12 +30,6 @@ __all__ = [
     "count_layout_changes",
     "ensure_layout",
 ]
-
-
-def _inverse(perm: np.ndarray) -> np.ndarray:
-    inv = np.empty_like(perm)
-    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
-    return inv
 
 
 @dataclass(eq=False)
@@ -59,7 +53,8 @@ class RankTransition:
         key = str(device)
         cached = self._device_cache.get(key)
         if cached is None:
-            arrays = (self.send_index, self.recv_index, _inverse(self.send_index), _inverse(self.recv_index))
+            arrays = (self.send_index, self.recv_index,
+                      inverse_permutation(self.send_index), inverse_permutation(self.recv_index))
             cached = tuple(torch.from_numpy(a).to(device) for a in arrays)
             self._device_cache[key] = cached
         return cached
@@ -102,7 +97,7 @@ class Transition:
         # receive: rows arrive ordered by (source rank, my local row); put them back in my local order
         dst_ids = dst.rank_token_ids(rank)
         arrival = np.argsort(src.token_owner[dst_ids] * n + np.arange(dst_ids.size), kind="stable")
-        recv_index = _inverse(arrival)
+        recv_index = inverse_permutation(arrival)
         result = RankTransition(
             send_index=send_index.astype(np.int64),
             input_split_sizes=tuple(int(c) for c in self.count_matrix[rank, :]),
