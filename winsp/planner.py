@@ -1,8 +1,9 @@
-"""Token-balanced window placement (LPT) and its fingerprinted, LRU-bounded plan cache.
+"""Window placement: the LPT rule and the :class:`Plan` object (which windows each rank owns, and what follows).
 
-Rule (deterministic, so every rank computes the same plan with no communication):
-windows sorted by (-token count, window id); each goes to the rank with the smallest (assigned tokens, rank id);
-each rank then lists its windows in ascending window id. A rank may end up with no window.
+LPT (deterministic, so every rank computes the same plan with no communication): windows sorted by
+(-token count, window id); each goes to the rank with the smallest (assigned tokens, rank id); each rank then lists
+its windows in ascending window id. A rank may end up with no window. Other placements (see :mod:`winsp.schedule`)
+hand a :class:`Plan` their own ``rank_windows``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ def lpt_assign(window_token_counts: Sequence[int], world_size: int) -> list[list
     Returns one ascending list of window ids per rank (empty lists for ranks that get nothing).
     """
     world_size = _check_world_size(world_size)
-    counts = [int(c) for c in window_token_counts]
-    if any(c < 0 for c in counts):
-        raise ValueError("window_token_counts must be non-negative")
+    counts = []
+    for i, c in enumerate(window_token_counts):
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)):
+            raise ValueError(f"window_token_counts[{i}] must be an integer token count, got {c!r}")
+        if c < 0:
+            raise ValueError(f"window_token_counts[{i}] must be non-negative, got {c}")
+        counts.append(int(c))
     order = sorted(range(len(counts)), key=lambda w: (-counts[w], w))
     heap = [(0, r) for r in range(world_size)]  # (assigned tokens, rank id): heap order is the tie-break rule
     assigned: list[list[int]] = [[] for _ in range(world_size)]
@@ -59,19 +64,41 @@ def lpt_assign(window_token_counts: Sequence[int], world_size: int) -> list[list
     return assigned
 
 
+def _check_rank_windows(rank_windows: Sequence[Sequence[int]], num_windows: int,
+                        world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Validate a placement: ``world_size`` lists that together hold every window id exactly once."""
+    out = tuple(tuple(int(w) for w in ws) for ws in rank_windows)
+    if len(out) != world_size:
+        raise ValueError(f"rank_windows has {len(out)} lists but the plan is for {world_size} ranks")
+    flat = np.fromiter((w for ws in out for w in ws), dtype=np.int64)
+    if flat.size != num_windows or (flat.size and (flat.min() < 0 or flat.max() >= num_windows
+                                                   or np.bincount(flat, minlength=num_windows).max() != 1)):
+        raise ValueError(f"rank_windows must place each of the {num_windows} windows on exactly one rank")
+    return out
+
+
 class Plan:
     """Which windows of a layout each of ``world_size`` ranks owns, and the rows that follow from it.
 
-    A rank's local rows are its windows' tokens, window after window in ascending window id, row-major inside a window.
+    A rank's local rows are its windows' tokens, window after window in the order ``rank_windows`` lists them
+    (ascending window id for LPT), row-major inside a window.
+
+    Args:
+        layout: the windows.
+        world_size: the number of ranks.
+        key: a hashable identity (the planner's cache key); plans with equal non-empty keys are interchangeable.
+        rank_windows: one list of window ids per rank, covering every window exactly once; None runs LPT.
     """
 
-    def __init__(self, layout: Layout, world_size: int, key: tuple = ()) -> None:
+    def __init__(self, layout: Layout, world_size: int, key: tuple = (), *,
+                 rank_windows: Sequence[Sequence[int]] | None = None) -> None:
         self.layout = layout
         self.world_size = _check_world_size(world_size)
         self.key = key
-        self.rank_windows: tuple[tuple[int, ...], ...] = tuple(
-            tuple(ws) for ws in lpt_assign(layout.token_counts.tolist(), self.world_size)
-        )
+        if rank_windows is None:
+            rank_windows = lpt_assign(layout.token_counts.tolist(), self.world_size)
+        self.rank_windows: tuple[tuple[int, ...], ...] = _check_rank_windows(
+            rank_windows, layout.num_windows, self.world_size)
         counts = layout.token_counts
         self.rank_token_counts: tuple[int, ...] = tuple(int(counts[list(ws)].sum()) for ws in self.rank_windows)
         largest = int(counts.max()) if counts.size else 0
@@ -139,6 +166,7 @@ class Plan:
                 f"imbalance={self.imbalance:.3f})")
 
 
+# Kept until the lead's runtime store lands on main (scaffold only; main's planner.py removes these).
 class CacheInfo(NamedTuple):
     hits: int
     misses: int
