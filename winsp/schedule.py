@@ -12,14 +12,15 @@ from typing import Sequence
 
 from .geometry import WindowGeometry
 from .layout import build_layout, check_grids
+from .locality import locality_placement
 from .planner import PLANNER_VERSION, Plan, _check_world_size
 
 __all__ = ["PLANNERS", "PLANNER_VERSIONS", "plan_schedule", "check_planner", "schedule_key"]
 
 #: Planner names in the order they are documented; ``"lpt"`` is the default.
-PLANNERS: tuple[str, ...] = ("lpt",)
+PLANNERS: tuple[str, ...] = ("lpt", "locality")
 #: The version of each planner's rule, part of every plan key (bump when a rule's output changes).
-PLANNER_VERSIONS: dict[str, int] = {"lpt": PLANNER_VERSION}
+PLANNER_VERSIONS: dict[str, int] = {"lpt": PLANNER_VERSION, "locality": 2}
 
 
 def check_planner(planner: object) -> str:
@@ -55,16 +56,39 @@ def plan_schedule(
     """One plan per layer of ``schedule`` for a packed batch of ``grids`` on ``world_size`` ranks.
 
     Layers with equal geometry (equal fingerprints) get the same :class:`Plan` object. ``"lpt"`` places each
-    layout's windows independently by the LPT rule (:func:`winsp.lpt_assign`).
+    layout's windows independently by the LPT rule (:func:`winsp.lpt_assign`). ``"locality"`` places all the
+    schedule's layouts together so that few rows change rank between consecutive layers
+    (:func:`winsp.locality.locality_placement`); its plans therefore depend on the whole schedule, and their keys say so.
     """
     grids = check_grids(grids)
     schedule = _check_schedule(schedule)
     world_size = _check_world_size(world_size)
     planner = check_planner(planner)
     version = PLANNER_VERSIONS[planner]
-    by_geometry: dict[str, Plan] = {}
+    distinct: dict[str, WindowGeometry] = {}
     for geom in schedule:
-        if geom.fingerprint not in by_geometry:
-            key = (grids, geom.fingerprint, geom.version, world_size, planner, version)
-            by_geometry[geom.fingerprint] = Plan(build_layout(grids, geom), world_size, key=key)
+        distinct.setdefault(geom.fingerprint, geom)
+    layouts = {fp: build_layout(grids, geom) for fp, geom in distinct.items()}
+    if planner == "locality":
+        placements = _locality(layouts, schedule, world_size)
+        context: tuple = (tuple(g.fingerprint for g in schedule),)  # the placement depends on the neighbours
+    else:
+        placements = {fp: None for fp in layouts}
+        context = ()
+    by_geometry: dict[str, Plan] = {}
+    for fp, geom in distinct.items():
+        key = (grids, geom.fingerprint, geom.version, world_size, planner, version) + context
+        by_geometry[fp] = Plan(layouts[fp], world_size, key=key, rank_windows=placements[fp])
     return [by_geometry[g.fingerprint] for g in schedule]
+
+
+def _locality(layouts: dict, schedule: tuple[WindowGeometry, ...], world_size: int) -> dict:
+    """The locality placement of each distinct layout, minimising rows moved over the schedule's transitions."""
+    index = {fp: i for i, fp in enumerate(layouts)}
+    transitions: dict[tuple[int, int], int] = {}
+    for prev, cur in zip(schedule, schedule[1:]):
+        i, j = sorted((index[prev.fingerprint], index[cur.fingerprint]))
+        if i != j:
+            transitions[(i, j)] = transitions.get((i, j), 0) + 1
+    placed = locality_placement(list(layouts.values()), transitions, world_size)
+    return dict(zip(layouts, placed))
