@@ -37,7 +37,7 @@ from .planner import lpt_assign
 __all__ = ["locality_placement", "overlap_edges", "cut_weight", "SLACK", "SLACK_LIMIT"]
 
 #: Balance cap the refinement works under: a rank may hold up to (1 + SLACK) x the ideal lower bound.
-SLACK = 0.03
+SLACK = 0.01
 #: The promised bound: above (1 + SLACK_LIMIT) x ideal (and above LPT's own + 0.01) a layout falls back to LPT.
 SLACK_LIMIT = 0.05
 _SPLITS_KEPT = 3  # box splits fully evaluated, best estimates first

@@ -1,0 +1,337 @@
+"""Which SP plan wins where: an alpha-beta communication model plus a per-layer compute model of SeedVR2 3B and 7B.
+
+Run from the repository root: ``python benchmarks/cost_model.py`` (prints the crossover tables of
+``benchmarks/README.md``), ``--fit-gloo FILE`` to refit the communication constants on the JSON that
+``benchmarks/bench_transition.py --json FILE`` writes, ``--detail`` for per-layer figures.
+
+What is modelled, per layer, with nothing overlapped (communication and compute add up):
+
+- **Ulysses** (head-sharded attention): every rank holds N / P rows of the linears; the 4 all-to-alls of q, k, v and
+  the output each send (P - 1) / P of a ``[N / P, D]`` bf16 tensor off-rank, plus a local copy in and out. Heads must
+  be shared out: with H % P != 0 a rank computes ceil(H / P) heads (padding), and P > H is impossible.
+- **window SP** (``planner="lpt"`` or ``"locality"``): every rank keeps all heads and computes its own windows; its
+  time is the slowest rank's linears (its tokens) plus attention (sum over its windows of (n + text)^2). Between
+  layers with different layouts (31 of the 32 3B layers, 35 of the 36 7B layers) one all-to-all whose time is set by
+  the largest per-rank send or receive of the real count matrix, plus two local row gathers. Each layer also
+  all-reduces the replicated text outputs (58 rows, float32).
+
+The placement figures (rank tokens, per-rank attention, per-rank send/receive) come from winsp's real plans, computed
+here for every grid and degree (overlap edges give the count matrix without building 1M-token index arrays).
+
+Constants: GPU figures are **published** numbers, not measured here (no GPU was lent to this session): H100/H200 SXM
+dense bf16 peak 989 TFLOP/s, HBM 3.35 / 4.8 TB/s, NVLink 4 450 GB/s per direction per GPU, 400 Gb/s (50 GB/s)
+InfiniBand NDR per GPU across nodes, NCCL collective latencies of tens of microseconds. The GEMM and attention
+efficiencies and the elementwise share (45 % GEMMs / 53 % elementwise in published eager SeedVR2 profiles) are also
+published-figure assumptions. The gloo fit (:func:`fit_gloo`) is **measured** on this project's 2-core CPU: it checks
+that the model's form (a fixed cost + local gathers + the largest per-rank transfer) explains the measured CPU
+transition and Ulysses times; its constants describe gloo on loopback, not a GPU network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import winsp  # noqa: E402
+from winsp.layout import build_layout  # noqa: E402
+from winsp.locality import locality_placement, overlap_edges  # noqa: E402
+
+BF16 = 2
+NUM_WINDOWS = (4, 3, 3)  # both SeedVR2 models
+
+
+# ---- the models ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The per-layer shape of a SeedVR2 DiT (configs_3b / configs_7b main.yaml of the reference)."""
+
+    name: str
+    dim: int
+    heads: int
+    head_dim: int
+    layers: int
+    mlp: str  # "swiglu" (3B) or "gelu" (7B)
+    expand: int = 4
+    text_tokens: int = 58  # the shipped positive prompt embedding
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.mlp == "swiglu":  # 2/3 of the expanded width, rounded up to a multiple of 256
+            return 256 * math.ceil(int(2 * self.dim * self.expand / 3) / 256)
+        return self.dim * self.expand
+
+    @property
+    def linear_flops_per_token(self) -> float:
+        """q, k, v, output projections and the MLP (multiply-adds x 2) of one video row in one layer."""
+        inner = self.heads * self.head_dim
+        mats = 3 if self.mlp == "swiglu" else 2
+        return 2.0 * (3 * self.dim * inner + inner * self.dim + mats * self.dim * self.mlp_hidden)
+
+    def attention_flops(self, window_tokens: np.ndarray) -> float:
+        """QK^T and AV over windows of these sizes, each with the prompt appended."""
+        n = window_tokens.astype(np.float64) + self.text_tokens
+        return float(4.0 * (n * n).sum() * self.heads * self.head_dim)
+
+
+SEEDVR2_3B = ModelSpec("SeedVR2 3B", dim=2560, heads=20, head_dim=128, layers=32, mlp="swiglu")
+SEEDVR2_7B = ModelSpec("SeedVR2 7B", dim=3072, heads=24, head_dim=128, layers=36, mlp="gelu")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Compute side of one GPU (published figures and assumed efficiencies)."""
+
+    name: str = "H100/H200 SXM"
+    peak_flops: float = 989e12  # dense bf16, published
+    hbm_bytes_per_s: float = 4.8e12  # H200 (H100: 3.35e12), published
+    gemm_efficiency: float = 0.6  # assumed: large bf16 GEMMs reach 60 % of peak
+    attention_efficiency: float = 0.4  # assumed: FlashAttention-class kernels on ~1-4K-token windows
+    elementwise_per_gemm: float = 53 / 45  # published eager SeedVR2 profile: 53 % elementwise vs 45 % GEMMs
+
+    def layer_compute(self, model: ModelSpec, rows: float, attention_flops: float) -> float:
+        gemm = rows * model.linear_flops_per_token / (self.peak_flops * self.gemm_efficiency)
+        return gemm * (1 + self.elementwise_per_gemm) + attention_flops / (self.peak_flops * self.attention_efficiency)
+
+    def copy(self, nbytes: float) -> float:
+        """A gather / permute of ``nbytes``: read and write once."""
+        return 2 * nbytes / self.hbm_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Network:
+    """Alpha-beta model of one all-to-all: ``latency + largest per-rank transfer / bandwidth``."""
+
+    name: str
+    bytes_per_s: float  # per GPU, one direction
+    latency: float  # seconds per collective
+
+    def all_to_all(self, max_rank_bytes: float) -> float:
+        return self.latency + max_rank_bytes / self.bytes_per_s
+
+    def all_reduce(self, nbytes: float, p: int) -> float:
+        return self.latency + 2 * (p - 1) / p * nbytes / self.bytes_per_s if p > 1 else 0.0
+
+
+NVLINK_NODE = Network("one 8-GPU NVLink node", bytes_per_s=450e9, latency=20e-6)
+MULTI_NODE = Network("nodes, 50 GB/s per GPU", bytes_per_s=50e9, latency=40e-6)
+H200 = Device()
+
+
+# ---- what the plans say -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlacementStats:
+    """Per-layout figures of one plan pair (regular, shifted) that the cost model needs."""
+
+    max_rank_rows: tuple[int, int]  # per layout, the slowest rank's tokens ...
+    max_rank_attention: tuple[float, float]  # ... and its attention sum of (n + text)^2 (in units of tokens^2)
+    max_rank_compute_rows: tuple[float, float]  # the slowest rank by rows + attention weight, see layer_compute
+    max_transfer_rows: tuple[int, int]  # largest per-rank send or receive, regular -> shifted and back
+    rows_moved: int
+    local_rows: int  # the largest rank's rows (the local gathers of a transition touch them)
+
+
+def _owner(rank_windows, n: int) -> np.ndarray:
+    owner = np.empty(n, dtype=np.int64)
+    for r, ws in enumerate(rank_windows):
+        owner[ws] = r
+    return owner
+
+
+@lru_cache(maxsize=None)
+def placement_stats(grid: tuple[int, int, int], p: int, planner: str, text_tokens: int = 58) -> PlacementStats:
+    layouts = [build_layout([grid], winsp.make_geometry(m, NUM_WINDOWS)) for m in ("regular", "shifted")]
+    if planner == "locality":
+        placed = locality_placement(layouts, {(0, 1): 1}, p)
+    else:
+        placed = [winsp.lpt_assign(lay.token_counts.tolist(), p) for lay in layouts]
+    owners = [_owner(rw, lay.num_windows) for rw, lay in zip(placed, layouts)]
+    rows, attn = [], []
+    for lay, own in zip(layouts, owners):
+        rows.append(np.bincount(own, weights=lay.token_counts, minlength=p))
+        n = lay.token_counts.astype(np.float64) + text_tokens
+        attn.append(np.bincount(own, weights=n * n, minlength=p))
+    ea, eb, ew = overlap_edges(*layouts)
+    count = np.zeros((p, p), dtype=np.int64)
+    np.add.at(count, (owners[0][ea], owners[1][eb]), ew)
+    off = count - np.diag(np.diag(count))
+    fwd = int(max(off.sum(axis=1).max(), off.sum(axis=0).max()))
+    return PlacementStats(
+        max_rank_rows=tuple(int(r.max()) for r in rows),
+        max_rank_attention=tuple(float(a.max()) for a in attn),
+        max_rank_compute_rows=tuple(float(np.argmax(r)) for r in rows),
+        max_transfer_rows=(fwd, fwd),  # the way back moves the transposed matrix: same largest send/receive
+        rows_moved=int(off.sum()),
+        local_rows=int(max(r.max() for r in rows)),
+    )
+
+
+# ---- per-layer and per-forward time ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    scheme: str
+    compute: float  # per layer (mean over the layouts), seconds
+    comm: float  # per layer (transitions spread over the layers), seconds
+
+    @property
+    def layer(self) -> float:
+        return self.compute + self.comm
+
+    def forward(self, model: ModelSpec) -> float:
+        return self.layer * model.layers
+
+
+def predict_ulysses(model: ModelSpec, grid, p: int, net: Network, dev: Device = H200) -> Prediction | None:
+    """Head-sharded attention; None when P exceeds the head count."""
+    if p > model.heads:
+        return None
+    n = math.prod(grid)
+    layouts = [build_layout([grid], winsp.make_geometry(m, NUM_WINDOWS)) for m in ("regular", "shifted")]
+    head_share = math.ceil(model.heads / p) / model.heads  # padded heads when H % P != 0
+    attn = np.mean([model.attention_flops(lay.token_counts) for lay in layouts]) * head_share
+    compute = dev.layer_compute(model, n / p, 0.0) + attn / (dev.peak_flops * dev.attention_efficiency)
+    if p == 1:
+        return Prediction("Ulysses", compute, 0.0)
+    shard = (n / p + model.text_tokens) * model.dim * BF16
+    comm = 4 * (net.all_to_all(shard * (p - 1) / p) + 2 * dev.copy(shard))
+    return Prediction("Ulysses", compute, comm)
+
+
+def predict_window_sp(model: ModelSpec, grid, p: int, planner: str, net: Network, dev: Device = H200) -> Prediction:
+    s = placement_stats(tuple(grid), p, planner, model.text_tokens)
+    unit = 4.0 * model.heads * model.head_dim  # attention FLOPs per (n + text)^2
+    compute = float(np.mean([dev.layer_compute(model, rows, attn * unit)
+                             for rows, attn in zip(s.max_rank_rows, s.max_rank_attention)]))
+    if p == 1:
+        return Prediction(planner, compute, 0.0)
+    transitions_per_layer = (model.layers - 1) / model.layers
+    row_bytes = model.dim * BF16
+    transition = net.all_to_all(s.max_transfer_rows[0] * row_bytes) + 2 * dev.copy(s.local_rows * row_bytes)
+    text = net.all_reduce(model.text_tokens * model.dim * 4, p)
+    return Prediction(planner, compute, transitions_per_layer * transition + text)
+
+
+def predictions(model: ModelSpec, grid, p: int, net: Network, dev: Device = H200) -> dict[str, Prediction]:
+    out = {"Ulysses": predict_ulysses(model, grid, p, net, dev),
+           "LPT": predict_window_sp(model, grid, p, "lpt", net, dev),
+           "locality": predict_window_sp(model, grid, p, "locality", net, dev)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+# ---- settings and the crossover table ----------------------------------------------------------------------
+
+RESOLUTIONS = {"480p": (30, 53), "720p": (45, 80), "1080p": (68, 120), "1440p": (90, 160), "4K": (135, 240)}
+FRAMES = {1: 1, 21: 6, 45: 12, 121: 31}  # video frames -> latent frames (4x temporal VAE)
+DEGREES = {NVLINK_NODE.name: (2, 4, 8), MULTI_NODE.name: (16, 32, 64)}
+
+
+def crossover_rows(model: ModelSpec, net: Network, degrees, resolutions=RESOLUTIONS, frames=FRAMES):
+    rows = []
+    for res, (h, w) in resolutions.items():
+        for f, t in frames.items():
+            grid = (t, h, w)
+            for p in degrees:
+                preds = predictions(model, grid, p, net)
+                ranked = sorted(preds.items(), key=lambda kv: kv[1].forward(model))
+                rows.append(dict(res=res, frames=f, grid=grid, p=p, preds=preds, winner=ranked[0][0],
+                                 margin=ranked[1][1].forward(model) / ranked[0][1].forward(model) - 1))
+    return rows
+
+
+def crossover_markdown(model: ModelSpec, net: Network, degrees) -> str:
+    rows = crossover_rows(model, net, degrees)
+    head = "| resolution | frames | " + " | ".join(f"P = {p}" for p in degrees) + " |"
+    lines = [head, "|---|---:|" + "---|" * len(degrees)]
+    by = {(r["res"], r["frames"], r["p"]): r for r in rows}
+    for res in RESOLUTIONS:
+        for f in FRAMES:
+            cells = []
+            for p in degrees:
+                r = by[(res, f, p)]
+                fwd = r["preds"][r["winner"]].forward(model)
+                cells.append(f"{r['winner']} +{r['margin'] * 100:.0f}% ({fwd * 1e3:,.0f} ms)")
+            lines.append(f"| {res} | {f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def detail_markdown(model: ModelSpec, net: Network, grid, degrees) -> str:
+    lines = ["| P | scheme | compute / layer | comm / layer | layer | forward | comm share |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for p in degrees:
+        for name, pr in predictions(model, grid, p, net).items():
+            lines.append(f"| {p} | {name} | {pr.compute * 1e3:.2f} ms | {pr.comm * 1e3:.2f} ms | {pr.layer * 1e3:.2f} ms "
+                         f"| {pr.forward(model) * 1e3:,.0f} ms | {pr.comm / pr.layer * 100:.1f}% |")
+    return "\n".join(lines)
+
+
+# ---- calibration on the gloo measurements ------------------------------------------------------------------
+
+def fit_gloo(measured: list[dict]) -> dict:
+    """Least-squares fit of ``t = c + k_copy * local_bytes + max_rank_bytes / B`` on bench_transition's JSON.
+
+    Each measured row gives three points: the LPT and locality transitions (one all-to-all of the largest per-rank
+    send or receive, two gathers of the local rows) and the Ulysses layer (four all-to-alls of (P-1)/P of a
+    ``[N/P, D]`` shard, each with its copies). Returns the constants and the relative error of each point.
+    """
+    xs, ys, labels = [], [], []
+    for r in measured:
+        d, p, n = r["hidden"], r["P"], r["tokens"]
+        row = d * 4  # float32 on gloo
+        for pl in ("lpt", "locality"):
+            c = r["counts"][pl]
+            xs.append([1.0, 2 * c["max_local_rows"] * row, c["max_transfer_rows"] * row])
+            ys.append(r["times"][pl])
+            labels.append((r["shape"], p, pl))
+        shard = math.ceil(n / p) * row
+        xs.append([4.0, 4 * 2 * shard, 4 * shard * (p - 1) / p])
+        ys.append(r["times"]["ulysses"])
+        labels.append((r["shape"], p, "ulysses"))
+    x, y = np.asarray(xs), np.asarray(ys)
+    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)  # relative-error least squares
+    pred = x @ coef
+    return {"fixed_s": coef[0], "copy_s_per_byte": coef[1],
+            "bandwidth_bytes_per_s": 1 / coef[2] if coef[2] > 0 else float("inf"),
+            "points": [(lab, yy, pp) for lab, yy, pp in zip(labels, y, pred)]}
+
+
+def fit_markdown(fit: dict) -> str:
+    lines = [f"fitted on gloo: fixed {fit['fixed_s'] * 1e3:.2f} ms per collective, local copy "
+             f"{1 / fit['copy_s_per_byte'] / 1e9 if fit['copy_s_per_byte'] > 0 else float('inf'):.2f} GB/s, "
+             f"transfer {fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s", "",
+             "| shape | P | exchange | measured | model | model / measured |", "|---|---:|---|---:|---:|---:|"]
+    for (shape, p, what), y, pr in fit["points"]:
+        lines.append(f"| {shape} | {p} | {what} | {y * 1e3:.2f} ms | {pr * 1e3:.2f} ms | {pr / y:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fit-gloo", type=Path, help="JSON written by benchmarks/bench_transition.py --json")
+    ap.add_argument("--detail", action="store_true", help="per-layer figures at 4K x 121 frames")
+    args = ap.parse_args(argv)
+    if args.fit_gloo:
+        print(fit_markdown(fit_gloo(json.loads(args.fit_gloo.read_text()))))
+        return
+    for model in (SEEDVR2_3B, SEEDVR2_7B):
+        for net in (NVLINK_NODE, MULTI_NODE):
+            print(f"\n#### {model.name}, {net.name}\n")
+            print(crossover_markdown(model, net, DEGREES[net.name]))
+            if args.detail:
+                print()
+                print(detail_markdown(model, net, (31, 135, 240), DEGREES[net.name]))
+
+
+if __name__ == "__main__":
+    main()
