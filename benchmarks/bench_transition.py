@@ -21,10 +21,11 @@ do not depend on the machine.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -55,6 +56,12 @@ class TransitionCounts:
     max_recv_rows: int
     mean_peers: float  # ranks each rank sends to, on average
     max_peers: int
+    max_local_rows: int  # the largest rank's rows (the two local gathers of a transition touch them)
+
+    @property
+    def max_transfer_rows(self) -> int:
+        """The largest per-rank send or receive: what sets an all-to-all's time."""
+        return max(self.max_send_rows, self.max_recv_rows)
 
     @classmethod
     def of(cls, transition: Transition) -> "TransitionCounts":
@@ -62,7 +69,8 @@ class TransitionCounts:
         np.fill_diagonal(c, 0)
         peers = (c > 0).sum(axis=1)
         return cls(int(transition.src.layout.num_tokens), int(c.sum()), int(c.sum(axis=1).max()),
-                   int(c.sum(axis=0).max()), float(peers.mean()), int(peers.max()))
+                   int(c.sum(axis=0).max()), float(peers.mean()), int(peers.max()),
+                   int(max(transition.src.rank_token_counts)))
 
 
 def transition_counts(grid, world_size: int, planner: str) -> TransitionCounts:
@@ -130,7 +138,7 @@ def measure(world_sizes=(2, 4, 8), shapes: dict = SHAPES, hidden: int = 128, rep
         per_rank = run_ranks(_rank_main, p, shapes, hidden, repeats, timeout=1800.0)
         for name, grid in shapes.items():
             t = per_rank[0][name]
-            rows.append({"shape": name, "grid": grid, "P": p, **{f"t_{k}": v for k, v in t.items()},
+            rows.append({"shape": name, "grid": grid, "P": p, "hidden": hidden, **{f"t_{k}": v for k, v in t.items()},
                          **{f"c_{pl}": transition_counts(grid, p, pl) for pl in PLANNERS}})
     return rows
 
@@ -167,8 +175,20 @@ def main(argv=None) -> None:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--json", type=Path, help="also write the figures here (input of cost_model.py --fit-gloo)")
     args = ap.parse_args(argv)
-    print(markdown(measure(tuple(args.world_sizes), SHAPES, args.hidden, args.repeats), args.hidden))
+    rows = measure(tuple(args.world_sizes), SHAPES, args.hidden, args.repeats)
+    print(markdown(rows, args.hidden))
+    if args.json:
+        args.json.write_text(json.dumps([to_json(r) for r in rows], indent=1))
+
+
+def to_json(row: dict) -> dict:
+    return {"shape": row["shape"], "grid": list(row["grid"]), "P": row["P"], "hidden": row["hidden"],
+            "tokens": row["c_lpt"].tokens,
+            "times": {k: row[f"t_{k}"] for k in (*PLANNERS, "ulysses")},
+            "counts": {pl: {**asdict(row[f"c_{pl}"]), "max_transfer_rows": row[f"c_{pl}"].max_transfer_rows}
+                       for pl in PLANNERS}}
 
 
 if __name__ == "__main__":
