@@ -136,7 +136,6 @@ class PlacementStats:
 
     max_rank_rows: tuple[int, int]  # per layout, the slowest rank's tokens ...
     max_rank_attention: tuple[float, float]  # ... and its attention sum of (n + text)^2 (in units of tokens^2)
-    max_rank_compute_rows: tuple[float, float]  # the slowest rank by rows + attention weight, see layer_compute
     max_transfer_rows: tuple[int, int]  # largest per-rank send or receive, regular -> shifted and back
     rows_moved: int
     local_rows: int  # the largest rank's rows (the local gathers of a transition touch them)
@@ -170,7 +169,6 @@ def placement_stats(grid: tuple[int, int, int], p: int, planner: str, text_token
     return PlacementStats(
         max_rank_rows=tuple(int(r.max()) for r in rows),
         max_rank_attention=tuple(float(a.max()) for a in attn),
-        max_rank_compute_rows=tuple(float(np.argmax(r)) for r in rows),
         max_transfer_rows=(fwd, fwd),  # the way back moves the transposed matrix: same largest send/receive
         rows_moved=int(off.sum()),
         local_rows=int(max(r.max() for r in rows)),
@@ -250,19 +248,53 @@ def crossover_rows(model: ModelSpec, net: Network, degrees, resolutions=RESOLUTI
     return rows
 
 
+_SHORT = {"Ulysses": "Uly", "LPT": "LPT", "locality": "loc"}
+
+
+def _cell(row: dict, model: ModelSpec) -> str:
+    """The winner, then how much slower each other scheme's forward is (``=`` within 0.5 %)."""
+    preds = row["preds"]
+    best = preds[row["winner"]].forward(model)
+    others = []
+    for name in ("Ulysses", "LPT", "locality"):
+        if name == row["winner"]:
+            continue
+        if name not in preds:
+            others.append(f"{_SHORT[name]} n/a")
+            continue
+        extra = preds[name].forward(model) / best - 1
+        others.append(f"{_SHORT[name]} " + ("=" if extra < 0.005 else f"+{extra * 100:.0f}%"))
+    return f"**{_SHORT[row['winner']]}** {best * 1e3:,.0f} ms; " + ", ".join(others)
+
+
 def crossover_markdown(model: ModelSpec, net: Network, degrees) -> str:
+    """One row per (resolution, frames), one column per degree: the fastest scheme, its forward, the others' excess."""
     rows = crossover_rows(model, net, degrees)
     head = "| resolution | frames | " + " | ".join(f"P = {p}" for p in degrees) + " |"
     lines = [head, "|---|---:|" + "---|" * len(degrees)]
     by = {(r["res"], r["frames"], r["p"]): r for r in rows}
     for res in RESOLUTIONS:
         for f in FRAMES:
-            cells = []
-            for p in degrees:
-                r = by[(res, f, p)]
-                fwd = r["preds"][r["winner"]].forward(model)
-                cells.append(f"{r['winner']} +{r['margin'] * 100:.0f}% ({fwd * 1e3:,.0f} ms)")
+            cells = [_cell(by[(res, f, p)], model) for p in degrees]
             lines.append(f"| {res} | {f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_markdown(models=None, nets=None) -> str:
+    """How often each scheme wins per (model, network), and the median margin of locality over LPT."""
+    models = models or (SEEDVR2_3B, SEEDVR2_7B)
+    nets = nets or (NVLINK_NODE, MULTI_NODE)
+    lines = ["| model | network | P | settings | Ulysses wins | LPT wins | locality wins | locality vs LPT forward "
+             "(median, best, worst) |", "|---|---|---|---:|---:|---:|---:|---|"]
+    for model in models:
+        for net in nets:
+            rows = crossover_rows(model, net, DEGREES[net.name])
+            wins = {k: sum(r["winner"] == k for r in rows) for k in ("Ulysses", "LPT", "locality")}
+            gain = np.array([r["preds"]["locality"].forward(model) / r["preds"]["LPT"].forward(model) - 1
+                             for r in rows]) * 100
+            lines.append(f"| {model.name} | {net.name} | {', '.join(map(str, DEGREES[net.name]))} | {len(rows)} "
+                         f"| {wins['Ulysses']} | {wins['LPT']} | {wins['locality']} "
+                         f"| {np.median(gain):+.1f}%, {gain.min():+.1f}%, {gain.max():+.1f}% |")
     return "\n".join(lines)
 
 
@@ -278,12 +310,13 @@ def detail_markdown(model: ModelSpec, net: Network, grid, degrees) -> str:
 
 # ---- calibration on the gloo measurements ------------------------------------------------------------------
 
-def fit_gloo(measured: list[dict]) -> dict:
+def fit_gloo(measured: list[dict], key: str = "min_times") -> dict:
     """Least-squares fit of ``t = c + k_copy * local_bytes + max_rank_bytes / B`` on bench_transition's JSON.
 
     Each measured row gives three points: the LPT and locality transitions (one all-to-all of the largest per-rank
     send or receive, two gathers of the local rows) and the Ulysses layer (four all-to-alls of (P-1)/P of a
-    ``[N/P, D]`` shard, each with its copies). Returns the constants and the relative error of each point.
+    ``[N/P, D]`` shard, each with its copies). ``key`` picks the minima (default, least disturbed by other jobs) or
+    the medians (``"times"``). Returns the constants and the model / measured ratio of each point.
     """
     xs, ys, labels = [], [], []
     for r in measured:
@@ -292,11 +325,11 @@ def fit_gloo(measured: list[dict]) -> dict:
         for pl in ("lpt", "locality"):
             c = r["counts"][pl]
             xs.append([1.0, 2 * c["max_local_rows"] * row, c["max_transfer_rows"] * row])
-            ys.append(r["times"][pl])
+            ys.append(r[key][pl])
             labels.append((r["shape"], p, pl))
         shard = math.ceil(n / p) * row
         xs.append([4.0, 4 * 2 * shard, 4 * shard * (p - 1) / p])
-        ys.append(r["times"]["ulysses"])
+        ys.append(r[key]["ulysses"])
         labels.append((r["shape"], p, "ulysses"))
     x, y = np.asarray(xs), np.asarray(ys)
     coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)  # relative-error least squares
@@ -324,6 +357,7 @@ def main(argv=None) -> None:
     if args.fit_gloo:
         print(fit_markdown(fit_gloo(json.loads(args.fit_gloo.read_text()))))
         return
+    print(summary_markdown())
     for model in (SEEDVR2_3B, SEEDVR2_7B):
         for net in (NVLINK_NODE, MULTI_NODE):
             print(f"\n#### {model.name}, {net.name}\n")
