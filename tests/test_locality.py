@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -131,3 +131,51 @@ def test_locality_placement_rejects_bad_transitions():
         locality_placement([lay], {(0, 1): 1}, 2)
     with pytest.raises(ValueError, match="same batch"):
         overlap_edges(lay, build_layout([(3, 18, 25)], SHIFT))
+
+
+# ---- exactness: the SeedVR2 DiT under planner="locality" equals lpt and the golden ------------------------------
+
+def _dit_rank_main(rank: int, world_size: int) -> dict:
+    from tests.test_dit import run
+    from tests.test_dit_parallel import PACKED, _batch, _golden_model
+
+    model, inputs, expected = _golden_model()
+    packed = _batch(model, PACKED, seed=1)
+    out = {}
+    for planner in ("lpt", "locality"):
+        runtime = model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size, planner=planner))
+        golden = run(model, inputs)
+        out[planner] = {"golden": golden, "packed": run(model, packed)}
+        req = runtime.request(grids=[(5, 32, 56)], text_lengths=[17])
+        out[planner]["placement"] = [req.plan(i).rank_windows for i in range(2)]
+        out[planner]["keyed"] = planner in req.plan(0).key
+    out["golden_err"] = (out["locality"]["golden"] - expected).abs().max().item()
+    return out
+
+
+def _check_dit_exactness(world_size: int) -> None:
+    from winsp.testing import run_ranks
+
+    results = run_ranks(_dit_rank_main, world_size, timeout=300.0)
+    for rank, res in enumerate(results):
+        assert res["locality"]["keyed"] and res["lpt"]["keyed"], rank
+        # the two planners really place windows differently on this input (else the test would prove nothing)
+        assert res["locality"]["placement"] != res["lpt"]["placement"], rank
+        assert res["golden_err"] <= 1e-4, (rank, res["golden_err"])
+        for what in ("golden", "packed"):
+            diff = (res["locality"][what] - res["lpt"][what]).abs().max().item()
+            assert diff <= 1e-4, (rank, what, diff)
+            assert torch.allclose(res["locality"][what], results[0]["locality"][what], atol=1e-6, rtol=0), rank
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dit_locality_equals_lpt_and_golden(world_size):
+    _check_dit_exactness(world_size)
+
+
+@pytest.mark.multirank
+@pytest.mark.large_world
+@pytest.mark.parametrize("world_size", [6, 8])
+def test_dit_locality_equals_lpt_and_golden_large(world_size):
+    _check_dit_exactness(world_size)
