@@ -1,32 +1,26 @@
-"""Token-balanced window placement (LPT) and its fingerprinted, LRU-bounded plan cache.
+"""Window placement: the LPT rule and the :class:`Plan` object (which windows each rank owns, and what follows).
 
-Rule (deterministic, so every rank computes the same plan with no communication):
-windows sorted by (-token count, window id); each goes to the rank with the smallest (assigned tokens, rank id);
-each rank then lists its windows in ascending window id. A rank may end up with no window.
+LPT (deterministic, so every rank computes the same plan with no communication): windows sorted by
+(-token count, window id); each goes to the rank with the smallest (assigned tokens, rank id); each rank then lists
+its windows in ascending window id. A rank may end up with no window. Other placements (see :mod:`winsp.schedule`)
+hand a :class:`Plan` their own ``rank_windows``.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import threading
-from collections import OrderedDict
 from functools import cached_property
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .geometry import WindowGeometry
-from .layout import Layout, build_layout, check_grids, inverse_permutation
+from .layout import Layout, inverse_permutation
 
 __all__ = [
     "PLANNER_VERSION",
     "lpt_assign",
     "Plan",
-    "PlanCache",
-    "CacheInfo",
-    "default_plan_cache",
-    "plan_windows",
 ]
 
 PLANNER_VERSION = 1
@@ -44,9 +38,13 @@ def lpt_assign(window_token_counts: Sequence[int], world_size: int) -> list[list
     Returns one ascending list of window ids per rank (empty lists for ranks that get nothing).
     """
     world_size = _check_world_size(world_size)
-    counts = [int(c) for c in window_token_counts]
-    if any(c < 0 for c in counts):
-        raise ValueError("window_token_counts must be non-negative")
+    counts = []
+    for i, c in enumerate(window_token_counts):
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)):
+            raise ValueError(f"window_token_counts[{i}] must be an integer token count, got {c!r}")
+        if c < 0:
+            raise ValueError(f"window_token_counts[{i}] must be non-negative, got {c}")
+        counts.append(int(c))
     order = sorted(range(len(counts)), key=lambda w: (-counts[w], w))
     heap = [(0, r) for r in range(world_size)]  # (assigned tokens, rank id): heap order is the tie-break rule
     assigned: list[list[int]] = [[] for _ in range(world_size)]
@@ -59,19 +57,41 @@ def lpt_assign(window_token_counts: Sequence[int], world_size: int) -> list[list
     return assigned
 
 
+def _check_rank_windows(rank_windows: Sequence[Sequence[int]], num_windows: int,
+                        world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Validate a placement: ``world_size`` lists that together hold every window id exactly once."""
+    out = tuple(tuple(int(w) for w in ws) for ws in rank_windows)
+    if len(out) != world_size:
+        raise ValueError(f"rank_windows has {len(out)} lists but the plan is for {world_size} ranks")
+    flat = np.fromiter((w for ws in out for w in ws), dtype=np.int64)
+    if flat.size != num_windows or (flat.size and (flat.min() < 0 or flat.max() >= num_windows
+                                                   or np.bincount(flat, minlength=num_windows).max() != 1)):
+        raise ValueError(f"rank_windows must place each of the {num_windows} windows on exactly one rank")
+    return out
+
+
 class Plan:
     """Which windows of a layout each of ``world_size`` ranks owns, and the rows that follow from it.
 
-    A rank's local rows are its windows' tokens, window after window in ascending window id, row-major inside a window.
+    A rank's local rows are its windows' tokens, window after window in the order ``rank_windows`` lists them
+    (ascending window id for LPT), row-major inside a window.
+
+    Args:
+        layout: the windows.
+        world_size: the number of ranks.
+        key: a hashable identity (the planner's cache key); plans with equal non-empty keys are interchangeable.
+        rank_windows: one list of window ids per rank, covering every window exactly once; None runs LPT.
     """
 
-    def __init__(self, layout: Layout, world_size: int, key: tuple = ()) -> None:
+    def __init__(self, layout: Layout, world_size: int, key: tuple = (), *,
+                 rank_windows: Sequence[Sequence[int]] | None = None) -> None:
         self.layout = layout
         self.world_size = _check_world_size(world_size)
         self.key = key
-        self.rank_windows: tuple[tuple[int, ...], ...] = tuple(
-            tuple(ws) for ws in lpt_assign(layout.token_counts.tolist(), self.world_size)
-        )
+        if rank_windows is None:
+            rank_windows = lpt_assign(layout.token_counts.tolist(), self.world_size)
+        self.rank_windows: tuple[tuple[int, ...], ...] = _check_rank_windows(
+            rank_windows, layout.num_windows, self.world_size)
         counts = layout.token_counts
         self.rank_token_counts: tuple[int, ...] = tuple(int(counts[list(ws)].sum()) for ws in self.rank_windows)
         largest = int(counts.max()) if counts.size else 0
@@ -137,68 +157,3 @@ class Plan:
         return (f"Plan(windows={self.layout.num_windows}, tokens={self.layout.num_tokens}, "
                 f"world_size={self.world_size}, rank_tokens={list(self.rank_token_counts)}, "
                 f"imbalance={self.imbalance:.3f})")
-
-
-class CacheInfo(NamedTuple):
-    hits: int
-    misses: int
-    maxsize: int
-    currsize: int
-
-
-class PlanCache:
-    """LRU cache of plans keyed by (grids, geometry fingerprint, geometry version, world size, planner version)."""
-
-    def __init__(self, maxsize: int = 64) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-            raise ValueError(f"maxsize must be a positive integer, got {maxsize!r}")
-        self.maxsize = maxsize
-        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
-        self._lock = threading.Lock()
-        self._hits = self._misses = 0
-
-    @staticmethod
-    def key(grids: Sequence[Sequence[int]], geometry: WindowGeometry, world_size: int) -> tuple:
-        return (check_grids(grids), geometry.fingerprint, geometry.version, _check_world_size(world_size),
-                PLANNER_VERSION)
-
-    def get(self, grids: Sequence[Sequence[int]], geometry: WindowGeometry, world_size: int) -> Plan:
-        """The plan for this batch geometry and degree, built on a miss."""
-        key = self.key(grids, geometry, world_size)
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                self._hits += 1
-                return plan
-            self._misses += 1
-        plan = Plan(build_layout(key[0], geometry), key[3], key=key)
-        with self._lock:
-            self._plans[key] = plan
-            self._plans.move_to_end(key)
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
-        return plan
-
-    def cache_info(self) -> CacheInfo:
-        with self._lock:
-            return CacheInfo(self._hits, self._misses, self.maxsize, len(self._plans))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-            self._hits = self._misses = 0
-
-
-default_plan_cache = PlanCache()
-
-
-def plan_windows(
-    grids: Sequence[Sequence[int]],
-    geometry: WindowGeometry,
-    world_size: int,
-    *,
-    cache: PlanCache | None = None,
-) -> Plan:
-    """The (cached) :class:`Plan` of a packed batch of ``grids`` under ``geometry`` for ``world_size`` ranks."""
-    return (cache or default_plan_cache).get(grids, geometry, world_size)
