@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.redistribute import Transition  # noqa: E402
+from winsp.redistribute import Transition, redistribute_rows  # noqa: E402
 from winsp.schedule import plan_schedule  # noqa: E402
 
 NUM_WINDOWS = (4, 3, 3)  # SeedVR2 3B
@@ -80,35 +80,21 @@ def transition_counts(grid, world_size: int, planner: str) -> TransitionCounts:
     return TransitionCounts.of(Transition(reg, shift))
 
 
-def _redistribute_fn():
-    """winsp's row redistribution (its public name changes across versions; the module keeps it)."""
-    import importlib
-
-    mod = importlib.import_module("winsp.redistribute")  # the module, not the function winsp.redistribute
-    for name in ("redistribute_rows", "redistribute"):
-        fn = getattr(mod, name, None)
-        if callable(fn):
-            return fn
-    raise ImportError("winsp.redistribute has no redistribution function")
-
-
 def _rank_main(rank: int, world_size: int, shapes: dict, hidden: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
     torch.manual_seed(rank)
     group = winsp.SPGroup(dist.group.WORLD)
-    move = _redistribute_fn()
     geoms = [winsp.make_geometry("regular", NUM_WINDOWS), winsp.make_geometry("shifted", NUM_WINDOWS)]
     out = {}
     for name, grid in shapes.items():
         ops = {}
         for planner in PLANNERS:
             reg, shift = plan_schedule([grid], geoms, world_size, planner)
-            tr = Transition(reg, shift)
+            step = Transition(reg, shift).for_rank(rank).to("cpu")  # index build outside the timing
             x = torch.randn(reg.rank_token_counts[rank], hidden)
-            tr.for_rank(rank)  # index build outside the timing
-            ops[planner] = (lambda x=x, tr=tr: move(x, tr, group))
+            ops[planner] = (lambda x=x, step=step: redistribute_rows(x, step, group))
         n_local = -(-reg.layout.num_tokens // world_size)
         heads = torch.randn(world_size, n_local, max(1, hidden // world_size))  # head-sharded q (or k, v, out)
 

@@ -16,49 +16,71 @@ import winsp
 
 
 class ToyWindowedBlock(nn.Module):
-    """Pre-norm attention + MLP over video rows and replicated text rows."""
+    """Pre-norm attention + MLP over video rows and replicated text rows, modulated by a per-sample embedding.
 
-    def __init__(self, dim: int, heads: int) -> None:
+    ``shared=True`` uses the video stream's weights for the text stream too (as MM-DiTs with shared projections do).
+    """
+
+    def __init__(self, dim: int, heads: int, shared: bool = False) -> None:
         super().__init__()
         self.heads = heads
         self.norm_vid, self.norm_txt = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv_vid, self.qkv_txt = nn.Linear(dim, 3 * dim), nn.Linear(dim, 3 * dim)
-        self.out_vid, self.out_txt = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.qkv_vid, self.out_vid = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        if shared:
+            self.qkv_txt, self.out_txt = self.qkv_vid, self.out_vid
+        else:
+            self.qkv_txt, self.out_txt = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
-    def forward(self, vid, txt, request: winsp.WindowRequest):
+    def forward(self, vid, txt, request: winsp.WindowRequest, scale=None):
         def heads(x):
             return x.unflatten(-1, (3, self.heads, -1)).unbind(-3)  # q, k, v as [L, heads, head_dim]
 
-        qv, kv, vv = heads(self.qkv_vid(self.norm_vid(vid)))
-        qt, kt, vt = heads(self.qkv_txt(self.norm_txt(txt)))
+        v, t = self.norm_vid(vid), self.norm_txt(txt)
+        if scale is not None:  # per-sample modulation: video rows pick their sample's row, text rows theirs
+            v = v * (1 + scale[0].index_select(0, request.row_sample))
+            t = t * (1 + scale[1])
+        qv, kv, vv = heads(self.qkv_vid(v))
+        qt, kt, vt = heads(self.qkv_txt(t))
         attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt)  # no communication but the text mean
         vid = vid + self.out_vid(attn_vid.flatten(1))
         txt = txt + self.out_txt(attn_txt.flatten(1))
         return vid + self.mlp(vid), txt
 
 
-class ToyWindowedDiT(nn.Module):
-    """Layers alternate Swin-style regular and shifted windows of a fixed size (clipped at the borders)."""
+class ToyWindowedDiT(winsp.WindowParallel, nn.Module):
+    """Layers alternate Swin-style regular and shifted windows of a fixed size (clipped at the borders).
 
-    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 4, window=(2, 4, 4)) -> None:
+    The last ``shared_layers`` blocks share their weights between the streams. With a timestep, a small embedding
+    modulates both streams of every block (one value per sample).
+    """
+
+    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 4, window=(2, 4, 4), shared_layers: int = 0) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(ToyWindowedBlock(dim, heads) for _ in range(layers))
-        shift = tuple(k // 2 for k in window)
-        self.schedule = [winsp.FixedWindows(window, shift=shift if i % 2 else (0, 0, 0)) for i in range(layers)]
-        self.runtime = winsp.WindowRuntime(self.schedule)  # single rank until parallelize() is called
+        self.blocks = nn.ModuleList(ToyWindowedBlock(dim, heads, shared=i >= layers - shared_layers)
+                                    for i in range(layers))
+        self.time_embed = nn.Sequential(nn.Linear(1, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.window = tuple(window)
 
-    def parallelize(self, config: winsp.DiffusionParallelConfig, group=None) -> str:
-        self.runtime = winsp.WindowRuntime.from_config(config, self.schedule, group=group)
-        return self.runtime.execution_path
+    def window_schedule(self):
+        shift = tuple(k // 2 for k in self.window)
+        return [winsp.FixedWindows(self.window, shift=shift if i % 2 else (0, 0, 0)) for i in range(len(self.blocks))]
 
-    def forward(self, vid, txt, grids, text_lengths):
-        """vid [N, dim] canonical rows of all samples; txt [L_txt, dim] replicated; returns canonical [N, dim]."""
-        request = self.runtime.request(grids, text_lengths, device=vid.device)
+    def forward(self, vid, txt, grids, text_lengths, timestep=None):
+        """vid [N, dim] canonical rows of all samples; txt [L_txt, dim] replicated; returns canonical [N, dim].
+
+        ``timestep`` (optional) is one value per sample, [b].
+        """
+        request = self.require_runtime().request(grids, text_lengths, device=vid.device, dtype=vid.dtype)
+        scale = None
+        if timestep is not None:
+            per_sample = self.time_embed(timestep.to(vid.dtype).unsqueeze(-1))  # [b, dim]
+            sample_of_text = torch.tensor([s for s, n in enumerate(text_lengths) for _ in range(n)], device=vid.device)
+            scale = (per_sample, per_sample.index_select(0, sample_of_text))
         vid = request.scatter(vid)
         for i, block in enumerate(self.blocks):
             vid = request.to_layer(vid, i)
-            vid, txt = block(vid, txt, request)
+            vid, txt = block(vid, txt, request, scale)
         return request.gather(vid)
 
 
@@ -72,7 +94,7 @@ def _demo_inputs(dim: int = 16):
 def _rank_main(rank: int, world_size: int):
     torch.manual_seed(1)
     model = ToyWindowedDiT().double()  # same seed -> same weights on every rank
-    path = model.parallelize(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    path = model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size)).execution_path
     vid, txt, grids, text_lengths = _demo_inputs()
     return path, model(vid, txt, grids, text_lengths)
 

@@ -6,7 +6,7 @@ import torch
 
 from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig
 
-__all__ = ["tiny_vae", "random_video"]
+__all__ = ["tiny_vae", "random_video", "assert_close"]
 
 
 def tiny_vae(seed: int = 0) -> CausalVideoVAE:
@@ -28,3 +28,12 @@ def random_video(frames: int, height: int, width: int, seed: int = 1) -> torch.T
     """A uniform random clip ``[1, 3, frames, height, width]`` in [-1, 1], drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return torch.rand(1, 3, frames, height, width, generator=g) * 2 - 1
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Same dtype and shape, and max |actual - expected| <= tol (compared in float64)."""
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    if actual.numel():
+        err = (actual.double() - expected.double()).abs().max().item()
+        assert err <= tol, f"max abs error {err} > {tol}"

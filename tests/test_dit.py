@@ -14,6 +14,7 @@ from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint,
 from examples.seedvr2.dit.layers import Modulation, sinusoidal_embedding
 from examples.seedvr2.dit.patch import plan_patches
 from examples.seedvr2.dit.rope import RotaryEmbedding3d, apply_rope, rope_frequencies, rope_tables
+from tests.helpers import assert_close
 
 GOLDEN = Path(__file__).parent / "golden"
 TINY = GOLDEN / "nadit3b_tiny.safetensors"
@@ -386,7 +387,9 @@ def test_golden_parity_meta_built_model(tiny_cfg, golden):
     ref = SeedVR2NaDiT(tiny_cfg)
     load_dit_checkpoint(ref, golden[1])
     batch = random_batch(tiny_cfg, [(2, 16, 20)], [6], [400.0], seed=3)
-    assert torch.equal(run(model, batch), run(ref, batch))
+    # the two models hold the same values at different (for the meta-built one, unaligned) addresses, so kernels may
+    # take different vector paths: equal to float rounding, not necessarily to the bit
+    assert_close(run(model, batch), run(ref, batch), 1e-5)
 
 
 def test_packed_batch_equals_samples_one_at_a_time(tiny_model, tiny_cfg):
@@ -402,9 +405,9 @@ def test_scalar_timestep_applies_to_every_sample(tiny_model, tiny_cfg):
     batch = random_batch(tiny_cfg, [(1, 8, 8), (2, 6, 10)], [4, 2], [300.0, 300.0], seed=2)
     out = run(tiny_model, batch)
     batch["timestep"] = torch.tensor(300.0)
-    assert torch.equal(run(tiny_model, batch), out)
+    assert_close(run(tiny_model, batch), out, 1e-6)
     batch["timestep"] = 300
-    assert torch.equal(run(tiny_model, batch), out)
+    assert_close(run(tiny_model, batch), out, 1e-6)
 
 
 def test_bf16_runs_on_cpu_close_to_fp32(golden, tiny_cfg):
@@ -491,4 +494,4 @@ def test_rope_tables_are_shared_only_between_blocks_with_equal_frequencies(golde
     fresh = SeedVR2NaDiT(tiny_cfg).eval()
     load_dit_checkpoint(fresh, {k: v.clone() for k, v in model.state_dict().items()})
     assert (after - before).abs().max() > 1e-4
-    assert torch.equal(after, run(fresh, inputs))
+    assert_close(after, run(fresh, inputs), 1e-6)

@@ -7,8 +7,8 @@ import torch
 import winsp
 from examples.toy_windowed_block import ToyWindowedDiT
 from winsp.group import SPGroup
-from winsp.planner import PlanCache
-from winsp.redistribute import plan_transition, redistribute
+from winsp.redistribute import Transition, redistribute_rows
+from winsp.schedule import plan_schedule
 from winsp.testing import run_ranks
 
 REG, SHIFT = winsp.make_geometry("regular", (4, 3, 3)), winsp.make_geometry("shifted", (4, 3, 3))
@@ -19,6 +19,14 @@ CASES = [
     ([(2, 6, 6)], winsp.FixedWindows((2, 6, 6)), winsp.FixedWindows((1, 6, 6))),  # fewer windows than ranks
     ([(4, 12, 12)], winsp.FixedWindows((2, 4, 4)), winsp.FixedWindows((2, 4, 4), shift=(1, 2, 2))),
 ]
+
+
+def _plan(grids, geom, world_size):
+    return plan_schedule(grids, [geom], world_size)[0]
+
+
+def _move(x, a, b, group):
+    return redistribute_rows(x, Transition(a, b).for_rank(group.rank).to(x.device), group)
 
 
 def _canonical(grids, channels=3, seed=0):
@@ -54,12 +62,11 @@ def _core_worker(rank, world_size):
     assert group.size == world_size and group.rank == rank
     report = []
     for grids, geom_a, geom_b in CASES:
-        cache = PlanCache()
-        a, b = cache.get(grids, geom_a, world_size), cache.get(grids, geom_b, world_size)
+        a, b = _plan(grids, geom_a, world_size), _plan(grids, geom_b, world_size)
         x = _canonical(grids)
         xa = winsp.scatter_rows(x, a, group)
-        xb = redistribute(xa, plan_transition(a, b), group)
-        back = redistribute(xb, plan_transition(b, a), group)
+        xb = _move(xa, a, b, group)
+        back = _move(xb, b, a, group)
         full = winsp.gather_rows(xb, b, group)
         text_lengths = [3 + s for s in range(len(grids))]
         reduced = winsp.reduce_window_text(_window_text(a, rank, text_lengths),
@@ -71,7 +78,7 @@ def _core_worker(rank, world_size):
             moved_exact=torch.equal(xb, x[torch.from_numpy(b.rank_token_ids(rank))]),
             round_trip_exact=torch.equal(back, xa),
             gather_exact=torch.equal(full, x),
-            exchange=plan_transition(a, b).network_exchange_required,
+            exchange=Transition(a, b).network_exchange_required,
             local_rows=xa.shape[0],
             text=reduced,
             text_bf16_dtype=str(half.dtype),
@@ -89,10 +96,9 @@ def _local(plan, rank, text_lengths):
 def test_redistribution_and_text_reduction_match_the_single_rank_oracle(world_size):
     reports = run_ranks(_core_worker, world_size, timeout=180)
     for case_index, (grids, geom_a, geom_b) in enumerate(CASES):
-        cache = PlanCache()
-        a = cache.get(grids, geom_a, world_size)
-        b = cache.get(grids, geom_b, world_size)
-        transition = plan_transition(a, b)
+        a = _plan(grids, geom_a, world_size)
+        b = _plan(grids, geom_b, world_size)
+        transition = Transition(a, b)
         expected_text = _expected_text_mean(a.layout, [3 + s for s in range(len(grids))])
         for rank, report in enumerate(reports):
             r = report[case_index]
@@ -105,14 +111,13 @@ def test_redistribution_and_text_reduction_match_the_single_rank_oracle(world_si
         if world_size > a.layout.num_windows:
             assert any(rep[case_index]["local_rows"] == 0 for rep in reports)  # empty ranks took part
     if world_size == 1:
-        assert not any(plan_transition(PlanCache().get(g, x, 1), PlanCache().get(g, y, 1)).network_exchange_required
-                       for g, x, y in CASES)
+        assert not any(Transition(_plan(g, x, 1), _plan(g, y, 1)).network_exchange_required for g, x, y in CASES)
 
 
 def test_count_matrix_and_split_sizes():
     grids = [(5, 32, 56)]
-    a, b = PlanCache().get(grids, REG, 3), PlanCache().get(grids, SHIFT, 3)
-    t = plan_transition(a, b)
+    a, b = _plan(grids, REG, 3), _plan(grids, SHIFT, 3)
+    t = Transition(a, b)
     c = t.count_matrix
     assert c.sum() == 5 * 32 * 56
     assert list(c.sum(axis=1)) == list(a.rank_token_counts) and list(c.sum(axis=0)) == list(b.rank_token_counts)
@@ -121,7 +126,7 @@ def test_count_matrix_and_split_sizes():
         assert rt.input_split_sizes == tuple(c[r]) and rt.output_split_sizes == tuple(c[:, r])
         assert sorted(rt.send_index) == list(range(a.rank_token_counts[r]))
     # same layout on both sides: nothing moves, the local path is the identity
-    same = plan_transition(a, PlanCache().get(grids, REG, 3))
+    same = Transition(a, _plan(grids, REG, 3))
     assert not same.network_exchange_required and same.rows_moved == 0
 
 
@@ -167,37 +172,51 @@ def _toy_inputs():
     return vid, txt, weight
 
 
-def _toy_run(model):
+def _toy_run(model, world_size=1):
+    """Forward + backward of a fixed loss on the gathered output; gradients made whole with sync_gradients."""
     vid, txt, weight = _toy_inputs()
     vid.requires_grad_(True)
     txt.requires_grad_(True)
-    out = model(vid, txt, GRIDS, LENGTHS)
+    timestep = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    out = model(vid, txt, GRIDS, LENGTHS, timestep)
     (out * weight).sum().backward()
-    blk = model.blocks[0]
-    return dict(out=out.detach(), vid_grad=vid.grad, txt_grad=txt.grad,
-                vid_param_grad=blk.qkv_vid.weight.grad.clone(), txt_param_grad=blk.qkv_txt.weight.grad.clone())
+    runtime = model.runtime
+    calls = winsp.sync_gradients(model, runtime, bucket_bytes=4096)
+    winsp.sync_gradients([vid, txt], runtime)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return dict(out=out.detach(), vid_grad=vid.grad, txt_grad=txt.grad, params=grads, calls=calls)
+
+
+def _toy_model():
+    torch.manual_seed(3)
+    return ToyWindowedDiT(dim=DIM, shared_layers=2).double()  # blocks 2, 3 share weights between the streams
 
 
 def _toy_worker(rank, world_size):
-    torch.manual_seed(3)
-    model = ToyWindowedDiT(dim=DIM).double()
-    model.parallelize(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
-    return _toy_run(model)
+    model = _toy_model()
+    model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    return _toy_run(model, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_toy_block_abab_forward_and_gradients_equal_one_rank(world_size):
-    torch.manual_seed(3)
-    single = _toy_run(ToyWindowedDiT(dim=DIM).double())
+    """Every parameter kind: video-only, text-only, shared between streams, timestep embedding -> both streams."""
+    single = _toy_run(_toy_model())
+    assert single["calls"] == 0
     results = run_ranks(_toy_worker, world_size, timeout=180)
+    kinds = {"blocks.0.qkv_vid.weight", "blocks.0.qkv_txt.weight", "blocks.0.out_txt.bias", "blocks.3.qkv_vid.weight",
+             "time_embed.0.weight", "time_embed.2.bias"}
+    assert kinds <= set(single["params"])
+    assert "blocks.3.qkv_txt.weight" not in single["params"]  # shared: one parameter serves both streams
     for rank, r in enumerate(results):
-        for key in ("out", "vid_grad", "txt_grad", "txt_param_grad"):
+        assert r["calls"] > 1  # bucketed: 4 KiB buckets over ~30 KiB of float64 gradients
+        for key in ("out", "vid_grad", "txt_grad"):
             err = (r[key] - single[key]).abs().max().item()
             assert err <= 1e-10, (rank, key, err)
-    # video-path parameters see only local rows: their gradients sum over ranks to the single-rank gradient
-    summed = sum(r["vid_param_grad"] for r in results)
-    assert (summed - single["vid_param_grad"]).abs().max().item() <= 1e-10
-    assert (results[0]["vid_param_grad"] - single["vid_param_grad"]).abs().max().item() > 1e-6
+        for name, grad in single["params"].items():
+            err = (r["params"][name] - grad).abs().max().item()
+            assert err <= 1e-10 * max(1.0, grad.abs().max().item()), (rank, name, err)
+            assert grad.abs().max().item() > 0, name
 
 
 @pytest.mark.large_world
@@ -210,7 +229,7 @@ def test_redistribution_at_larger_world_sizes(world_size):
 def _toy_bf16_worker(rank, world_size):
     torch.manual_seed(3)
     model = ToyWindowedDiT(dim=DIM).to(torch.bfloat16)
-    model.parallelize(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
     vid, txt, _ = _toy_inputs()
     return model(vid.bfloat16(), txt.bfloat16(), GRIDS, LENGTHS).float()
 

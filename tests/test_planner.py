@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import winsp
-from winsp.planner import PLANNER_VERSION, Plan, PlanCache, lpt_assign
+from winsp.planner import PLANNER_VERSION, Plan, lpt_assign
+from winsp.schedule import plan_schedule
 from winsp.layout import build_layout
 
 
@@ -59,49 +60,63 @@ def test_plan_data_for_the_720p_grid():
         assert (plan.token_owner[expected] == r).all()
 
 
-def test_plans_are_deterministic_across_fresh_caches():
+def _plan(grids, geom, world_size):
+    return plan_schedule(grids, [geom], world_size)[0]
+
+
+def test_plans_are_deterministic_across_calls():
     geom = winsp.make_geometry("shifted", (4, 3, 3))
-    a = PlanCache().get([(12, 68, 120), (5, 9, 7)], geom, 6)
-    b = PlanCache().get([(12, 68, 120), (5, 9, 7)], geom, 6)
-    assert a.rank_windows == b.rank_windows and a.key == b.key
+    a = _plan([(12, 68, 120), (5, 9, 7)], geom, 6)
+    b = _plan([(12, 68, 120), (5, 9, 7)], geom, 6)
+    assert a is not b and a.rank_windows == b.rank_windows and a.key == b.key
 
 
-def test_cache_key_covers_degree_grid_geometry_and_versions():
-    cache = PlanCache(maxsize=32)
+def test_plan_key_covers_degree_grid_geometry_and_versions():
     regular, shifted = winsp.make_geometry("regular", (4, 3, 3)), winsp.make_geometry("shifted", (4, 3, 3))
-    base = cache.get([(12, 45, 80)], regular, 4)
-    assert cache.get([(12, 45, 80)], regular, 4) is base
-    assert cache.cache_info().hits == 1 and cache.cache_info().misses == 1
+    base = _plan([(12, 45, 80)], regular, 4)
+    assert _plan([(12, 45, 80)], regular, 4).key == base.key
     variants = [
-        cache.get([(12, 45, 80)], regular, 8),
-        cache.get([(12, 45, 81)], regular, 4),
-        cache.get([(12, 45, 80), (1, 2, 2)], regular, 4),
-        cache.get([(12, 45, 80)], shifted, 4),
-        cache.get([(12, 45, 80)], winsp.make_geometry("regular", (4, 3, 2)), 4),
+        _plan([(12, 45, 80)], regular, 8),
+        _plan([(12, 45, 81)], regular, 4),
+        _plan([(12, 45, 80), (1, 2, 2)], regular, 4),
+        _plan([(12, 45, 80)], shifted, 4),
+        _plan([(12, 45, 80)], winsp.make_geometry("regular", (4, 3, 2)), 4),
     ]
 
     class V2(winsp.SeedVR2Windows):
         version = 2
 
-    variants.append(cache.get([(12, 45, 80)], V2((4, 3, 3)), 4))
-    assert all(v is not base for v in variants)
+    variants.append(_plan([(12, 45, 80)], V2((4, 3, 3)), 4))
     assert len({v.key for v in variants} | {base.key}) == 7
-    assert base.key[-1] == PLANNER_VERSION
+    assert base.key[-2:] == ("lpt", PLANNER_VERSION)
     assert variants[0].world_size == 8 and len(variants[0].rank_windows) == 8
 
 
-def test_cache_is_lru_bounded():
-    cache = PlanCache(maxsize=2)
-    geom = winsp.make_geometry("regular", (4, 3, 3))
-    a = cache.get([(2, 8, 8)], geom, 2)
-    cache.get([(2, 8, 9)], geom, 2)
-    cache.get([(2, 8, 8)], geom, 2)  # touch a: now most recent
-    cache.get([(2, 8, 10)], geom, 2)  # evicts (2, 8, 9)
-    info = cache.cache_info()
-    assert info.currsize == 2 and info.maxsize == 2
-    assert cache.get([(2, 8, 8)], geom, 2) is a
-    misses = cache.cache_info().misses
-    cache.get([(2, 8, 9)], geom, 2)
-    assert cache.cache_info().misses == misses + 1
-    with pytest.raises(ValueError, match="maxsize"):
-        PlanCache(0)
+def test_schedule_shares_one_plan_per_geometry():
+    regular, shifted = winsp.make_geometry("regular", (4, 3, 3)), winsp.make_geometry("shifted", (4, 3, 3))
+    plans = plan_schedule([(5, 20, 30)], [regular, shifted, regular, shifted, shifted], 3)
+    assert plans[0] is plans[2] and plans[1] is plans[3] is plans[4] and plans[0] is not plans[1]
+    with pytest.raises(ValueError, match="unknown planner"):
+        plan_schedule([(5, 20, 30)], [regular], 3, planner="greedy")
+    with pytest.raises(ValueError, match="empty"):
+        plan_schedule([(5, 20, 30)], [], 3)
+
+
+def test_given_placement_is_used_and_checked():
+    lay = winsp.build_layout([(4, 8, 8)], winsp.FixedWindows((2, 4, 4)))  # 8 windows
+    plan = Plan(lay, 2, rank_windows=[[7, 0, 3], [1, 2, 4, 5, 6]])
+    assert plan.rank_windows == ((7, 0, 3), (1, 2, 4, 5, 6))
+    expected = np.concatenate([lay.window_token_ids(w) for w in (7, 0, 3)])
+    assert np.array_equal(plan.rank_token_ids(0), expected)
+    for bad in ([[0, 1, 2], [3, 4, 5, 6]], [[0, 1, 2, 3], [3, 4, 5, 6, 7]], [[0, 1, 2, 3, 4, 5, 6, 7]],
+                [[0, 1, 2, 3], [4, 5, 6, 8]]):
+        with pytest.raises(ValueError, match="rank_windows"):
+            Plan(lay, 2, rank_windows=bad)
+
+
+def test_lpt_refuses_non_integer_counts():
+    with pytest.raises(ValueError, match=r"window_token_counts\[0\]"):
+        lpt_assign([1.5, 2.0], 2)
+    with pytest.raises(ValueError, match=r"window_token_counts\[1\]"):
+        lpt_assign([1, True], 2)
+    assert lpt_assign(np.array([3, 1, 2]), 2) == [[0], [1, 2]]

@@ -156,7 +156,7 @@ def test_tiles_covering_the_frame_reproduce_it_exactly():
     video = random_video(5, 32, 40)
     whole = vae.encode(video)
     tiled = encode_tiled(vae, video, tile_size=64, overlap=16)  # one tile covers the frame
-    assert torch.equal(tiled, whole)
+    assert (tiled - whole).abs().max().item() <= 1e-6  # the tile is a copy: equal to rounding, maybe not to the bit
 
 
 def test_tiled_encode_approaches_whole_frame_as_tiles_grow_and_saves_memory():

@@ -16,11 +16,17 @@ from .geometry import (
 )
 from .group import SPGroup
 from .layout import Layout, build_layout
-from .planner import PLANNER_VERSION, Plan, PlanCache, default_plan_cache, lpt_assign, plan_windows
-from .redistribute import Transition, ensure_layout, gather_rows, plan_transition, redistribute, scatter_rows
+from .planner import PLANNER_VERSION, Plan, lpt_assign
+from .schedule import PLANNERS, plan_schedule
+from .redistribute import Transition, ensure_layout, gather_rows, redistribute_rows, scatter_rows
 from .text import reduce_window_text
-from .attention import WindowAttention, WindowSegments, available_backends, reference_window_attention, window_attention
+from .segments import WindowSegments
+from .backends import available_backends
+from .attention import WindowAttention, reference_window_attention, window_attention
+from .store import RuntimeStore
 from .runtime import WindowRequest, WindowRuntime
+from .gradients import sync_gradients
+from .nn import WindowParallel
 
 __version__ = "0.1.0"
 
@@ -28,32 +34,33 @@ __all__ = [
     "DiffusionParallelConfig",
     "FixedWindows",
     "Layout",
+    "PLANNERS",
     "PLANNER_VERSION",
     "Plan",
-    "PlanCache",
     "REGULAR_METHOD",
+    "RuntimeStore",
     "SHIFTED_METHOD",
     "SPGroup",
     "SeedVR2Windows",
     "Transition",
     "WindowAttention",
     "WindowGeometry",
+    "WindowParallel",
     "WindowRequest",
     "WindowRuntime",
     "WindowSegments",
     "available_backends",
     "build_layout",
-    "default_plan_cache",
     "ensure_layout",
     "gather_rows",
     "lpt_assign",
     "make_geometry",
-    "plan_transition",
-    "plan_windows",
-    "redistribute",
+    "plan_schedule",
+    "redistribute_rows",
     "reduce_window_text",
     "reference_window_attention",
     "scatter_rows",
+    "sync_gradients",
     "window_attention",
     "window_slices",
 ]

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .backends import check_backend_name
+from .schedule import check_planner
+
 __all__ = ["DiffusionParallelConfig"]
 
 _WHY = "window-parallel models use whole-window SP: set ulysses_degree to the number of ranks instead"
@@ -25,8 +28,10 @@ class DiffusionParallelConfig:
         ulysses_mode: must be ``"strict"``; ``"advanced_uaa"`` (head padding) is refused.
         advanced_uaa: must be False (same as ``ulysses_mode="advanced_uaa"``).
         ulysses_a2a_permute: must be False (there is no head all-to-all to permute).
-        attention_backend: ``"auto"`` or a backend name of :mod:`winsp.attention`.
-        plan_cache_size: how many window plans the runtime's LRU cache keeps.
+        attention_backend: ``"auto"`` or a backend name of :mod:`winsp.backends` (checked here, at construction).
+        planner: how windows are placed on ranks: ``"lpt"`` (token-balanced, the default) or another name of
+            :data:`winsp.schedule.PLANNERS`.
+        plan_cache_size: how many request shapes the runtime's store keeps (plans, transitions, indices).
     """
 
     ulysses_degree: int = 1
@@ -36,6 +41,7 @@ class DiffusionParallelConfig:
     advanced_uaa: bool = False
     ulysses_a2a_permute: bool = False
     attention_backend: str = "auto"
+    planner: str = "lpt"
     plan_cache_size: int = 64
 
     def __post_init__(self) -> None:
@@ -53,8 +59,8 @@ class DiffusionParallelConfig:
             raise ValueError(f"advanced_uaa=True is not supported: {_WHY}")
         if self.ulysses_a2a_permute:
             raise ValueError(f"ulysses_a2a_permute=True is not supported: {_WHY}")
-        if not isinstance(self.attention_backend, str):
-            raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
+        check_backend_name(self.attention_backend)
+        check_planner(self.planner)
 
     @property
     def sp_degree(self) -> int:

@@ -101,6 +101,14 @@ def _seedvr2_window_size(grid: Grid, num_windows: Grid) -> Grid:
     wh = math.ceil(round(h * scale) / nh)
     ww = math.ceil(round(w * scale) / nw)
     wt = math.ceil(min(t, MAX_TEMPORAL_WINDOW) / nt)
+    if wh < 1 or ww < 1:
+        axis = "height" if wh < 1 else "width"
+        raise ValueError(
+            f"grid {grid}: the 720p-normalised window {axis} rounds to 0 tokens (the grid is too elongated: "
+            f"SeedVR2 windows need round(H * s) >= 1 and round(W * s) >= 1 with s = sqrt({REFERENCE_AREA[0]} * "
+            f"{REFERENCE_AREA[1]} / (H * W)), i.e. an aspect ratio W:H or H:W below "
+            f"{REFERENCE_AREA[0] * REFERENCE_AREA[1] * 4}:1)"
+        )
     return wt, wh, ww
 
 

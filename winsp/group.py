@@ -1,7 +1,12 @@
 """The sequence-parallel group: the only place in winsp that talks to ``torch.distributed``.
 
-Everything above this file (redistribution, text reduction, spatial sharding, the runtime) calls these few methods,
-so model code never touches collectives and a single-rank run never touches ``torch.distributed`` at all.
+Everything above this file (redistribution, text reduction, spatial sharding, gradient sync, the runtime) calls these
+few methods, so model code never touches collectives and a single-rank run never touches ``torch.distributed``.
+
+The collectives that run inside a model's forward are ``torch.library`` custom ops (``winsp::all_reduce_sum``,
+``winsp::all_to_all_rows``) with static split sizes: torch.compile traces them as single opaque nodes, without a
+graph break, and autograd knows their backward (an all-reduce is its own backward under winsp's gradient
+convention; an all-to-all's backward is the reverse all-to-all).
 """
 
 from __future__ import annotations
@@ -9,8 +14,70 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
-__all__ = ["SPGroup"]
+__all__ = ["SPGroup", "init_world_from_env", "shutdown_world", "world_size_if_initialised"]
+
+
+def _process_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("winsp::all_reduce_sum", mutates_args=())
+def _all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    import torch.distributed as dist
+
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_process_group(group_name))
+    return out
+
+
+@_all_reduce_sum.register_fake
+def _(x: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_reduce_setup(ctx, inputs, output) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _all_reduce_backward(ctx, grad: Tensor):
+    # The forward's output is replicated and every rank's gradient of it is a partial sum: the gradient of each rank's
+    # own contribution is the whole sum of those partials.
+    return torch.ops.winsp.all_reduce_sum(grad, ctx.group_name), None
+
+
+_all_reduce_sum.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+@torch.library.custom_op("winsp::all_to_all_rows", mutates_args=())
+def _all_to_all_rows(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                     group_name: str) -> Tensor:
+    import torch.distributed as dist
+
+    out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(output_split_sizes), list(input_split_sizes),
+                           group=_process_group(group_name))
+    return out
+
+
+@_all_to_all_rows.register_fake
+def _(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str) -> Tensor:
+    return x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+
+
+def _all_to_all_setup(ctx, inputs, output) -> None:
+    _, ctx.out_splits, ctx.in_splits, ctx.group_name = inputs
+
+
+def _all_to_all_backward(ctx, grad: Tensor):
+    back = torch.ops.winsp.all_to_all_rows(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group_name)
+    return back, None, None, None
+
+
+_all_to_all_rows.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
 
 
 class SPGroup:
@@ -56,8 +123,19 @@ class SPGroup:
 
     # ---- collectives (no-ops at one rank) -------------------------------------------------------------
 
+    @property
+    def name(self) -> str:
+        """The process group's registered name (what the traceable collectives take)."""
+        return self.group.group_name
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group in place and return it."""
+        """The sum of ``tensor`` over the group, as a new tensor (differentiable; its backward is an all-reduce)."""
+        if self.is_single:
+            return tensor
+        return torch.ops.winsp.all_reduce_sum(tensor, self.name)
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place (eager, not differentiable; for gradient buffers) and return it."""
         if self.is_single:
             return tensor
         import torch.distributed as dist
@@ -68,18 +146,14 @@ class SPGroup:
     def all_to_all_single(
         self, tensor: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
     ) -> torch.Tensor:
-        """One variable-split all-to-all along dim 0: send ``input_split_sizes[d]`` rows to rank d."""
-        out = tensor.new_empty((int(sum(output_split_sizes)),) + tuple(tensor.shape[1:]))
-        if self.is_single:
-            out.copy_(tensor)
-            return out
-        import torch.distributed as dist
+        """One variable-split all-to-all along dim 0: send ``input_split_sizes[d]`` rows to rank d.
 
-        dist.all_to_all_single(
-            out, tensor.contiguous(), list(map(int, output_split_sizes)), list(map(int, input_split_sizes)),
-            group=self.group,
-        )
-        return out
+        Differentiable (the backward is the reverse all-to-all) and traceable; at one rank, the input itself.
+        """
+        if self.is_single:
+            return tensor
+        return torch.ops.winsp.all_to_all_rows(tensor.contiguous(), [int(c) for c in output_split_sizes],
+                                               [int(c) for c in input_split_sizes], self.name)
 
     def all_gather_rows(self, tensor: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along dim 0; rank r holds ``sizes[r]`` rows (may differ, may be 0).
@@ -96,7 +170,7 @@ class SPGroup:
         if self.is_single:
             return tensor
         send = tensor.contiguous().repeat((self.size,) + (1,) * (tensor.dim() - 1))
-        return self.all_to_all_single(send, list(sizes), [tensor.shape[0]] * self.size)
+        return self.all_to_all_single(send, sizes, [tensor.shape[0]] * self.size)
 
 
 # ---- launch -----------------------------------------------------------------------------------------------------
@@ -119,6 +193,13 @@ def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
         return dist.get_rank(), dist.get_world_size(), False
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), True
+
+
+def world_size_if_initialised() -> int:
+    """The size of the default process group, or 1 when torch.distributed is not initialised."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def shutdown_world() -> None:

@@ -35,6 +35,24 @@ def check_grids(grids: Sequence[Sequence[int]]) -> tuple[Grid, ...]:
     return tuple(check_grid(g, f"grids[{i}]") for i, g in enumerate(grids))
 
 
+def _is_index(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_boxes(boxes, grid: Grid, geometry: WindowGeometry) -> None:
+    """Every box must be three non-empty half-open slices with step 1 inside the grid (never clipped silently)."""
+    for i, box in enumerate(boxes):
+        if len(box) != 3 or not all(isinstance(s, slice) for s in box):
+            raise ValueError(f"geometry {geometry!r}: window {i} of grid {grid} is not three slices: {box!r}")
+        for axis, s, size in zip("thw", box, grid):
+            if s.step not in (None, 1) or not _is_index(s.start) or not _is_index(s.stop) \
+                    or not 0 <= s.start < s.stop <= size:
+                raise ValueError(
+                    f"geometry {geometry!r}: window {i} of grid {grid} has {axis}-slice {s}, which is not a "
+                    f"non-empty range inside [0, {size})"
+                )
+
+
 class Layout:
     """The windows of a packed batch under one geometry.
 
@@ -59,6 +77,7 @@ class Layout:
             boxes = geometry.slices(grid)
             if not boxes:
                 raise ValueError(f"geometry {geometry!r} produced no windows for grid {grid}")
+            _check_boxes(boxes, grid, geometry)
             starts += [(bt.start, bh.start, bw.start) for bt, bh, bw in boxes]
             shapes += [(bt.stop - bt.start, bh.stop - bh.start, bw.stop - bw.start) for bt, bh, bw in boxes]
             samples += [s] * len(boxes)

@@ -1,17 +1,65 @@
-"""Thin ``nn.Module`` wrappers over the runtime steps, for composing window parallelism into a DiT.
+"""``nn.Module`` pieces for composing window parallelism into a DiT.
 
-Each module takes the current :class:`~winsp.runtime.WindowRequest` as an argument, so one module instance serves every
+:class:`WindowParallel` is the one way a model holds its runtime (SeedVR2, the toy model and the guide all use it).
+The step modules take the current :class:`~winsp.runtime.WindowRequest` as an argument, so one instance serves every
 request and holds no per-request state.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 from torch import nn
 
-from .runtime import WindowRequest
+from .config import DiffusionParallelConfig
+from .geometry import WindowGeometry
+from .group import world_size_if_initialised
+from .runtime import WindowRequest, WindowRuntime
 
-__all__ = ["ScatterWindows", "EnsureLayout", "ReplicatedTextWindowAttention", "GatherWindows"]
+__all__ = ["WindowParallel", "ScatterWindows", "EnsureLayout", "ReplicatedTextWindowAttention", "GatherWindows"]
+
+
+class WindowParallel:
+    """Mixin for a model run through a winsp runtime: implement :meth:`window_schedule`, call :meth:`build_runtime`.
+
+    In a forward, :meth:`require_runtime` returns the runtime. A model whose runtime was never built runs on one
+    rank, but only where that cannot be a mistake: inside an initialised ``torch.distributed`` world of more than
+    one rank it raises instead of silently running the whole model unsharded on every rank.
+    """
+
+    _winsp_runtime: Optional[WindowRuntime] = None
+
+    def window_schedule(self) -> Sequence[WindowGeometry]:
+        """One window geometry per attention layer, in forward order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement window_schedule()")
+
+    def build_runtime(
+        self, parallel_config: Optional[DiffusionParallelConfig] = None, *, group=None
+    ) -> WindowRuntime:
+        """Build (and keep) the runtime for ``parallel_config`` (None: one rank) over this model's schedule."""
+        runtime = WindowRuntime.from_config(parallel_config, self.window_schedule(), group=group)
+        object.__setattr__(self, "_winsp_runtime", runtime)  # not an nn.Module attribute: no state_dict entry
+        return runtime
+
+    @property
+    def runtime(self) -> Optional[WindowRuntime]:
+        """The runtime :meth:`build_runtime` made, or None."""
+        return self._winsp_runtime
+
+    def require_runtime(self) -> WindowRuntime:
+        """The runtime to run a forward with: the built one, or a one-rank runtime outside a multi-rank world."""
+        if self._winsp_runtime is not None:
+            return self._winsp_runtime
+        world = world_size_if_initialised()
+        if world > 1:
+            raise RuntimeError(
+                f"{type(self).__name__}: torch.distributed runs {world} ranks but build_runtime() was never called, "
+                f"so every rank would run the whole model unsharded; call "
+                f"model.build_runtime(DiffusionParallelConfig(ulysses_degree={world})) for window parallelism, or "
+                f"model.build_runtime(DiffusionParallelConfig(ulysses_degree=1), group=None) to run each rank alone"
+            )
+        return self.build_runtime(None)
 
 
 class ScatterWindows(nn.Module):

@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import heapq
 import math
-import threading
-from collections import OrderedDict
 from functools import cached_property
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .geometry import WindowGeometry
-from .layout import Layout, build_layout, check_grids, inverse_permutation
+from .layout import Layout, inverse_permutation
 
 __all__ = [
     "PLANNER_VERSION",
     "lpt_assign",
     "Plan",
-    "PlanCache",
-    "CacheInfo",
-    "default_plan_cache",
-    "plan_windows",
 ]
 
 PLANNER_VERSION = 1
@@ -164,69 +157,3 @@ class Plan:
         return (f"Plan(windows={self.layout.num_windows}, tokens={self.layout.num_tokens}, "
                 f"world_size={self.world_size}, rank_tokens={list(self.rank_token_counts)}, "
                 f"imbalance={self.imbalance:.3f})")
-
-
-# Kept until the lead's runtime store lands on main (scaffold only; main's planner.py removes these).
-class CacheInfo(NamedTuple):
-    hits: int
-    misses: int
-    maxsize: int
-    currsize: int
-
-
-class PlanCache:
-    """LRU cache of plans keyed by (grids, geometry fingerprint, geometry version, world size, planner version)."""
-
-    def __init__(self, maxsize: int = 64) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-            raise ValueError(f"maxsize must be a positive integer, got {maxsize!r}")
-        self.maxsize = maxsize
-        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
-        self._lock = threading.Lock()
-        self._hits = self._misses = 0
-
-    @staticmethod
-    def key(grids: Sequence[Sequence[int]], geometry: WindowGeometry, world_size: int) -> tuple:
-        return (check_grids(grids), geometry.fingerprint, geometry.version, _check_world_size(world_size),
-                PLANNER_VERSION)
-
-    def get(self, grids: Sequence[Sequence[int]], geometry: WindowGeometry, world_size: int) -> Plan:
-        """The plan for this batch geometry and degree, built on a miss."""
-        key = self.key(grids, geometry, world_size)
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                self._hits += 1
-                return plan
-            self._misses += 1
-        plan = Plan(build_layout(key[0], geometry), key[3], key=key)
-        with self._lock:
-            self._plans[key] = plan
-            self._plans.move_to_end(key)
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
-        return plan
-
-    def cache_info(self) -> CacheInfo:
-        with self._lock:
-            return CacheInfo(self._hits, self._misses, self.maxsize, len(self._plans))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-            self._hits = self._misses = 0
-
-
-default_plan_cache = PlanCache()
-
-
-def plan_windows(
-    grids: Sequence[Sequence[int]],
-    geometry: WindowGeometry,
-    world_size: int,
-    *,
-    cache: PlanCache | None = None,
-) -> Plan:
-    """The (cached) :class:`Plan` of a packed batch of ``grids`` under ``geometry`` for ``world_size`` ranks."""
-    return (cache or default_plan_cache).get(grids, geometry, world_size)

@@ -1,44 +1,57 @@
-"""The per-request runtime: it owns the layer schedule and every step that crosses ranks.
+"""The per-request runtime: it owns the layer schedule, the store of prepared data, and every step that crosses ranks.
 
 A model builds one :class:`WindowRuntime` (the schedule of window geometries, one per layer, and the SP group), then
-for each forward asks it for a :class:`WindowRequest` over that batch's grids. The request does, in order:
+for each forward asks it for a :class:`WindowRequest` over that batch's grids. Making the request is the *planning*
+phase: plans, transitions, each rank's windows and every device index tensor come from the runtime's store (built on
+a miss, numpy on the CPU). It is marked for torch.compile to leave alone. The request's steps are the *per-layer*
+phase, made only of tensor ops on prepared tensors and Python constants, so they trace without graph breaks:
 ``scatter`` (canonical rows -> this rank's rows of layer 0), ``to_layer`` before each layer (a redistribution only
 where the layout really changes), ``attention`` (window attention on local rows plus the replicated-text reduction),
 and ``gather`` (the canonical output on every rank). Model code calls only these; it never sees a collective.
+
+Gradient convention: every gradient on every rank is a partial sum over the SP group. Video rows are owned by one
+rank each, so their gradients are whole; anything replicated (text, timestep embeddings, every parameter) gets this
+rank's share. :func:`winsp.sync_gradients` sums parameter gradients over the group once after ``backward``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from .attention import WindowSegments, available_backends, select_backend, window_attention
+from .attention import attend
+from .backends import Runner, available_backends, check_backend_name, load_backend, select_backend
 from .config import DiffusionParallelConfig
 from .geometry import WindowGeometry
 from .group import SPGroup
 from .layout import check_grids
-from .planner import Plan, PlanCache
-from .redistribute import count_layout_changes, ensure_layout, gather_rows, scatter_rows
-from .text import TextReduction, reduce_window_text, replicated_text_entry
+from .planner import Plan
+from .redistribute import RankTransitionTensors, Transition, gather_rows, redistribute_rows
+from .schedule import _check_schedule, check_planner, plan_schedule
+from .segments import WindowIndexTensors, WindowSegments
+from .store import CacheInfo, RuntimeStore
+from .text import TextReduction, TextReductionTensors, reduce_window_text
 
-__all__ = ["WindowRuntime", "WindowRequest", "LocalWindows"]
+__all__ = ["WindowRuntime", "WindowRequest", "LocalWindows", "LayoutTensors", "PreparedRequest"]
 
 _log = logging.getLogger("winsp")
 
 
 class LocalWindows:
-    """One rank's share of one plan: its windows, rows, window-local coordinates and attention segments."""
+    """One rank's share of one plan, on the CPU: its windows, rows, positions and attention segments."""
 
     def __init__(self, plan: Plan, rank: int, text_lengths: tuple[int, ...]) -> None:
         self.plan, self.rank = plan, rank
         lay = plan.layout
         self.windows = np.asarray(plan.rank_windows[rank], dtype=np.int64)
         self.num_rows = plan.rank_token_counts[rank]
+        self.positions = plan.rank_positions(rank)
         counts = lay.token_counts[self.windows]
         samples = lay.window_sample[self.windows]
         text_len = np.asarray(text_lengths, dtype=np.int64)
@@ -57,40 +70,75 @@ class LocalWindows:
             row_divisor=np.repeat(lay.windows_per_sample, text_len),
             num_text_rows=int(text_len.sum()),
         )
-        self._device_cache: dict = {}
 
-    def _on(self, name: str, device: torch.device) -> torch.Tensor:
-        key = (name, str(device))
-        t = self._device_cache.get(key)
-        if t is None:
-            positions = self.plan.rank_positions(self.rank)
-            lay = self.plan.layout
-            if name == "coords":
-                arr = lay.window_coords[positions]
-            else:
-                arr = lay.window_sample[lay.window_of_position[positions]]
-            t = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
-            self._device_cache[key] = t
-        return t
+    @cached_property
+    def token_ids(self) -> np.ndarray:
+        """[L] canonical packed token id of each local row."""
+        return self.plan.layout.token_ids[self.positions]
+
+    @cached_property
+    def row_sample(self) -> np.ndarray:
+        """[L] sample index of each local row."""
+        lay = self.plan.layout
+        return lay.window_sample[lay.window_of_position[self.positions]]
+
+    @cached_property
+    def window_coords(self) -> np.ndarray:
+        """[L, 3] window-local (dt, dh, dw) of each local row."""
+        return self.plan.layout.window_coords[self.positions]
+
+    @cached_property
+    def grid_coords(self) -> np.ndarray:
+        """[L, 3] global (t, h, w) of each local row inside its sample's grid."""
+        lay = self.plan.layout
+        sample = self.row_sample
+        within = self.token_ids - lay.sample_offsets[sample]
+        grids = np.asarray(lay.grids, dtype=np.int64)[sample] if sample.size else np.zeros((0, 3), np.int64)
+        h, w = grids[:, 1], grids[:, 2]
+        return np.stack([within // (h * w), (within // w) % h, within % w], axis=-1).astype(np.int64)
 
 
-_LOCAL_PER_PLAN = 8  # text-length variants kept per plan (prompts of different lengths)
+@dataclass(frozen=True, eq=False)
+class LayoutTensors:
+    """One rank's share of one plan on one device: everything the per-layer steps read, prepared once."""
+
+    plan: Plan
+    local: LocalWindows
+    index: WindowIndexTensors
+    text: TextReductionTensors
+    token_ids: Tensor
+    row_sample: Tensor
+    window_coords: Tensor
+    grid_coords: Tensor
+    gather_order: Tensor
+
+    @property
+    def segments(self) -> WindowSegments:
+        return self.local.segments
+
+    @property
+    def num_rows(self) -> int:
+        return self.local.num_rows
 
 
-def _local_windows(plan: Plan, rank: int, text_lengths: tuple[int, ...]) -> LocalWindows:
-    """This rank's :class:`LocalWindows` of ``plan``, cached on the plan so later requests of the same shape reuse the
-    segments, indices and device tensors (a small LRU per plan, since text lengths vary between prompts)."""
-    cache = plan.__dict__.setdefault("_local_windows", OrderedDict())
-    key = (rank, text_lengths)
-    found = cache.get(key)
-    if found is None:
-        found = LocalWindows(plan, rank, text_lengths)
-        cache[key] = found
-        while len(cache) > _LOCAL_PER_PLAN:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return found
+def _tensor(array: np.ndarray, device: torch.device) -> Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+@dataclass(eq=False)
+class PreparedRequest:
+    """A store entry: the plans of one request shape and, for this rank and device, every prepared tensor.
+
+    ``slot_of_layer[i]`` is the index in ``layouts`` of layer i's plan (layers with equal geometry share a slot);
+    ``steps[(a, b)]`` moves rows from slot a's layout to slot b's; ``runners[(slot, dtype)]`` is the attention
+    backend chosen for that layout and dtype.
+    """
+
+    plans: tuple[Plan, ...]
+    slot_of_layer: tuple[int, ...]
+    layouts: tuple[LayoutTensors, ...]
+    steps: dict
+    runners: dict
 
 
 class WindowRuntime:
@@ -99,8 +147,9 @@ class WindowRuntime:
     Args:
         schedule: one :class:`~winsp.geometry.WindowGeometry` per layer.
         group: a :class:`~winsp.group.SPGroup`, a ``torch.distributed`` process group, or None (one rank).
-        attention_backend: ``"auto"`` or a backend name of :mod:`winsp.attention`.
-        plan_cache: the plan cache to use (a private LRU cache of 64 plans by default).
+        attention_backend: ``"auto"`` or a backend name of :mod:`winsp.backends`.
+        planner: a name of :data:`winsp.schedule.PLANNERS` (``"lpt"`` by default).
+        store_size: how many entries the runtime's store keeps (LRU).
     """
 
     def __init__(
@@ -109,18 +158,15 @@ class WindowRuntime:
         *,
         group=None,
         attention_backend: str = "auto",
-        plan_cache: PlanCache | None = None,
+        planner: str = "lpt",
+        store_size: int = 64,
     ) -> None:
-        schedule = tuple(schedule)
-        if not schedule:
-            raise ValueError("schedule must list one window geometry per layer; it is empty")
-        for i, geom in enumerate(schedule):
-            if not isinstance(geom, WindowGeometry):
-                raise ValueError(f"schedule[{i}] must be a WindowGeometry, got {type(geom).__name__}")
-        self.schedule = schedule
+        self.schedule = _check_schedule(schedule)
         self.group = group if isinstance(group, SPGroup) else SPGroup(group)
-        self.attention_backend = attention_backend
-        self.plan_cache = plan_cache if plan_cache is not None else PlanCache()
+        self.attention_backend = check_backend_name(attention_backend)
+        self.planner = check_planner(planner)
+        self.store = RuntimeStore(store_size)
+        self._last: tuple[torch.device, torch.dtype | None, str] | None = None
 
     @classmethod
     def from_config(
@@ -158,8 +204,8 @@ class WindowRuntime:
             raise ValueError(
                 f"ulysses_degree={n} but the SP group has {sp.size} ranks; pass a subgroup of exactly {n} ranks"
             )
-        runtime = cls(schedule, group=sp, attention_backend=config.attention_backend,
-                      plan_cache=PlanCache(config.plan_cache_size))
+        runtime = cls(schedule, group=sp, attention_backend=config.attention_backend, planner=config.planner,
+                      store_size=config.plan_cache_size)
         _log.info("winsp rank %d: %s (%d layers, %d layout transitions per forward)", runtime.rank,
                   runtime.execution_path, len(runtime.schedule), runtime.num_transitions)
         return runtime
@@ -181,7 +227,11 @@ class WindowRuntime:
     @property
     def num_transitions(self) -> int:
         """Inter-layer layout transitions per forward (31 for SeedVR2 3B's 32 alternating layers)."""
-        return count_layout_changes(g.fingerprint for g in self.schedule)
+        return len(self.layout_changes)
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, bound and size of the runtime's store."""
+        return self.store.cache_info()
 
     def backend_for(
         self, device: torch.device | str, segments: WindowSegments | None = None, dtype: torch.dtype | None = None
@@ -195,148 +245,291 @@ class WindowRuntime:
         usable = [b for b in available_backends(device) if b != "batched_sdpa"]
         return usable[0] if usable else "grouped_sdpa"
 
-    def describe(self, device: torch.device | str = "cpu") -> str:
-        """A one-line report of the execution path, e.g. ``window-aligned SP, Plan A, 4 ranks, grouped SDPA``."""
-        backend = self.backend_for(device).replace("_", " ").replace("sdpa", "SDPA")
+    def describe(self, device: torch.device | str = "cpu", backend: str | None = None) -> str:
+        """A one-line report of the execution path, e.g. ``window-aligned SP, Plan A (lpt), 4 ranks, grouped SDPA``."""
+        backend = (backend or self.backend_for(device)).replace("_", " ").replace("sdpa", "SDPA")
         if self.world_size == 1:
             return f"window attention, single rank (no communication), {backend}"
-        return f"window-aligned SP, Plan A, {self.world_size} ranks, {backend}"
+        return f"window-aligned SP, Plan A ({self.planner}), {self.world_size} ranks, {backend}"
 
     @property
     def execution_path(self) -> str:
-        return self.describe(getattr(self, "_last_device", "cpu"))
+        """:meth:`describe` for the latest request's device, dtype and the backend it actually uses."""
+        if self._last is None:
+            return self.describe("cpu")
+        device, _, backend = self._last
+        return self.describe(device, backend)
 
+    # ---- planning (eager, cached in the store) ----------------------------------------------------------
+
+    def plans(self, grids: Sequence[Sequence[int]]) -> tuple[Plan, ...]:
+        """One plan per layer for a packed batch of ``grids`` (from the store; :func:`winsp.plan_schedule`)."""
+        grids = check_grids(grids)
+        return self.store.get(("plans", grids),
+                              lambda: tuple(plan_schedule(grids, self.schedule, self.world_size, self.planner)))
+
+    def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
+        key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
+        return self.store.get(key, lambda: Transition(src, dst).for_rank(self.rank).to(device))
+
+    def _layout(self, plan: Plan, text_lengths: tuple[int, ...], device: torch.device) -> LayoutTensors:
+        def build() -> LayoutTensors:
+            local = LocalWindows(plan, self.rank, text_lengths)
+            return LayoutTensors(
+                plan=plan, local=local, index=local.segments.index_tensors(device), text=local.text.to(device),
+                token_ids=_tensor(local.token_ids, device), row_sample=_tensor(local.row_sample, device),
+                window_coords=_tensor(local.window_coords, device), grid_coords=_tensor(local.grid_coords, device),
+                gather_order=_tensor(plan.gather_order, device),
+            )
+
+        return self.store.get(("layout", plan.key or id(plan), self.rank, text_lengths, str(device)), build)
+
+    def _prepare(self, grids, text_lengths: tuple[int, ...], device: torch.device) -> PreparedRequest:
+        def build() -> PreparedRequest:
+            plans = self.plans(grids)
+            distinct: list[Plan] = []
+            slot_of_layer = []
+            for plan in plans:
+                if not any(plan is p for p in distinct):
+                    distinct.append(plan)
+                slot_of_layer.append(next(i for i, p in enumerate(distinct) if p is plan))
+            layouts = tuple(self._layout(p, text_lengths, device) for p in distinct)
+            steps = {}
+            for a, b in zip(slot_of_layer, slot_of_layer[1:]):
+                if a != b and (a, b) not in steps:
+                    steps[(a, b)] = self._step(distinct[a], distinct[b], device)
+            return PreparedRequest(plans=plans, slot_of_layer=tuple(slot_of_layer), layouts=layouts,
+                                   steps=steps, runners={})
+
+        return self.store.get(("request", grids, text_lengths, self.rank, str(device)), build)
+
+    @torch.compiler.disable
     def request(
         self,
         grids: Sequence[Sequence[int]],
         text_lengths: Sequence[int] | None = None,
         *,
         device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> "WindowRequest":
-        """Start one forward over a packed batch with these post-patch grids (and text lengths, one per sample)."""
+        """Start one forward over a packed batch with these post-patch grids (and text lengths, one per sample).
+
+        Everything the forward needs is prepared here (or found in the store). Give ``dtype`` (the attention inputs'
+        dtype) so the attention backend is chosen here too; without it, it is chosen on the first attention call.
+        """
         grids = check_grids(grids)
-        if text_lengths is None:
-            text_lengths = (0,) * len(grids)
-        text_lengths = tuple(int(t) for t in text_lengths)
-        if len(text_lengths) != len(grids):
-            raise ValueError(f"text_lengths has {len(text_lengths)} entries but there are {len(grids)} samples")
-        if any(t < 0 for t in text_lengths):
-            raise ValueError(f"text_lengths must be non-negative, got {text_lengths}")
+        text_lengths = _check_text_lengths(text_lengths, len(grids))
         device = torch.device(device) if device is not None else torch.device("cpu")
-        self._last_device = device
-        return WindowRequest(self, grids, text_lengths, device)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        prepared = self._prepare(grids, text_lengths, device)
+        request = WindowRequest(self, prepared, grids, text_lengths, device)
+        if dtype is not None:
+            for slot in range(len(prepared.layouts)):
+                request._runner(slot, dtype)
+        self._last = (device, dtype, request.backend(dtype))
+        return request
+
+
+def _check_text_lengths(text_lengths, num_samples: int) -> tuple[int, ...]:
+    if text_lengths is None:
+        return (0,) * num_samples
+    if isinstance(text_lengths, (str, bytes)) or not hasattr(text_lengths, "__len__"):
+        raise ValueError(f"text_lengths must be a list of one integer per sample, got {text_lengths!r}")
+    out = []
+    for i, t in enumerate(text_lengths):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"text_lengths[{i}] must be an integer number of text rows, got {t!r}")
+        if t < 0:
+            raise ValueError(f"text_lengths[{i}] must be non-negative, got {t}")
+        out.append(int(t))
+    if len(out) != num_samples:
+        raise ValueError(f"text_lengths has {len(out)} entries but there are {num_samples} samples")
+    return tuple(out)
 
 
 class WindowRequest:
-    """One forward's window-parallel state: which layout the local rows are in, and the steps between layouts."""
+    """One forward's window-parallel state: which layout the local rows are in, and the steps between layouts.
 
-    def __init__(self, runtime: WindowRuntime, grids, text_lengths, device: torch.device) -> None:
+    Cheap to make: a view of the runtime store's :class:`PreparedRequest` plus the current layer.
+    """
+
+    def __init__(self, runtime: WindowRuntime, prepared: PreparedRequest, grids, text_lengths,
+                 device: torch.device) -> None:
         self.runtime = runtime
+        self.prepared = prepared
         self.grids = grids
         self.text_lengths = text_lengths
+        self.num_text_rows = sum(text_lengths)
         self.device = device
         self.group = runtime.group
-        self._plans: dict[str, Plan] = {}
         self.layer: int | None = None
         self.transitions_done = 0
+        # the current layout, kept as an object and a slot so the per-layer steps never specialise on the layer index
+        self._slot: int | None = None
+        self._now: LayoutTensors | None = None
 
-    # ---- plans -------------------------------------------------------------------------------------------
+    # ---- plans and layouts -------------------------------------------------------------------------------
 
-    def plan(self, layer: int) -> Plan:
-        """The plan of layer ``layer``'s layout (one per distinct geometry, from the runtime's cache)."""
-        if not 0 <= layer < len(self.runtime.schedule):
-            raise ValueError(f"layer {layer} is outside the schedule of {len(self.runtime.schedule)} layers")
-        geom = self.runtime.schedule[layer]
-        plan = self._plans.get(geom.fingerprint)
-        if plan is None:
-            plan = self.runtime.plan_cache.get(self.grids, geom, self.runtime.world_size)
-            self._plans[geom.fingerprint] = plan
-        return plan
-
-    def local(self, layer: int | None = None) -> LocalWindows:
-        """This rank's windows in ``layer``'s layout (default: the current layer)."""
-        layer = self._current() if layer is None else layer
-        return _local_windows(self.plan(layer), self.group.rank, self.text_lengths)
+    def _check_layer(self, layer: object) -> int:
+        n = len(self.prepared.slot_of_layer)
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+            raise ValueError(f"layer must be an integer layer index, got {layer!r}")
+        if not 0 <= layer < n:
+            raise ValueError(f"layer {layer} is outside the schedule of {n} layers")
+        return int(layer)
 
     def _current(self) -> int:
         if self.layer is None:
             raise RuntimeError("call scatter() first: the request has no local rows yet")
         return self.layer
 
+    def _current_layout(self) -> LayoutTensors:
+        if self._now is None:
+            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        return self._now
+
+    def _enter(self, layer: int) -> int:
+        """Make ``layer`` current; returns its layout slot."""
+        slot = self.prepared.slot_of_layer[layer]
+        self.layer, self._slot, self._now = layer, slot, self.prepared.layouts[slot]
+        return slot
+
+    def plan(self, layer: int) -> Plan:
+        """The plan of layer ``layer``'s layout (layers with equal geometry share one plan object)."""
+        return self.prepared.plans[self._check_layer(layer)]
+
+    def layout(self, layer: int | None = None) -> LayoutTensors:
+        """This rank's prepared share of ``layer``'s layout (default: the current layer)."""
+        if layer is None:
+            return self._current_layout()
+        return self.prepared.layouts[self.prepared.slot_of_layer[self._check_layer(layer)]]
+
+    def local(self, layer: int | None = None) -> LocalWindows:
+        """This rank's windows in ``layer``'s layout (default: the current layer), CPU side."""
+        return self.layout(layer).local
+
+    @property
+    def window_coords(self) -> Tensor:
+        """[L_local, 3] window-local (dt, dh, dw) of each local row in the current layout."""
+        return self._current_layout().window_coords
+
+    @property
+    def grid_coords(self) -> Tensor:
+        """[L_local, 3] global (t, h, w) of each local row inside its sample's grid, in the current layout."""
+        return self._current_layout().grid_coords
+
+    @property
+    def token_ids(self) -> Tensor:
+        """[L_local] canonical packed token id of each local row in the current layout."""
+        return self._current_layout().token_ids
+
+    @property
+    def row_sample(self) -> Tensor:
+        """[L_local] sample index of each local row in the current layout."""
+        return self._current_layout().row_sample
+
+    def _runner(self, slot: int, dtype: torch.dtype | None) -> tuple[str, Runner]:
+        key = (slot, dtype)
+        found = self.prepared.runners.get(key)
+        if found is None:
+            segments = self.prepared.layouts[slot].segments
+            name = select_backend(self.device, segments, self.runtime.attention_backend, dtype=dtype)
+            found = self.prepared.runners[key] = (name, load_backend(name))
+        return found
+
+    def backend(self, dtype: torch.dtype | None = None) -> str:
+        """The attention backend of this request's layouts for ``dtype`` (names joined by '+' where they differ)."""
+        names = dict.fromkeys(self._runner(slot, dtype)[0] for slot in range(len(self.prepared.layouts)))
+        return "+".join(names)
+
+    @property
+    def execution_path(self) -> str:
+        """The runtime's :meth:`~WindowRuntime.describe` for this request's device and backend."""
+        return self.runtime.describe(self.device, self.backend(None))
+
     # ---- the steps ---------------------------------------------------------------------------------------
 
-    def scatter(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """Entry: this rank's rows of a canonical packed tensor [N, ...] in ``layer``'s layout."""
-        out = scatter_rows(x, self.plan(layer), self.group)
-        self.layer = layer
-        return out
+    def scatter(self, x: Tensor, layer: int = 0) -> Tensor:
+        """Entry: this rank's rows of a canonical packed tensor [N, ...] (the same on every rank) in ``layer``'s layout.
 
-    def to_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """``ensure_layout``: bring local rows into ``layer``'s layout; nothing happens if it is the current one."""
-        src, dst = self.plan(self._current()), self.plan(layer)
-        self.layer = layer
-        if src is not dst:
-            self.transitions_done += 1
-        return ensure_layout(x, src, dst, self.group)
+        Backward: the gradient of this rank's rows only (a partial sum over the group, like every gradient).
+        """
+        layer = self._check_layer(layer)
+        lay = self.layout(layer)
+        if x.shape[0] != lay.plan.layout.num_tokens:
+            raise ValueError(
+                f"scatter: the canonical tensor has {x.shape[0]} rows but the batch has {lay.plan.layout.num_tokens} "
+                f"tokens (grids {self.grids})"
+            )
+        self._enter(layer)
+        return x.index_select(0, lay.token_ids)
 
-    ensure_layout = to_layer
+    def to_layer(self, x: Tensor, layer: int) -> Tensor:
+        """Bring local rows into ``layer``'s layout; nothing happens if it is the current one."""
+        layer = self._check_layer(layer)
+        self._current_layout()
+        src = self._slot
+        dst = self._enter(layer)
+        if src == dst:
+            return x
+        step = self.prepared.steps.get((src, dst))
+        if step is None:  # a jump the schedule does not make between neighbours: prepared now, once
+            step = self.prepared.steps[(src, dst)] = self.runtime._step(
+                self.prepared.layouts[src].plan, self.prepared.layouts[dst].plan, self.device)
+        self.transitions_done += 1
+        return redistribute_rows(x, step, self.group)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Exit: the canonical tensor [N, ...] from every rank's local rows, complete on every rank."""
-        return gather_rows(x, self.plan(self._current()), self.group)
+    def gather(self, x: Tensor) -> Tensor:
+        """Exit: the canonical tensor [N, ...] from every rank's local rows, complete on every rank.
 
-    @property
-    def window_coords(self) -> torch.Tensor:
-        """[L_local, 3] window-local (dt, dh, dw) of each local row in the current layout."""
-        return self.local()._on("coords", self.device)
+        Backward: only this rank's rows receive the gradient (each rank computes the same loss from the output).
+        """
+        lay = self._current_layout()
+        return gather_rows(x, lay.plan, self.group, lay.gather_order)
 
-    @property
-    def row_sample(self) -> torch.Tensor:
-        """[L_local] sample index of each local row in the current layout."""
-        return self.local()._on("sample", self.device)
-
-    @property
-    def num_local_rows(self) -> int:
-        return self.local().num_rows
-
-    def reduce_text(self, window_text: torch.Tensor) -> torch.Tensor:
+    def reduce_text(self, window_text: Tensor) -> Tensor:
         """Mean over all windows (all ranks) of window-major per-window text outputs; identical on every rank."""
-        return reduce_window_text(window_text, self.local().text, self.group)
+        return reduce_window_text(window_text, self._current_layout().text, self.group)
 
     def attention(
         self,
-        q_vid: torch.Tensor,
-        k_vid: torch.Tensor,
-        v_vid: torch.Tensor,
-        q_txt: torch.Tensor | None = None,
-        k_txt: torch.Tensor | None = None,
-        v_txt: torch.Tensor | None = None,
+        q_vid: Tensor,
+        k_vid: Tensor,
+        v_vid: Tensor,
+        q_txt: Tensor | None = None,
+        k_txt: Tensor | None = None,
+        v_txt: Tensor | None = None,
         *,
         softmax_scale: float | None = None,
         text_output: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None]:
         """Window attention on local rows over [window video, sample text], then the text reduction.
 
-        Video tensors are [L_local, heads, head_dim]; text tensors [L_txt, heads, head_dim] replicated (or None).
-        Returns (video output [L_local, heads, head_dim], text output [L_txt, heads, head_dim] or None).
+        Video tensors are [L_local, heads, head_dim]; text tensors [sum(text_lengths), heads, head_dim] replicated
+        (or None). Returns (video output [L_local, heads, head_dim], text output [L_txt, heads, head_dim] or None).
         ``text_output=False`` (a layer whose text output is never read, e.g. a model's last block) skips the text
         reduction and its all-reduce; every rank must pass the same value.
         """
-        local = self.local()
-        if q_vid.shape[0] != local.num_rows:
+        lay = self._current_layout()
+        if q_vid.shape[0] != lay.num_rows:
             raise ValueError(
                 f"rank {self.group.rank}: attention got {q_vid.shape[0]} video rows, layer {self.layer}'s layout "
-                f"gives this rank {local.num_rows}"
+                f"gives this rank {lay.num_rows}"
             )
         has_text = q_txt is not None
         if has_text:
-            q_txt, k_txt, v_txt = (replicated_text_entry(t, self.group) for t in (q_txt, k_txt, v_txt))
-        if not has_text and any(self.text_lengths):
+            for name, t in (("q_txt", q_txt), ("k_txt", k_txt), ("v_txt", v_txt)):
+                if t is not None and t.shape[0] != self.num_text_rows:
+                    raise ValueError(
+                        f"{name} has {t.shape[0]} rows but the request's text_lengths {self.text_lengths} describe "
+                        f"{self.num_text_rows}"
+                    )
+        elif self.num_text_rows:
             raise ValueError(f"the request has text lengths {self.text_lengths} but attention got no text tensors")
-        backend = self.runtime.backend_for(q_vid.device, local.segments, q_vid.dtype)
-        vid_out, window_text = window_attention(
-            q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, local.segments, backend=backend, softmax_scale=softmax_scale,
-        )
+        _, runner = self._runner(self._slot, q_vid.dtype)
+        vid_out, window_text = attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, lay.segments, lay.index, runner,
+                                      softmax_scale=softmax_scale)
         if not (has_text and text_output):
             return vid_out, None
-        return vid_out, self.reduce_text(window_text)
+        return vid_out, reduce_window_text(window_text, lay.text, self.group)

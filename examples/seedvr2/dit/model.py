@@ -15,6 +15,7 @@ import dataclasses
 from collections import OrderedDict
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -34,36 +35,57 @@ _PATCH_PLAN_CACHE_SIZE = 16
 class ForwardContext:
     """Per-forward state the blocks read: embeddings, row->sample maps and RoPE tables, plus the winsp request.
 
-    RoPE tables depend on the layout (window-local coordinates) and on a block's frequency buffer; they are built once
-    per (layout, frequency group) and reused by every block with the same layout. ``rope_groups[i]`` names block i's
-    group of equal frequency buffers (see :meth:`SeedVR2NaDiT.rope_groups`), so no values are compared per block.
+    Built once per forward, before any block runs (the planning phase, which torch.compile leaves alone): RoPE tables
+    depend on the layout (window-local coordinates) and on a block's frequency buffer, so they are made once per
+    (layout, frequency group) and shared by every block with the same pair. ``rope_groups[i]`` names block i's group of
+    equal frequency buffers (see :meth:`SeedVR2NaDiT.rope_groups`). :meth:`enter_layer` then points the per-layer
+    attributes at layer i's tensors, so a block sees only tensors and never an index it would specialise on.
     """
 
-    def __init__(self, request: "winsp.WindowRequest", emb_slots: Tensor, text_lengths: Sequence[int],
-                 schedule_keys: Sequence[object], device: torch.device, head_dim: int,
-                 rope_groups: Sequence[int]) -> None:
+    def __init__(self, request: "winsp.WindowRequest", emb_slots: Optional[Tensor], text_lengths: Sequence[int],
+                 ropes: Sequence[Optional[RotaryEmbedding3d]], head_dim: int, rope_groups: Sequence[int],
+                 device: torch.device) -> None:
         self.request = request
-        self.rope_groups = tuple(rope_groups)
-        self.emb_slots = emb_slots
-        self.single_sample = emb_slots.shape[0] == 1
-        self.schedule_keys = tuple(schedule_keys)
-        lengths = torch.tensor(list(text_lengths), dtype=torch.long)
-        starts = torch.cumsum(lengths, 0) - lengths
-        self.txt_sample = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
-        self.txt_position = (torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)).to(device)
-        self.text_lengths = lengths.to(device)
-        self.table_width = head_dim if head_dim % 2 == 0 else None  # full-width tables: no split/concat per call
-        self._rope_cache: dict = {}
-        self._layer = 0
+        self.emb_slots = emb_slots  # filled in by the forward once the time embedding is computed
+        self.single_sample = len(text_lengths) == 1
+        lengths = np.asarray(text_lengths, dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths
+        self.txt_sample = torch.from_numpy(np.repeat(np.arange(lengths.size), lengths)).to(device)
+        txt_position = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+        width = head_dim if head_dim % 2 == 0 else None  # full-width tables: no split/concat per call
+        num_layers = len(ropes)
+        prepared = request.prepared
+        self._row_sample = [request.layout(i).row_sample for i in range(num_layers)]
+        self._rope_vid: list = [None] * num_layers
+        self._rope_txt: list = [None] * num_layers
+        tables: dict = {}
+        txt_positions = torch.from_numpy(np.repeat(txt_position[:, None], 3, axis=1)).to(device)
+        text_offset = torch.from_numpy(lengths).to(device)
+        for i, rope in enumerate(ropes):
+            if rope is None:
+                continue
+            slot = prepared.slot_of_layer[i]
+            key_vid, key_txt = (rope_groups[i], "vid", slot), (rope_groups[i], "txt")
+            if key_vid not in tables:
+                layout = request.layout(i)
+                positions = layout.window_coords.clone()
+                positions[:, 0] += text_offset.index_select(0, layout.row_sample)  # video t follows the text
+                tables[key_vid] = rope.tables(positions, width)
+            if key_txt not in tables:
+                tables[key_txt] = rope.tables(txt_positions, width)
+            self._rope_vid[i], self._rope_txt[i] = tables[key_vid], tables[key_txt]
+        self.row_sample = self._row_sample[0]
+        self.rope_vid_tables = self.rope_txt_tables = None
 
     def enter_layer(self, layer: int) -> None:
-        self._layer = layer
+        self.row_sample = self._row_sample[layer]
+        self.rope_vid_tables, self.rope_txt_tables = self._rope_vid[layer], self._rope_txt[layer]
 
     # ---- per-sample values on rows ------------------------------------------------------------------
     def vid_rows(self, per_sample: Tensor) -> Tensor:
         if self.single_sample:
             return per_sample
-        return per_sample.index_select(0, self.request.row_sample)
+        return per_sample.index_select(0, self.row_sample)
 
     def txt_rows(self, per_sample: Tensor) -> Tensor:
         if self.single_sample:
@@ -71,31 +93,17 @@ class ForwardContext:
         return per_sample.index_select(0, self.txt_sample)
 
     # ---- RoPE -----------------------------------------------------------------------------------------
-    def _cached(self, key: object, build) -> tuple[Tensor, Tensor]:
-        key = (self.rope_groups[self._layer],) + key
-        hit = self._rope_cache.get(key)
-        if hit is None:
-            hit = self._rope_cache[key] = build()
-        return hit
-
     def rope_vid(self, rope: RotaryEmbedding3d) -> tuple[Tensor, Tensor]:
-        def build():
-            coords = self.request.window_coords
-            offset = self.text_lengths.index_select(0, self.request.row_sample)
-            positions = coords.clone()
-            positions[:, 0] += offset
-            return rope.tables(positions, self.table_width)
-
-        return self._cached(("vid", self.schedule_keys[self._layer]), build)
+        return self.rope_vid_tables
 
     def rope_txt(self, rope: RotaryEmbedding3d) -> tuple[Tensor, Tensor]:
-        return self._cached(("txt",), lambda: rope.tables(self.txt_position[:, None].expand(-1, 3), self.table_width))
+        return self.rope_txt_tables
 
     def attention(self, q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, *, text_output: bool = True):
         return self.request.attention(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, text_output=text_output)
 
 
-class SeedVR2NaDiT(nn.Module):
+class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
     """SeedVR2's NaDiT (``models/dit_v2``) with window-parallel execution through ``winsp``.
 
     The parameter layout mirrors the reference checkpoint except for one key per block: the RoPE frequency buffer is
@@ -123,7 +131,6 @@ class SeedVR2NaDiT(nn.Module):
             self.vid_out_norm = None
             self.vid_out_ada = None
         self.vid_out = PatchOut(cfg.vid_out_channels, cfg.patch_size, dim)
-        self._runtime: Optional[winsp.WindowRuntime] = None
         self._patch_plans: "OrderedDict[tuple, PatchPlan]" = OrderedDict()
         self._rope_groups: tuple[tuple, tuple[int, ...]] = ((), ())
 
@@ -148,19 +155,23 @@ class SeedVR2NaDiT(nn.Module):
 
     # ------------------------------------------------------------------ runtime
     def window_schedule(self) -> list:
-        """One winsp geometry per block, from the config's window counts and methods."""
+        """One winsp geometry per block, from the config's window counts and methods.
+
+        The runtime is attached the winsp way (:class:`winsp.WindowParallel`):
+        ``model.build_runtime(parallel_config=DiffusionParallelConfig(ulysses_degree=N), group=...)`` returns it.
+        """
         return [winsp.make_geometry(m, w) for m, w in zip(self.config.window_method, self.config.window)]
 
-    def build_runtime(
-        self, parallel_config: Optional["winsp.DiffusionParallelConfig"] = None, *, group=None
-    ) -> "winsp.WindowRuntime":
-        """Build (and keep) the window runtime for ``parallel_config`` (None = one rank); returns it."""
-        self._runtime = winsp.WindowRuntime.from_config(parallel_config, schedule=self.window_schedule(), group=group)
-        return self._runtime
+    def compile_blocks(self, **compile_kwargs) -> "SeedVR2NaDiT":
+        """Regional compilation: ``torch.compile`` each block in place (``fullgraph=True`` unless told otherwise).
 
-    @property
-    def runtime(self) -> Optional["winsp.WindowRuntime"]:
-        return self._runtime
+        Blocks hold no planning code and no host syncs, so each compiles as one graph; the forward's planning phase
+        stays eager. Returns the model.
+        """
+        compile_kwargs.setdefault("fullgraph", True)
+        for block in self.blocks:
+            block.compile(**compile_kwargs)
+        return self
 
     # ------------------------------------------------------------------ input handling
     def _patch_plan(self, shapes: tuple, device: torch.device) -> PatchPlan:
@@ -222,6 +233,22 @@ class SeedVR2NaDiT(nn.Module):
         return shapes, text_lengths, timestep.to(vid.device)
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable
+    def _prepare(self, vid, txt, vid_shape, txt_shape, timestep):
+        """The planning phase of a forward: checks, patch indices, the winsp request and the per-forward context.
+
+        Everything that reads values on the host (shapes as lists, plan look-ups, index building) happens here, once;
+        torch.compile leaves it alone, so the rest of the forward traces without graph breaks.
+        """
+        shapes, text_lengths, timestep = self._check_inputs(vid, txt, vid_shape, txt_shape, timestep)
+        dtype = self.vid_in.proj.weight.dtype
+        plan = self._patch_plan(shapes, vid.device)
+        req = self.require_runtime().request(grids=plan.grids, text_lengths=text_lengths, device=vid.device,
+                                             dtype=dtype)
+        ropes = [block.attn.rope for block in self.blocks]
+        ctx = ForwardContext(req, None, text_lengths, ropes, self.config.head_dim, self.rope_groups(), vid.device)
+        return plan, req, ctx, timestep
+
     def forward(
         self,
         vid: Tensor,
@@ -236,19 +263,14 @@ class SeedVR2NaDiT(nn.Module):
         ``txt [L_txt, txt_in_dim]`` the packed text embeddings with ``txt_shape [b, 1]`` lengths, ``timestep`` one
         value per sample (or one for all). Inputs are cast to the model's dtype. Returns the full tensor on every rank.
         """
-        shapes, text_lengths, timestep = self._check_inputs(vid, txt, vid_shape, txt_shape, timestep)
+        plan, req, ctx, timestep = self._prepare(vid, txt, vid_shape, txt_shape, timestep)
         cfg = self.config
         dtype = self.vid_in.proj.weight.dtype
-        plan = self._patch_plan(shapes, vid.device)
-        runtime = self._runtime if self._runtime is not None else self.build_runtime(None)
-        req = runtime.request(grids=plan.grids, text_lengths=text_lengths, device=vid.device)
-
         x = req.scatter(PatchIn.patchify(vid.to(dtype), plan))
         x = self.vid_in(x)
         txt = self.txt_in(txt.to(dtype))
         emb_slots = Modulation.split_embedding(self.emb_in(timestep, dtype), cfg.vid_dim)
-        keys = list(zip(cfg.window_method, cfg.window))
-        ctx = ForwardContext(req, emb_slots, text_lengths, keys, vid.device, cfg.head_dim, self.rope_groups())
+        ctx.emb_slots = emb_slots
 
         for i, block in enumerate(self.blocks):
             x = req.to_layer(x, i)

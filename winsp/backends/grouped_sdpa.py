@@ -1,0 +1,23 @@
+"""``grouped_sdpa``: one batched SDPA call per set of windows of equal segment length. Runs everywhere."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, pack, sdpa_segments, unpack
+
+
+def _run(qkv_vid, qkv_txt, segments, idx, scale):
+    q, k, v = (pack(vid, txt, idx.pack_index, segments) for vid, txt in zip(qkv_vid, qkv_txt))
+    heads_dim = q.shape[1:]
+    outs = []
+    for start, count, length in segments.group_slices:
+        rows = slice(start, start + count * length)
+        shape = (count, length, *heads_dim)
+        out = sdpa_segments(q[rows].reshape(shape), k[rows].reshape(shape), v[rows].reshape(shape), scale)
+        outs.append(out.reshape(count * length, *heads_dim))
+    packed_out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return unpack(packed_out, idx.unpack_index, segments)
+
+
+BACKEND = Backend(name="grouped_sdpa", unavailable_reason=lambda device, segments, dtype: None, load=lambda: _run)
