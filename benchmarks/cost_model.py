@@ -284,16 +284,17 @@ def summary_markdown(models=None, nets=None) -> str:
     """How often each scheme wins per (model, network), and the median margin of locality over LPT."""
     models = models or (SEEDVR2_3B, SEEDVR2_7B)
     nets = nets or (NVLINK_NODE, MULTI_NODE)
-    lines = ["| model | network | P | settings | Ulysses wins | LPT wins | locality wins | locality vs LPT forward "
-             "(median, best, worst) |", "|---|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| model | network | P | settings | Ulysses wins | LPT wins | locality wins | LPT and locality within 0.5 % "
+             "| locality vs LPT forward (median, best, worst) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for model in models:
         for net in nets:
             rows = crossover_rows(model, net, DEGREES[net.name])
             wins = {k: sum(r["winner"] == k for r in rows) for k in ("Ulysses", "LPT", "locality")}
             gain = np.array([r["preds"]["locality"].forward(model) / r["preds"]["LPT"].forward(model) - 1
                              for r in rows]) * 100
+            close = sum(abs(g) < 0.5 for g, r in zip(gain, rows) if r["winner"] != "Ulysses")
             lines.append(f"| {model.name} | {net.name} | {', '.join(map(str, DEGREES[net.name]))} | {len(rows)} "
-                         f"| {wins['Ulysses']} | {wins['LPT']} | {wins['locality']} "
+                         f"| {wins['Ulysses']} | {wins['LPT']} | {wins['locality']} | {close} "
                          f"| {np.median(gain):+.1f}%, {gain.min():+.1f}%, {gain.max():+.1f}% |")
     return "\n".join(lines)
 
