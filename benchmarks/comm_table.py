@@ -1,13 +1,14 @@
 """Communication and balance tables for window-aligned SP on SeedVR2 3B's windows, from the real plans.
 
-Run from the repository root: ``python -m benchmarks.comm_table`` or ``python benchmarks/comm_table.py``.
+Run from the repository root: ``python -m benchmarks.comm_table`` or ``python benchmarks/comm_table.py``
+(``--planners lpt locality``, both by default).
 
 Table 1 compares, per layout transition, the rows and bytes Plan A really moves (the off-diagonal sum of the
 transition's count matrix) with what Ulysses moves per attention layer: four all-to-alls (q, k, v in, output back)
 of an [N, D] activation, each sending (P - 1) / P of it off-rank, i.e. 4 * N * D * (P - 1) / P elements.
 Both figures are totals over all ranks, in bf16 (2 bytes) with the 3B hidden size D = 2560.
 
-Table 2 is the LPT balance of each layout: the largest rank's tokens over the ideal lower bound
+Table 2 is the balance of each layout under each planner: the largest rank's tokens over the ideal lower bound
 max(largest window, ceil(N / P)).
 """
 
@@ -21,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import winsp  # noqa: E402
-from winsp.redistribute import plan_transition  # noqa: E402
+from winsp.redistribute import Transition  # noqa: E402
 
 NUM_WINDOWS = (4, 3, 3)  # SeedVR2 3B's window counts (regular and shifted layers alternate)
 HIDDEN = 2560  # SeedVR2 3B hidden size
@@ -41,6 +42,7 @@ class CommRow:
     shape: str
     grid: tuple[int, int, int]
     world_size: int
+    planner: str
     direction: str
     tokens: int
     rows_moved: int
@@ -57,6 +59,7 @@ class BalanceRow:
     shape: str
     grid: tuple[int, int, int]
     world_size: int
+    planner: str
     layout: str
     windows: int
     max_rank_tokens: int
@@ -72,24 +75,24 @@ def ulysses_bytes(tokens: int, world_size: int, hidden: int = HIDDEN) -> float:
     return 4 * tokens * hidden * (world_size - 1) / world_size * BYTES_PER_ELEMENT
 
 
-def collect(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN) -> tuple[list[CommRow], list[BalanceRow]]:
+def collect(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN,
+            planners=("lpt",)) -> tuple[list[CommRow], list[BalanceRow]]:
     """Plan every shape at every degree under both layouts; read the moved rows and the balance off the plans."""
-    geometries = {"regular": winsp.make_geometry("regular", NUM_WINDOWS),
-                  "shifted": winsp.make_geometry("shifted", NUM_WINDOWS)}
+    schedule = [winsp.make_geometry("regular", NUM_WINDOWS), winsp.make_geometry("shifted", NUM_WINDOWS)]
     comm: list[CommRow] = []
     balance: list[BalanceRow] = []
     for name, grid in shapes.items():
         for p in degrees:
-            cache = winsp.PlanCache()
-            plans = {layout: cache.get([grid], geom, p) for layout, geom in geometries.items()}
-            tokens = plans["regular"].layout.num_tokens
-            for src, dst in (("regular", "shifted"), ("shifted", "regular")):
-                moved = plan_transition(plans[src], plans[dst]).rows_moved
-                comm.append(CommRow(name, grid, p, f"{src} -> {dst}", tokens, moved,
-                                    moved * hidden * BYTES_PER_ELEMENT, ulysses_bytes(tokens, p, hidden)))
-            for layout, plan in plans.items():
-                balance.append(BalanceRow(name, grid, p, layout, plan.layout.num_windows,
-                                          max(plan.rank_token_counts), plan.ideal_lower_bound))
+            for planner in planners:
+                plans = dict(zip(("regular", "shifted"), winsp.plan_schedule([grid], schedule, p, planner)))
+                tokens = plans["regular"].layout.num_tokens
+                for src, dst in (("regular", "shifted"), ("shifted", "regular")):
+                    moved = Transition(plans[src], plans[dst]).rows_moved
+                    comm.append(CommRow(name, grid, p, planner, f"{src} -> {dst}", tokens, moved,
+                                        moved * hidden * BYTES_PER_ELEMENT, ulysses_bytes(tokens, p, hidden)))
+                for layout, plan in plans.items():
+                    balance.append(BalanceRow(name, grid, p, planner, layout, plan.layout.num_windows,
+                                              max(plan.rank_token_counts), plan.ideal_lower_bound))
     return comm, balance
 
 
@@ -99,13 +102,13 @@ def _mib(n: float) -> str:
 
 def comm_markdown(rows: list[CommRow]) -> str:
     lines = [
-        "| shape | grid (T,H,W) | P | transition | tokens N | rows moved | moved / N | window SP MiB "
+        "| shape | grid (T,H,W) | P | planner | transition | tokens N | rows moved | moved / N | window SP MiB "
         "| Ulysses MiB / layer | ratio |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.shape} | {r.grid} | {r.world_size} | {r.direction} | {r.tokens:,} | {r.rows_moved:,} "
+            f"| {r.shape} | {r.grid} | {r.world_size} | {r.planner} | {r.direction} | {r.tokens:,} | {r.rows_moved:,} "
             f"| {r.rows_moved / r.tokens:.3f} | {_mib(r.window_bytes)} | {_mib(r.ulysses_bytes)} | {r.ratio:.3f} |"
         )
     return "\n".join(lines)
@@ -113,20 +116,20 @@ def comm_markdown(rows: list[CommRow]) -> str:
 
 def balance_markdown(rows: list[BalanceRow]) -> str:
     lines = [
-        "| shape | grid (T,H,W) | P | layout | windows | max rank tokens | ideal lower bound | imbalance |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| shape | grid (T,H,W) | P | planner | layout | windows | max rank tokens | ideal lower bound | imbalance |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.shape} | {r.grid} | {r.world_size} | {r.layout} | {r.windows} | {r.max_rank_tokens:,} "
+            f"| {r.shape} | {r.grid} | {r.world_size} | {r.planner} | {r.layout} | {r.windows} | {r.max_rank_tokens:,} "
             f"| {r.ideal_lower_bound:,} | {r.imbalance:.4f} |"
         )
     return "\n".join(lines)
 
 
-def tables_markdown(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN) -> str:
+def tables_markdown(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN, planners=("lpt",)) -> str:
     """Both tables as one markdown text (what the script prints)."""
-    comm, balance = collect(shapes, degrees, hidden)
+    comm, balance = collect(shapes, degrees, hidden, planners)
     return "\n".join([
         f"### Bytes moved per layout transition (bf16, D = {hidden}, windows {NUM_WINDOWS})",
         "",
@@ -135,14 +138,18 @@ def tables_markdown(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN
         "",
         comm_markdown(comm),
         "",
-        "### LPT balance (max rank tokens / max(largest window, ceil(N / P)))",
+        f"### Balance ({', '.join(planners)}; max rank tokens / max(largest window, ceil(N / P)))",
         "",
         balance_markdown(balance),
     ])
 
 
-def main() -> None:
-    print(tables_markdown())
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="rows moved per transition and balance, per planner")
+    ap.add_argument("--planners", nargs="+", default=list(winsp.PLANNERS), choices=list(winsp.PLANNERS))
+    print(tables_markdown(planners=tuple(ap.parse_args(argv).planners)))
 
 
 if __name__ == "__main__":
