@@ -25,8 +25,6 @@ and if the result moves more rows per forward than plain LPT, plain LPT is retur
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from itertools import product
 from typing import Sequence
 
 import numpy as np
@@ -44,15 +42,6 @@ _SPLITS_KEPT = 3  # box splits fully evaluated, best estimates first
 _FM_PASSES = 4
 _FM_PATIENCE = 40  # non-improving moves tried before a pass gives up
 _BLOCK = 1 << 22  # overlap entries computed at once (memory bound of the dense 1-D overlap products)
-
-
-@dataclass(frozen=True)
-class _Edges:
-    """Overlap edges between two layouts' windows: a[i] of layout A shares w[i] tokens with b[i] of layout B."""
-
-    a: np.ndarray
-    b: np.ndarray
-    w: np.ndarray
 
 
 def overlap_edges(a: Layout, b: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -247,44 +236,42 @@ def _repair(g: _Graph, owner: np.ndarray, conn: np.ndarray, cap: np.ndarray, lay
 def _refine(g: _Graph, owner: np.ndarray, conn: np.ndarray, cap: np.ndarray) -> None:
     """FM passes: best feasible single-window move first, each window once a pass; keep the best prefix."""
     loads = g.loads(owner)
+    total = conn.sum(axis=1)  # a window's edge weight to all ranks: moves never change it
     own_conn = conn[np.arange(g.n), owner]
     neg = np.iinfo(np.int64).min
+
+    def apply(v: int, a: int, b: int) -> None:
+        g.move(conn, v, a, b)
+        owner[v] = b
+        loads[g.layer[v], a] -= g.tokens[v]
+        loads[g.layer[v], b] += g.tokens[v]
+        touched = np.append(g.adj_dst[g.adj_ptr[v]:g.adj_ptr[v + 1]], v)
+        own_conn[touched] = conn[touched, owner[touched]]
+
     for _ in range(_FM_PASSES):
         locked = np.zeros(g.n, dtype=bool)
-        # only windows touching another rank can gain; others join the candidates when a neighbour moves
         gain_total, best_gain, best_len, moves = 0, 0, 0, []
         while len(moves) - best_len <= _FM_PATIENCE:
-            cand = np.nonzero(~locked & (conn.max(axis=1) > own_conn))[0]
+            cand = np.nonzero(~locked & (total > own_conn))[0]  # windows on a rank boundary
             if cand.size == 0:
-                cand = np.nonzero(~locked & (conn.sum(axis=1) > own_conn))[0]
-                if cand.size == 0:
-                    break
+                break
             gain = conn[cand] - own_conn[cand, None]
             lay = g.layer[cand]
             feasible = loads[lay] + g.tokens[cand, None] <= cap[lay, None]
             feasible[np.arange(cand.size), owner[cand]] = False
             gain = np.where(feasible, gain, neg)
-            flat = int(np.argmax(gain))
-            i, b = divmod(flat, g.p)
+            i, b = divmod(int(np.argmax(gain)), g.p)
             if gain[i, b] == neg:
                 break
             v, a = int(cand[i]), int(owner[cand[i]])
             gain_total += int(gain[i, b])
-            g.move(conn, v, a, b)
-            owner[v] = b
-            loads[g.layer[v], a] -= g.tokens[v]
-            loads[g.layer[v], b] += g.tokens[v]
-            own_conn = conn[np.arange(g.n), owner]
+            apply(v, a, b)
             locked[v] = True
             moves.append((v, a, b))
             if gain_total > best_gain:
                 best_gain, best_len = gain_total, len(moves)
         for v, a, b in reversed(moves[best_len:]):
-            g.move(conn, v, b, a)
-            owner[v] = a
-            loads[g.layer[v], b] -= g.tokens[v]
-            loads[g.layer[v], a] += g.tokens[v]
-        own_conn = conn[np.arange(g.n), owner]
+            apply(v, b, a)
         if best_gain == 0:
             break
 
