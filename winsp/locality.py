@@ -205,30 +205,55 @@ class _Graph:
 # ---- 5. balance repair ----------------------------------------------------------------------------------------
 
 def _repair(g: _Graph, owner: np.ndarray, conn: np.ndarray, cap: np.ndarray, layer: int) -> None:
-    """Move windows off ranks above ``cap`` in one layout, cheapest added cut first, until all fit (or none can)."""
+    """Lower ranks above ``cap`` in one layout by the cheapest (least added cut) move or swap of windows.
+
+    First choice: move one window of the heaviest rank to a rank it fits on under the cap. When no window fits
+    anywhere (windows large against the slack), swap a window of the heaviest rank with a smaller one elsewhere so
+    that both ranks end under the cap. Failing both, the same two steps may merely lower the heaviest rank's load.
+    Each step picks the cheapest candidate of its kind.
+    """
     nodes = np.arange(g.first[layer], g.first[layer + 1])
     load = np.bincount(owner[nodes], weights=g.tokens[nodes], minlength=g.p).astype(np.int64)
-    while load.max() > cap[layer]:
+    worst = np.iinfo(np.int64).max
+    for _ in range(4 * nodes.size + 4):  # every step lowers the heaviest rank or empties the set above the cap
+        if load.max() <= cap[layer]:
+            return
         heavy = int(np.argmax(load))
         mine = nodes[owner[nodes] == heavy]
-        room = cap[layer] - load  # [P]
-        fits = g.tokens[mine, None] <= room[None, :]
-        fits[:, heavy] = False
-        if not fits.any():
-            # nothing fits under the cap anywhere: at least lower the peak, onto the lightest rank
-            light = int(np.argmin(load))
-            fits = np.zeros((mine.size, g.p), dtype=bool)
-            fits[:, light] = load[light] + g.tokens[mine] < load[heavy]
-            if not fits.any():
-                return
-        extra = conn[mine, heavy][:, None] - conn[mine, :]  # added cut of each move
-        extra = np.where(fits, extra, np.iinfo(np.int64).max)
-        i, r = np.unravel_index(int(np.argmin(extra)), extra.shape)
-        v = int(mine[i])
-        g.move(conn, v, heavy, int(r))
-        owner[v] = r
-        load[heavy] -= g.tokens[v]
-        load[r] += g.tokens[v]
+        moved = False
+        for limit in (cap[layer], load[heavy] - 1):  # under the cap, else merely below the current peak
+            # single moves: mine[i] -> rank r
+            fits = g.tokens[mine, None] + load[None, :] <= limit
+            fits[:, heavy] = False
+            if fits.any():
+                extra = np.where(fits, conn[mine, heavy][:, None] - conn[mine, :], worst)
+                i, dst = divmod(int(np.argmin(extra)), g.p)
+                _relocate(g, owner, conn, load, int(mine[i]), heavy, dst)
+                moved = True
+                break
+            # swaps: mine[i] <-> others[j], a smaller window on rank r = owner[others[j]]
+            others = nodes[owner[nodes] != heavy]
+            d = g.tokens[mine][:, None] - g.tokens[others][None, :]
+            r = owner[others]
+            ok = (d > 0) & (load[r][None, :] + d <= limit)
+            if ok.any():
+                swap = np.where(ok, (conn[mine, heavy][:, None] - conn[mine][:, r])
+                                + (conn[others, r] - conn[others, heavy])[None, :], worst)
+                i, j = divmod(int(np.argmin(swap)), others.size)
+                dst = int(r[j])
+                _relocate(g, owner, conn, load, int(mine[i]), heavy, dst)
+                _relocate(g, owner, conn, load, int(others[j]), dst, heavy)
+                moved = True
+                break
+        if not moved:
+            return
+
+
+def _relocate(g: _Graph, owner: np.ndarray, conn: np.ndarray, load: np.ndarray, v: int, a: int, b: int) -> None:
+    g.move(conn, v, a, b)
+    owner[v] = b
+    load[a] -= g.tokens[v]
+    load[b] += g.tokens[v]
 
 
 # ---- 6. Fiduccia-Mattheyses refinement ---------------------------------------------------------------------
