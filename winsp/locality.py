@@ -12,7 +12,8 @@ placement with little rank boundary moves little. The rule (pure numpy, determin
    axes at cumulative-token targets. Windows are ordered (sample, cut axis, the other axes), so a cut that falls
    inside a slab of windows becomes a staircase and balance comes out near exact.
 4. Give every window of the other layouts to the rank holding most of its rows.
-5. Repair balance with the cheapest moves (least added cut per move) until every rank is under the cap.
+5. Repair balance with the cheapest moves (least added cut), or swaps for a smaller window where no single window
+   fits, until every rank is under the cap.
 6. Refine all layouts jointly with Fiduccia-Mattheyses-style passes over the overlap graph (best move first,
    negative moves allowed for a while, each window moved once a pass, roll back to the best prefix), never breaking
    the balance cap.
@@ -346,7 +347,7 @@ def locality_placement(
         if not (0 <= i < j < len(layouts)):
             raise ValueError(f"transition {(i, j)} must name two layouts i < j among {len(layouts)}")
     lpt = [np.asarray(_owner_of(lpt_assign(lay.token_counts.tolist(), p), lay.num_windows)) for lay in layouts]
-    if p == 1:
+    if p == 1 or not transitions:  # nothing ever moves: LPT's balance is the better placement
         return [_owners_to_rank_windows(o, p) for o in lpt]
 
     g = _Graph(layouts, transitions, p)
@@ -374,7 +375,7 @@ def locality_placement(
         loads = g.loads(owner)
         for i in range(len(layouts)):
             if loads[i].max() > limit[i]:
-                owner[g.first[i]:g.first[i + 1]] = _relabel_lpt(g, owner, lpt[i], i, transitions)
+                owner[g.first[i]:g.first[i + 1]] = _relabel_lpt(g, owner, lpt[i], i)
         key = (g.cut(owner), 1)
         if key < best_key:
             best_owner, best_key = owner, key
@@ -404,8 +405,7 @@ def _placement_order(anchor: int, transitions: dict[tuple[int, int], int], count
     return order + [i for i in range(count) if i not in seen]
 
 
-def _relabel_lpt(g: _Graph, owner: np.ndarray, lpt_owner: np.ndarray, layer: int,
-                 transitions: dict[tuple[int, int], int]) -> np.ndarray:
+def _relabel_lpt(g: _Graph, owner: np.ndarray, lpt_owner: np.ndarray, layer: int) -> np.ndarray:
     """LPT's placement of one layout with ranks renamed to overlap most with its neighbours' current placement."""
     shared = np.zeros((g.p, g.p), dtype=np.int64)
     for (i, j), (ea, eb, ew) in g.pair_edges.items():
