@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .layers import compute_dtype
+
 __all__ = ["rope_frequencies", "rope_tables", "apply_rope", "RotaryEmbedding3d"]
 
 
@@ -58,7 +60,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     span = cos.shape[-1]
     if span == 0:
         return x
-    x32 = x.float()
+    x32 = x.to(compute_dtype(x.dtype))
     rot = x32 if span == x.shape[-1] else x32[..., :span]
     pairs = rot.unflatten(-1, (span // 2, 2))
     swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (x0, x1) -> (-x1, x0)
