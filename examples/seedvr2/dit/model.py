@@ -80,11 +80,8 @@ class ForwardContext:
 
     def rope_vid(self, rope: RotaryEmbedding3d) -> tuple[Tensor, Tensor]:
         def build():
-            coords = self.request.window_coords
-            offset = self.text_lengths.index_select(0, self.request.row_sample)
-            positions = coords.clone()
-            positions[:, 0] += offset
-            return rope.tables(positions, self.table_width)
+            offset = lambda: self.text_lengths.index_select(0, self.request.row_sample)  # noqa: E731
+            return rope.video_tables(self.request.window_coords, offset, self.table_width)
 
         return self._cached(("vid", self.schedule_keys[self._layer]), build)
 
@@ -96,7 +93,8 @@ class ForwardContext:
 
 
 class SeedVR2NaDiT(nn.Module):
-    """SeedVR2's NaDiT (``models/dit_v2``) with window-parallel execution through ``winsp``.
+    """SeedVR2's NaDiT (the 3B's ``models/dit_v2`` or the 7B's ``models/dit``, as the config says) with
+    window-parallel execution through ``winsp``.
 
     The parameter layout mirrors the reference checkpoint except for one key per block: the RoPE frequency buffer is
     ``blocks.<i>.attn.rope.freqs`` (the reference stores ``...attn.rope.rope.freqs``); :func:`load_dit_checkpoint`
