@@ -128,8 +128,11 @@ class RotaryEmbedding3d(nn.Module):
         if kind not in ROPE_KINDS:
             raise ValueError(f"unsupported RoPE kind {kind!r}; supported: {list(ROPE_KINDS)}")
         self.rope_dim, self.kind = rope_dim, kind
-        freqs = rope_frequencies(rope_dim) if kind == "mmrope3d" else pixel_frequencies(rope_dim)
-        self.register_buffer("freqs", freqs, persistent=True)
+        self.register_buffer("freqs", self.exact_frequencies(), persistent=True)
+
+    def exact_frequencies(self) -> Tensor:
+        """The float32 frequencies this kind and ``rope_dim`` define (what released checkpoints store), on the CPU."""
+        return rope_frequencies(self.rope_dim) if self.kind == "mmrope3d" else pixel_frequencies(self.rope_dim)
 
     @property
     def span(self) -> int:
