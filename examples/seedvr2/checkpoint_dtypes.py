@@ -20,8 +20,8 @@ import torch
 
 __all__ = ["FP8_DTYPES", "match_model_dtypes", "dtype_name"]
 
-FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                   if hasattr(torch, name))
+FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                     "float8_e5m2fnuz") if hasattr(torch, name))
 #: keys some fp8 repacks add that are not model tensors (a format marker)
 _FP8_MARKERS = ("scaled_fp8",)
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
@@ -67,7 +67,7 @@ def _dequantise_fp8(state: dict, expected: Mapping[str, torch.Tensor], what: str
             )
         state[key] = state[key].to(torch.float32) * scale.to(torch.float32).reshape(())
         used.add(scale_key)
-    if fp8:  # the scales and the format marker are no model tensors (anything else left over, the strict loader names)
+    if fp8:  # scales and the format marker are no model tensors (anything else left over, the strict loader names)
         for key in list(used) + [k for k in _FP8_MARKERS if k in state]:
             if key not in expected:
                 del state[key]

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
-__all__ = ["NaDiTConfig", "StreamSharing", "NORM_TYPES", "MLP_TYPES", "WINDOW_METHODS", "ARCHITECTURES"]
+__all__ = ["NaDiTConfig", "StreamSharing", "RELEASED_MODELS", "NORM_TYPES", "MLP_TYPES", "WINDOW_METHODS", "ARCHITECTURES"]
 
 #: Normalisation names the reference accepts; the "fused" ones are apex kernels with the same math.
 NORM_TYPES = (None, "layer", "rms", "fusedln", "fusedrms")
@@ -26,6 +26,8 @@ WINDOW_METHODS = ("720pwin_by_size_bysize", "720pswin_by_size_bysize")
 BLOCK_TYPES = ("mmdit_sr",)
 ROPE_TYPES = (None, "mmrope3d")
 ADA_TYPES = ("single",)
+#: names of the released SeedVR2 DiTs, see :meth:`NaDiTConfig.released`
+RELEASED_MODELS = ("3b", "7b")
 #: reference module of each architecture: "dit_v2" is the 3B's NaDiT, "dit" the 7B's
 ARCHITECTURES = ("dit_v2", "dit")
 
@@ -374,6 +376,15 @@ class NaDiTConfig:
         return t * h * w
 
     # ------------------------------------------------------------------ constructors
+    @classmethod
+    def released(cls, model: str) -> "NaDiTConfig":
+        """The released DiT named ``model``: ``"3b"`` (:meth:`seedvr2_3b`) or ``"7b"`` (:meth:`seedvr2_7b`)."""
+        if model == "3b":
+            return cls.seedvr2_3b()
+        if model == "7b":
+            return cls.seedvr2_7b()
+        raise ValueError(f"unknown SeedVR2 model {model!r}; released models: {list(RELEASED_MODELS)}")
+
     @classmethod
     def seedvr2_3b(cls) -> "NaDiTConfig":
         """The released SeedVR2 3B DiT (``configs_3b/main.yaml``)."""

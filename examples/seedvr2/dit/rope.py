@@ -8,7 +8,8 @@ Two kinds share the channel layout and the rotation and differ in frequencies an
   n tokens long on that axis sits at ``linspace(-1, 1, n)[d]`` (so every window spans [-1, 1] whatever its size);
   text is not rotated.
 
-``mmrope3d`` frequencies: one axis gets ``F = (rope_dim // 3) // 2`` frequencies ``f_j = 10000 ** (-2j / (rope_dim // 3))``
+``mmrope3d`` frequencies: one axis gets ``F = (rope_dim // 3) // 2`` frequencies
+``f_j = 10000 ** (-2j / (rope_dim // 3))``
 ("language-model" spacing). A position p turns into angles ``p * f_j``, each used for one adjacent channel pair
 (2j, 2j+1), so an axis covers 2F channels. The three axes (t, h, w) are laid out one after another, covering
 ``6F`` channels (126 of 128 for the 3B); the remaining channels of a head pass through unrotated.
