@@ -97,6 +97,17 @@ class StreamSharing:
     ada: bool
 
 
+def _released_common(vid_dim: int, txt_in_dim: int, heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:
+    """The keywords both released configs give alike: 33 -> 16 channels, fused RMS norms, 1x2x2 patches, (4, 3, 3)
+    windows alternating regular/shifted, text projected to the video width."""
+    return dict(
+        vid_in_channels=33, vid_out_channels=16, vid_dim=vid_dim, txt_in_dim=txt_in_dim, txt_dim=vid_dim,
+        emb_dim=6 * vid_dim, heads=heads, head_dim=head_dim, expand_ratio=4, norm="fusedrms", norm_eps=1e-5,
+        ada="single", qk_bias=False, qk_norm="fusedrms", patch_size=(1, 2, 2), num_layers=num_layers,
+        block_type="mmdit_sr", window=(4, 3, 3), window_method=[WINDOW_METHODS[i % 2] for i in range(num_layers)],
+    )
+
+
 @dataclass(frozen=True, init=False)
 class NaDiTConfig:
     """Architecture of a SeedVR2 NaDiT: the 3B's (``models/dit_v2``, :meth:`seedvr2_3b`) or the 7B's (``models/dit``,
@@ -401,30 +412,12 @@ class NaDiTConfig:
         channels, fused RMS norms, SwiGLU, 1x2x2 patches, (4, 3, 3) windows alternating regular/shifted, mmrope3d).
         """
         return cls(
-            vid_in_channels=33,
-            vid_out_channels=16,
-            vid_dim=vid_dim,
+            **_released_common(vid_dim, txt_in_dim, heads, head_dim, num_layers),
             vid_out_norm="fusedrms",
-            txt_in_dim=txt_in_dim,
             txt_in_norm="fusedln",
-            txt_dim=vid_dim,
-            emb_dim=6 * vid_dim,
-            heads=heads,
-            head_dim=head_dim,
-            expand_ratio=4,
-            norm="fusedrms",
-            norm_eps=1.0e-05,
-            ada="single",
-            qk_bias=False,
-            qk_norm="fusedrms",
-            patch_size=(1, 2, 2),
-            num_layers=num_layers,
             mm_layers=mm_layers,
             mlp_type="swiglu",
             msa_type=None,
-            block_type="mmdit_sr",
-            window=(4, 3, 3),
-            window_method=[WINDOW_METHODS[i % 2] for i in range(num_layers)],
             rope_type="mmrope3d",
             rope_dim=rope_dim,
         )
@@ -438,34 +431,15 @@ class NaDiTConfig:
     def seedvr2_7b_at_size(
         cls, *, vid_dim: int, txt_in_dim: int, heads: int, head_dim: int, num_layers: int
     ) -> "NaDiTConfig":
-        """The SeedVR2 7B architecture at another width and depth: every other choice as released (33 -> 16 channels,
-        fused RMS norms, GELU MLP, separate stream weights, 1x2x2 patches, (4, 3, 3) windows alternating
-        regular/shifted, video-only window RoPE via ``qk_rope``).
+        """The SeedVR2 7B architecture at another width and depth: every other choice as released (the 3B's channels,
+        norms, patches and windows; GELU MLP, separate stream weights, video-only window RoPE via ``qk_rope``).
         """
         return cls(
-            vid_in_channels=33,
-            vid_out_channels=16,
-            vid_dim=vid_dim,
-            txt_in_dim=txt_in_dim,
-            txt_dim=vid_dim,
-            emb_dim=6 * vid_dim,
-            heads=heads,
-            head_dim=head_dim,
-            expand_ratio=4,
-            norm="fusedrms",
-            norm_eps=1e-5,
-            ada="single",
-            qk_bias=False,
+            **_released_common(vid_dim, txt_in_dim, heads, head_dim, num_layers),
             qk_rope=True,
-            qk_norm="fusedrms",
-            patch_size=(1, 2, 2),
-            num_layers=num_layers,
             shared_mlp=False,
             shared_qkv=False,
             mlp_type="normal",
-            block_type="mmdit_sr",
-            window=(4, 3, 3),
-            window_method=[WINDOW_METHODS[i % 2] for i in range(num_layers)],
         )
 
     @classmethod
