@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     heads, head_dim = dims["heads"], dims["head_dim"]
     timed = _timer(device)
     lines = [f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__};"
-             f" bf16; SeedVR2 {args.model.upper()} blocks; post-patch grid {grid}, {text_len} text tokens; {heads} heads x"
-             f" {head_dim}", "",
+             f" bf16; SeedVR2 {args.model.upper()} blocks; post-patch grid {grid}, {text_len} text tokens;"
+             f" {heads} heads x {head_dim}", "",
              "| backend | max err vs fp32 reference | attention ms (regular + shifted) | attention TFLOP/s |"
              " ms per block (2-block forward) |", "|---|---:|---:|---:|---:|"]
 

@@ -334,7 +334,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         f"({_fmt_size(geometry.output, media.num_frames)}{', ' + fps if not media.is_image else ''}; model at "
         f"{geometry.work[1]}x{geometry.work[0]}) | SP {pipe.group.size} | {pipe.describe()}; "
         f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
-        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; colour fix {'wavelet' if color_fix else 'off'} | "
+        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; "
+        f"colour fix {'wavelet' if color_fix else 'off'} | "
         f"{timing} | total {sum(seconds.values()):.2f}s"
     )
 

@@ -17,7 +17,9 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
-__all__ = ["NaDiTConfig", "StreamSharing", "RELEASED_MODELS", "NORM_TYPES", "MLP_TYPES", "WINDOW_METHODS", "ARCHITECTURES"]
+__all__ = [
+    "NaDiTConfig", "StreamSharing", "RELEASED_MODELS", "NORM_TYPES", "MLP_TYPES", "WINDOW_METHODS", "ARCHITECTURES",
+]
 
 #: Normalisation names the reference accepts; the "fused" ones are apex kernels with the same math.
 NORM_TYPES = (None, "layer", "rms", "fusedln", "fusedrms")
