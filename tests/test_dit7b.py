@@ -148,6 +148,17 @@ def test_7b_pth_checkpoint_loads_strictly(golden7b, tmp_path):
         load_dit_checkpoint(SeedVR2NaDiT(NaDiTConfig.from_metadata(golden7b[0])), path)
 
 
+def test_truncated_7b_checkpoint_keeps_the_new_last_blocks_text_path(golden7b):
+    """The 7B's last block is complete, so loading the first 2 of 4 blocks keeps block 1's text MLP weights."""
+    meta, state, _, _ = golden7b
+    cfg = dataclasses.replace(NaDiTConfig.from_metadata(meta), num_layers=2, block_type="mmdit_sr", window=(4, 3, 3),
+                              window_method=list(NaDiTConfig.from_metadata(meta).window_method[:2]))
+    with pytest.raises(ValueError, match="allow_truncated"):
+        load_dit_checkpoint(SeedVR2NaDiT(cfg), state)
+    model = load_dit_checkpoint(SeedVR2NaDiT(cfg), state, allow_truncated=True)
+    assert torch.equal(model.blocks[1].mlp.txt.proj_in.weight, state["blocks.1.mlp.txt.proj_in.weight"])
+
+
 # ---------------------------------------------------------------------------------------------- RoPE
 def test_pixel_frequencies_match_the_checkpoint_buffer(golden7b):
     stored = golden7b[1]["blocks.0.attn.rope.rope.freqs"]

@@ -28,7 +28,7 @@ __all__ = ["load_dit_checkpoint", "read_state_dict", "normalize_checkpoint_keys"
 
 _REFERENCE_ROPE_KEY = re.compile(r"^(blocks\.\d+\.attn\.rope)\.rope\.freqs$")
 _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
-# In a truncated checkpoint the model's new last block has no text MLP path; these keys then have no home.
+# In a truncated 3B checkpoint the model's new (video-only) last block has no text MLP path; these keys have no home.
 _TEXT_MLP_PATH = re.compile(r"^blocks\.(\d+)\.(mlp|ada|mlp_norm)\.txt\.")
 
 Source = Union[str, os.PathLike, Mapping[str, Tensor]]
@@ -70,7 +70,9 @@ def normalize_checkpoint_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _drop_extra_blocks(state: dict[str, Tensor], num_layers: int, allow_truncated: bool) -> dict[str, Tensor]:
+def _drop_extra_blocks(
+    state: dict[str, Tensor], num_layers: int, allow_truncated: bool, last_video_only: bool
+) -> dict[str, Tensor]:
     block_ids = {int(m.group(1)) for m in map(_BLOCK_KEY.match, state) if m}
     extra = sorted(i for i in block_ids if i >= num_layers)
     if not extra:
@@ -88,7 +90,7 @@ def _drop_extra_blocks(state: dict[str, Tensor], num_layers: int, allow_truncate
         if m and int(m.group(1)) >= num_layers:
             continue
         t = _TEXT_MLP_PATH.match(key)
-        if t and int(t.group(1)) == num_layers - 1:
+        if last_video_only and t and int(t.group(1)) == num_layers - 1:
             continue  # the truncated model's last block has no text MLP path
         kept[key] = value
     return kept
@@ -122,7 +124,9 @@ def load_dit_checkpoint(
     """
     state = normalize_checkpoint_keys(read_state_dict(source))
     num_layers = len(getattr(model, "blocks", ()))
-    state = _drop_extra_blocks(state, num_layers, allow_truncated)
+    config = getattr(model, "config", None)
+    last_video_only = getattr(config, "last_layer_video_only", True)
+    state = _drop_extra_blocks(state, num_layers, allow_truncated, last_video_only)
     exact_rope = _restore_exact_rope(model, state)
     state, cast = match_model_dtypes(state, model, what="DiT checkpoint")
     if exact_rope:
