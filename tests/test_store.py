@@ -77,6 +77,8 @@ def test_positions_of_local_rows():
         windows = lay.window_of_position[lay.position_of_token[x.numpy()]]
         corner = torch.from_numpy(lay.window_start[windows])
         assert torch.equal(req.window_coords, coords - corner)
+        assert torch.equal(req.window_shape, torch.from_numpy(lay.window_shape[windows]))
+        assert bool((req.window_coords < req.window_shape).all())
 
 
 def test_execution_path_names_the_backend_used():

@@ -88,6 +88,12 @@ class LocalWindows:
         return self.plan.layout.window_coords[self.positions]
 
     @cached_property
+    def window_shape(self) -> np.ndarray:
+        """[L, 3] extent (t, h, w) of the window each local row belongs to."""
+        lay = self.plan.layout
+        return lay.window_shape[lay.window_of_position[self.positions]]
+
+    @cached_property
     def grid_coords(self) -> np.ndarray:
         """[L, 3] global (t, h, w) of each local row inside its sample's grid."""
         lay = self.plan.layout
@@ -109,6 +115,7 @@ class LayoutTensors:
     token_ids: Tensor
     row_sample: Tensor
     window_coords: Tensor
+    window_shape: Tensor
     grid_coords: Tensor
     gather_order: Tensor
 
@@ -278,7 +285,8 @@ class WindowRuntime:
             return LayoutTensors(
                 plan=plan, local=local, index=local.segments.index_tensors(device), text=local.text.to(device),
                 token_ids=_tensor(local.token_ids, device), row_sample=_tensor(local.row_sample, device),
-                window_coords=_tensor(local.window_coords, device), grid_coords=_tensor(local.grid_coords, device),
+                window_coords=_tensor(local.window_coords, device), window_shape=_tensor(local.window_shape, device),
+                grid_coords=_tensor(local.grid_coords, device),
                 gather_order=_tensor(plan.gather_order, device),
             )
 
@@ -413,6 +421,11 @@ class WindowRequest:
     def window_coords(self) -> Tensor:
         """[L_local, 3] window-local (dt, dh, dw) of each local row in the current layout."""
         return self._current_layout().window_coords
+
+    @property
+    def window_shape(self) -> Tensor:
+        """[L_local, 3] extent (t, h, w) of the window of each local row (for window-size-relative positions)."""
+        return self._current_layout().window_shape
 
     @property
     def grid_coords(self) -> Tensor:
