@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import winsp  # noqa: E402
-from winsp.redistribute import plan_transition  # noqa: E402
+from winsp.redistribute import Transition  # noqa: E402
 
 NUM_WINDOWS = (4, 3, 3)  # SeedVR2 3B's window counts (regular and shifted layers alternate)
 HIDDEN = 2560  # SeedVR2 3B hidden size
@@ -80,11 +80,10 @@ def collect(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN) -> tup
     balance: list[BalanceRow] = []
     for name, grid in shapes.items():
         for p in degrees:
-            cache = winsp.PlanCache()
-            plans = {layout: cache.get([grid], geom, p) for layout, geom in geometries.items()}
+            plans = dict(zip(geometries, winsp.plan_schedule([grid], list(geometries.values()), p)))
             tokens = plans["regular"].layout.num_tokens
             for src, dst in (("regular", "shifted"), ("shifted", "regular")):
-                moved = plan_transition(plans[src], plans[dst]).rows_moved
+                moved = Transition(plans[src], plans[dst]).rows_moved
                 comm.append(CommRow(name, grid, p, f"{src} -> {dst}", tokens, moved,
                                     moved * hidden * BYTES_PER_ELEMENT, ulysses_bytes(tokens, p, hidden)))
             for layout, plan in plans.items():

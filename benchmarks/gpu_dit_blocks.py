@@ -53,7 +53,7 @@ def _timer(device: torch.device):
 
 
 def _segments(grid, text_len: int, method: str) -> winsp.WindowSegments:
-    plan = winsp.PlanCache().get([grid], winsp.make_geometry(method, (4, 3, 3)), 1)
+    plan = winsp.plan_schedule([grid], [winsp.make_geometry(method, (4, 3, 3))], 1)[0]
     return LocalWindows(plan, 0, (text_len,)).segments
 
 
