@@ -178,7 +178,7 @@ def test_attention_refuses_text_rows_that_text_lengths_do_not_describe():
     ([2.7], r"text_lengths\[0\] must be an integer"),
     ([True], r"text_lengths\[0\] must be an integer"),
     ([-1], r"text_lengths\[0\] must be non-negative"),
-    ("5", "list of one integer per sample"),
+    ("5", "text_lengths must be a sequence of integers"),
 ])
 def test_request_refuses_non_integer_text_lengths(lengths, match):
     with pytest.raises(ValueError, match=match):

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .attention import attend
 from .backends import Runner, available_backends, check_backend_name, load_backend, select_backend
+from .checks import count_tuple
 from .config import DiffusionParallelConfig
 from .geometry import WindowGeometry
 from .group import SPGroup
@@ -342,18 +343,10 @@ class WindowRuntime:
 def _check_text_lengths(text_lengths, num_samples: int) -> tuple[int, ...]:
     if text_lengths is None:
         return (0,) * num_samples
-    if isinstance(text_lengths, (str, bytes)) or not hasattr(text_lengths, "__len__"):
-        raise ValueError(f"text_lengths must be a list of one integer per sample, got {text_lengths!r}")
-    out = []
-    for i, t in enumerate(text_lengths):
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise ValueError(f"text_lengths[{i}] must be an integer number of text rows, got {t!r}")
-        if t < 0:
-            raise ValueError(f"text_lengths[{i}] must be non-negative, got {t}")
-        out.append(int(t))
+    out = count_tuple("text_lengths", text_lengths)
     if len(out) != num_samples:
         raise ValueError(f"text_lengths has {len(out)} entries but there are {num_samples} samples")
-    return tuple(out)
+    return out
 
 
 class WindowRequest:

@@ -8,7 +8,6 @@ copies of those indices.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,29 +15,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import count_tuple
+
 __all__ = ["WindowSegments", "WindowIndexTensors", "INT32_MAX"]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _as_count_tuple(name: str, values: object) -> tuple[int, ...]:
-    """Coerce ``values`` to a tuple of non-negative Python ints, or raise a ValueError naming ``name``."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"WindowSegments.{name} must be a sequence of ints, got {type(values).__name__}")
-    out = []
-    for position, value in enumerate(values):  # type: ignore[union-attr]
-        if isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"WindowSegments.{name}[{position}] must be an int, got a bool")
-        try:
-            number = operator.index(value)
-        except TypeError:
-            raise ValueError(
-                f"WindowSegments.{name}[{position}] must be an int, got {type(value).__name__}"
-            ) from None
-        if number < 0:
-            raise ValueError(f"WindowSegments.{name}[{position}] must be non-negative, got {number}")
-        out.append(int(number))
-    return tuple(out)
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -80,9 +61,9 @@ class WindowSegments:
     """First row of that sample's text in the packed text tensor."""
 
     def __post_init__(self) -> None:
-        vid_counts = _as_count_tuple("vid_counts", self.vid_counts)
-        txt_lengths = _as_count_tuple("txt_lengths", self.txt_lengths)
-        txt_starts = _as_count_tuple("txt_starts", self.txt_starts)
+        vid_counts = count_tuple("WindowSegments.vid_counts", self.vid_counts)
+        txt_lengths = count_tuple("WindowSegments.txt_lengths", self.txt_lengths)
+        txt_starts = count_tuple("WindowSegments.txt_starts", self.txt_starts)
         if len(txt_lengths) != len(vid_counts):
             raise ValueError(
                 f"WindowSegments.txt_lengths has {len(txt_lengths)} entries but vid_counts has "
@@ -110,8 +91,8 @@ class WindowSegments:
         The packed text tensor holds sample 0's text, then sample 1's, ...; ``window_samples[i]`` is the
         sample that local window ``i`` belongs to.
         """
-        lengths = _as_count_tuple("sample_txt_lengths", sample_txt_lengths)
-        samples = _as_count_tuple("window_samples", window_samples)
+        lengths = count_tuple("WindowSegments.sample_txt_lengths", sample_txt_lengths)
+        samples = count_tuple("WindowSegments.window_samples", window_samples)
         starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         for position, sample in enumerate(samples):
             if sample >= len(lengths):
