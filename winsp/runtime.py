@@ -28,6 +28,7 @@ from torch import Tensor
 from .attention import attend
 from .backends import Runner, available_backends, check_backend_name, load_backend, select_backend
 from .checks import count_tuple
+from .compile import planning
 from .config import DiffusionParallelConfig
 from .geometry import WindowGeometry
 from .group import SPGroup
@@ -312,7 +313,7 @@ class WindowRuntime:
 
         return self.store.get(("request", grids, text_lengths, self.rank, str(device)), build)
 
-    @torch.compiler.disable
+    @planning
     def request(
         self,
         grids: Sequence[Sequence[int]],

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import winsp
+from winsp.compile import planning
 
 from .block import NaDiTBlock
 from .config import NaDiTConfig
@@ -234,7 +235,7 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
         return shapes, text_lengths, timestep.to(vid.device)
 
     # ------------------------------------------------------------------ forward
-    @torch.compiler.disable
+    @planning
     def _prepare(self, vid, txt, vid_shape, txt_shape, timestep):
         """The planning phase of a forward: checks, patch indices, the winsp request and the per-forward context.
 
