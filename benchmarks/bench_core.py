@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import winsp  # noqa: E402
 from winsp.group import SPGroup  # noqa: E402
-from winsp.redistribute import plan_transition, redistribute  # noqa: E402
+from winsp.redistribute import Transition, redistribute_rows  # noqa: E402
 
 try:  # pytest puts this folder on sys.path (rootdir-less "prepend" import mode)
     from comm_table import collect, tables_markdown
@@ -47,10 +47,10 @@ PLAN_CASES = [(shape, layout) for shape in GRIDS for layout in GEOMETRIES]
 @pytest.mark.parametrize("shape, layout", PLAN_CASES)
 def test_plan_cache_miss(benchmark, goal_report, shape, layout):
     grid, geometry = GRIDS[shape], GEOMETRIES[layout]
-    benchmark.group = "plan: cache miss (fresh PlanCache each round)"
+    benchmark.group = "plan: cache miss (plan_schedule, nothing cached)"
 
     def plan_fresh():
-        return winsp.PlanCache().get([grid], geometry, WORLD_SIZE)
+        return winsp.plan_schedule([grid], [geometry], WORLD_SIZE)[0]
 
     plan = benchmark(plan_fresh)
     assert plan.world_size == WORLD_SIZE and sum(plan.rank_token_counts) == grid[0] * grid[1] * grid[2]
@@ -61,11 +61,11 @@ def test_plan_cache_miss(benchmark, goal_report, shape, layout):
 @pytest.mark.parametrize("shape, layout", PLAN_CASES)
 def test_plan_cache_hit(benchmark, goal_report, shape, layout):
     grid, geometry = GRIDS[shape], GEOMETRIES[layout]
-    benchmark.group = "plan: cache hit"
-    cache = winsp.PlanCache()
-    first = cache.get([grid], geometry, WORLD_SIZE)
-    plan = benchmark(cache.get, [grid], geometry, WORLD_SIZE)
-    assert plan is first and cache.cache_info().misses == 1
+    benchmark.group = "plan: cache hit (the runtime store)"
+    runtime = winsp.WindowRuntime([geometry])
+    first = runtime.plans([grid])
+    plans = benchmark(runtime.plans, [grid])
+    assert plans is first and runtime.cache_info().misses == 1
     goal_report.goal(f"plan hit  {shape} {grid} {layout}, P={WORLD_SIZE}",
                      goal_report.median_seconds(benchmark), HIT_GOAL_S)
 
@@ -81,7 +81,7 @@ def build_rank0_indices(regular: winsp.Plan, shifted: winsp.Plan) -> None:
         for rank in range(plan.world_size):
             plan.rank_token_ids(rank)
     for src, dst in ((regular, shifted), (shifted, regular)):
-        plan_transition(src, dst).for_rank(0).device_indices(torch.device("cpu"))
+        Transition(src, dst).for_rank(0).to(torch.device("cpu"))
     shifted.gather_order
 
 
@@ -94,7 +94,7 @@ def test_index_build(benchmark, goal_report, shape):
     benchmark.group = "one-time index build after planning (rank 0, both layouts, both transitions)"
 
     def fresh_plans():
-        plans = tuple(winsp.PlanCache().get([grid], GEOMETRIES[layout], WORLD_SIZE) for layout in GEOMETRIES)
+        plans = tuple(winsp.plan_schedule([grid], [GEOMETRIES[layout]], WORLD_SIZE)[0] for layout in GEOMETRIES)
         return plans, {}
 
     benchmark.pedantic(build_rank0_indices, setup=fresh_plans, rounds=INDEX_BUILD_ROUNDS[shape], iterations=1)
@@ -110,24 +110,22 @@ _permutation_medians: dict[int, dict[str, float]] = {}
 
 def permutation_inputs(channels: int):
     """A regular -> shifted transition at world size 1, its rank-0 gather index, and a float32 [N, channels] tensor."""
-    cache = winsp.PlanCache()
-    src, dst = (cache.get([PERMUTATION_GRID], GEOMETRIES[layout], 1) for layout in ("regular", "shifted"))
-    transition = plan_transition(src, dst)
-    index = transition.for_rank(0).device_indices(torch.device("cpu"))[0]  # built once, outside the timing
+    src, dst = winsp.plan_schedule([PERMUTATION_GRID], [GEOMETRIES["regular"], GEOMETRIES["shifted"]], 1)
+    step = Transition(src, dst).for_rank(0).to(torch.device("cpu"))  # built once, outside the timing
     x = torch.randn(src.layout.num_tokens, channels, generator=torch.Generator().manual_seed(0))
-    return transition, index, x
+    return step, step.send_index, x
 
 
 @pytest.mark.parametrize("channels", PERMUTATION_CHANNELS)
 @pytest.mark.parametrize("impl", ["index_select", "redistribute"])
 def test_local_permutation(benchmark, goal_report, impl, channels):
-    transition, index, x = permutation_inputs(channels)
+    step, index, x = permutation_inputs(channels)
     group = SPGroup(None)
     benchmark.group = f"local permutation {PERMUTATION_GRID} x {channels} float32 (regular -> shifted, P=1)"
     if impl == "index_select":
         out = benchmark(x.index_select, 0, index)
     else:
-        out = benchmark(redistribute, x, transition, group)
+        out = benchmark(redistribute_rows, x, step, group)
     assert torch.equal(out, x.index_select(0, index))
     median = goal_report.median_seconds(benchmark)
     if median is None:

@@ -9,7 +9,10 @@ one sample of post-patch grid (5, 32, 56) = 8960 tokens in 27 windows, 17 text t
 * ``winsp``: :class:`SeedVR2NaDiT.forward` at SP = 1 (scatter, per-layer ``to_layer``, request attention, gather).
   Goal: at most 5% slower than ``plain``.
 * Per-rank peak activation memory at SP = 1, 2, 4 (gloo ranks, one process each): the rise of the process's peak
-  resident set over its resident set just before a warm forward. Goal: about 1/P of SP = 1.
+  resident set over its resident set just before a warm forward. Goal: about 1/P of SP = 1. Measured for the tiny
+  3B- and 7B-architecture golden models (same size and input).
+* 7B against 3B blocks at equal width (SP = 1): the two architectures at dim 256 (4 heads x 64), 4 blocks each, seeded
+  random weights, the golden input's shape; forward time per block and the 7B / 3B ratio.
 """
 
 from __future__ import annotations
@@ -32,15 +35,16 @@ from examples.seedvr2.dit.layers import Modulation  # noqa: E402
 from examples.seedvr2.dit.patch import PatchIn  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "nadit3b_tiny.safetensors"
+GOLDEN_7B = GOLDEN.with_name("nadit7b_tiny.safetensors")
 OVERHEAD_GOAL = 1.05
 MEMORY_WORLD_SIZES = (1, 2, 4)
 
 
 # ---------------------------------------------------------------------------------------------- model and input
-def load_golden():
+def load_golden(path: Path = GOLDEN):
     from safetensors import safe_open
 
-    with safe_open(str(GOLDEN), "pt") as f:
+    with safe_open(str(path), "pt") as f:
         cfg = NaDiTConfig.from_metadata(f.metadata())
         state = {k[6:]: f.get_tensor(k) for k in f.keys() if k.startswith("state.")}
         inputs = {k[6:]: f.get_tensor(k) for k in f.keys() if k.startswith("input.")}
@@ -226,8 +230,8 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _memory_rank(rank: int, world_size: int) -> dict:
-    model, inputs = load_golden()
+def _memory_rank(rank: int, world_size: int, golden: Path = GOLDEN) -> dict:
+    model, inputs = load_golden(golden)
     runtime = model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
     args = (inputs["vid"], inputs["txt"], inputs["vid_shape"], inputs["txt_shape"], inputs["timestep"])
     with torch.no_grad():
@@ -241,7 +245,9 @@ def _memory_rank(rank: int, world_size: int) -> dict:
     return {"rise_mib": (peak - before) / 1024, "rows": int(rows), "path": runtime.execution_path}
 
 
-def test_activation_memory_per_rank(benchmark, goal_report):
+@pytest.mark.parametrize("golden, label", [(GOLDEN, "NaDiT"), (GOLDEN_7B, "NaDiT 7B-architecture")],
+                         ids=["3b", "7b"])
+def test_activation_memory_per_rank(benchmark, goal_report, golden, label):
     """(pytest-benchmark times the whole measurement once; the figures that matter are the printed ratios.)"""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
@@ -250,7 +256,7 @@ def test_activation_memory_per_rank(benchmark, goal_report):
 
     def measure():
         for p in MEMORY_WORLD_SIZES:
-            results[p] = run_ranks(_memory_rank, p, timeout=300)
+            results[p] = run_ranks(_memory_rank, p, timeout=300, golden=golden)
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     base = max(r["rise_mib"] for r in results[1])
@@ -263,8 +269,53 @@ def test_activation_memory_per_rank(benchmark, goal_report):
             f"rows per rank {[r['rows'] for r in per_rank]}; {per_rank[0]['path']}"
         )
         if p > 1:
-            goal_report.goal(f"NaDiT tiny golden forward, SP={p} peak activations / SP=1", worst / base,
+            goal_report.goal(f"{label} tiny golden forward, SP={p} peak activations / SP=1", worst / base,
                              1.25 / p, unit="x")
     report = "\n".join(lines)
     print("\n" + report)
-    goal_report.text("NaDiT per-rank peak activation memory (RSS rise over a warm forward)", report)
+    goal_report.text(f"{label} per-rank peak activation memory (RSS rise over a warm forward)", report)
+
+
+# ---------------------------------------------------------------------------------------------- 7B vs 3B blocks
+EQUAL_WIDTH = dict(vid_dim=256, txt_in_dim=64, heads=4, head_dim=64, num_layers=4)
+
+
+def _equal_width_models() -> dict:
+    configs = {
+        "3b": NaDiTConfig.seedvr2_at_size(**EQUAL_WIDTH, mm_layers=2, rope_dim=EQUAL_WIDTH["head_dim"]),
+        "7b": NaDiTConfig.seedvr2_7b_at_size(**EQUAL_WIDTH),
+    }
+    models = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        models[name] = SeedVR2NaDiT(cfg).eval()
+    return models
+
+
+def test_block_time_7b_vs_3b_equal_width(benchmark, goal_report):
+    """Interleaved forwards of both (min of 5 each); per-block time = forward / blocks (the in/out projections are
+    under 1% of it). (pytest-benchmark times the whole measurement once; the printed ratio is the figure.)"""
+    models = _equal_width_models()
+    _, inputs = load_golden()
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(inputs["vid"].shape, generator=g), torch.randn(17, EQUAL_WIDTH["txt_in_dim"], generator=g),
+            inputs["vid_shape"], inputs["txt_shape"], inputs["timestep"])
+    times = {name: [] for name in models}
+
+    def interleaved():
+        with torch.no_grad():
+            for _ in range(5):
+                for name, model in models.items():
+                    start = time.perf_counter()
+                    model(*args)
+                    times[name].append(time.perf_counter() - start)
+
+    benchmark.pedantic(interleaved, rounds=1, iterations=1)
+    per_block = {name: min(t) / EQUAL_WIDTH["num_layers"] * 1e3 for name, t in times.items()}
+    params = {name: sum(p.numel() for p in m.blocks[0].parameters()) for name, m in models.items()}
+    ratio = per_block["7b"] / per_block["3b"]
+    report = (f"dim {EQUAL_WIDTH['vid_dim']}, {EQUAL_WIDTH['heads']} heads x {EQUAL_WIDTH['head_dim']}, 8960 video + "
+              f"17 text tokens: 3B block {per_block['3b']:.1f} ms, 7B block {per_block['7b']:.1f} ms, ratio 7B / 3B "
+              f"{ratio:.2f}; parameters per block (separate streams) 3B {params['3b']}, 7B {params['7b']}")
+    print("\n" + report)
+    goal_report.text("7B vs 3B block time at equal width, SP=1, CPU", report)

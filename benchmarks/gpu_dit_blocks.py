@@ -1,6 +1,7 @@
-"""One prepared device check: SeedVR2 3B blocks and window attention per backend on one GPU.
+"""One prepared device check: SeedVR2 3B (or 7B) blocks and window attention per backend on one GPU.
 
     python benchmarks/gpu_dit_blocks.py                    # on a CUDA machine: bf16, 3B dims, 2 blocks, 720p x 21 frames
+    python benchmarks/gpu_dit_blocks.py --model 7b         # the same with 7B blocks (3072 wide, 24 heads, GELU MLP)
     python benchmarks/gpu_dit_blocks.py --device cpu --small   # smoke run of the same code path on a CPU
 
 For every attention backend that can run on the device it reports: agreement with the per-window SDPA reference
@@ -52,7 +53,7 @@ def _timer(device: torch.device):
 
 
 def _segments(grid, text_len: int, method: str) -> winsp.WindowSegments:
-    plan = winsp.PlanCache().get([grid], winsp.make_geometry(method, (4, 3, 3)), 1)
+    plan = winsp.plan_schedule([grid], [winsp.make_geometry(method, (4, 3, 3))], 1)[0]
     return LocalWindows(plan, 0, (text_len,)).segments
 
 
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="small dims and grid (a smoke run)")
+    parser.add_argument("--model", choices=("3b", "7b"), default="3b", help="whose blocks (default: 3b)")
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -79,22 +81,29 @@ def main(argv=None) -> int:
         return 2
     dtype = torch.bfloat16
     if args.small:
-        dims = dict(vid_dim=128, txt_in_dim=64, heads=2, head_dim=64, num_layers=2, mm_layers=10, rope_dim=64)
+        dims = dict(vid_dim=128, txt_in_dim=64, heads=2, head_dim=64, num_layers=2)
         grid, text_len, iters = (2, 12, 20), 8, 2
-    else:
-        dims = dict(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=2, mm_layers=10, rope_dim=128)
+    elif args.model == "3b":
+        dims = dict(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=2)
         grid, text_len, iters = (6, 45, 80), 58, args.iters  # 720p x 21 frames: latent 6 x 90 x 160, patch 1x2x2
+    else:
+        dims = dict(vid_dim=3072, txt_in_dim=5120, heads=24, head_dim=128, num_layers=2)
+        grid, text_len, iters = (6, 45, 80), 58, args.iters
     heads, head_dim = dims["heads"], dims["head_dim"]
     timed = _timer(device)
     lines = [f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__};"
-             f" bf16; post-patch grid {grid}, {text_len} text tokens; {heads} heads x {head_dim}", "",
+             f" bf16; SeedVR2 {args.model.upper()} blocks; post-patch grid {grid}, {text_len} text tokens;"
+             f" {heads} heads x {head_dim}", "",
              "| backend | max err vs fp32 reference | attention ms (regular + shifted) | attention TFLOP/s |"
              " ms per block (2-block forward) |", "|---|---:|---:|---:|---:|"]
 
     layouts = [_segments(grid, text_len, m) for m in ("regular", "shifted")]
     check = _segments((2, 10, 14), 5, "shifted")
     backends = [b for b in winsp.available_backends(device)]
-    config = NaDiTConfig.seedvr2_at_size(**dims)
+    if args.model == "3b":
+        config = NaDiTConfig.seedvr2_at_size(**dims, mm_layers=10, rope_dim=dims["head_dim"])
+    else:
+        config = NaDiTConfig.seedvr2_7b_at_size(**dims)
     torch.manual_seed(0)
     model = SeedVR2NaDiT(config).to(device=device, dtype=dtype).eval()
     t, h, w = grid

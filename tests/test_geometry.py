@@ -154,3 +154,35 @@ def test_layout_rejects_bad_grids_and_geometries():
 
     with pytest.raises(ValueError, match="partition"):
         build_layout([(2, 2, 2)], Overlapping((1, 1, 1)))
+
+
+@pytest.mark.parametrize("method", ["regular", "shifted"])
+def test_too_elongated_grids_raise_a_value_error_naming_the_limit(method):
+    with pytest.raises(ValueError, match="rounds to 0 tokens.*14400:1"):
+        winsp.window_slices((1, 1, 14401), (1, 3, 3), method)
+    with pytest.raises(ValueError, match="window width rounds to 0"):
+        winsp.window_slices((1, 14401, 1), (1, 3, 3), method)
+    assert len(winsp.window_slices((1, 1, 14399), (1, 3, 3), method)) >= 1
+
+
+def test_geometries_whose_boxes_leave_the_grid_are_refused():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Overhanging(winsp.WindowGeometry):
+        def slices(self, grid):
+            t, h, w = grid
+            # two boxes that, clipped to the grid, would tile it exactly; the second reaches past the edge
+            return [(slice(0, t), slice(0, h), slice(0, w // 2)), (slice(0, t), slice(0, h), slice(w // 2, w + 3))]
+
+    with pytest.raises(ValueError, match="w-slice slice\\(4, 11, None\\).*inside \\[0, 8\\)"):
+        winsp.build_layout([(2, 3, 8)], Overhanging())
+
+    @dataclass(frozen=True)
+    class Negative(winsp.WindowGeometry):
+        def slices(self, grid):
+            t, h, w = grid
+            return [(slice(-1, t), slice(0, h), slice(0, w))]
+
+    with pytest.raises(ValueError, match="t-slice"):
+        winsp.build_layout([(2, 3, 8)], Negative())

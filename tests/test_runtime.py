@@ -158,3 +158,64 @@ def test_nn_modules_compose_the_request_steps():
     assert torch.allclose(out, ref.gather(ref_vid).flatten(1), rtol=0, atol=1e-12)
     assert torch.allclose(txt, ref_txt, rtol=0, atol=1e-12)
     assert "layer=1" in repr(EnsureLayout(1))
+
+
+# ---- bad input is refused early, with a ValueError that says what to do ------------------------------------------
+
+def test_attention_refuses_text_rows_that_text_lengths_do_not_describe():
+    rt = winsp.WindowRuntime([REG])
+    req = rt.request([(2, 8, 8)], [5])
+    q = req.scatter(torch.randn(128, 2, 4))
+    t = torch.randn(7, 2, 4)
+    with pytest.raises(ValueError, match=r"q_txt has 7 rows but the request's text_lengths \(5,\) describe 5"):
+        req.attention(q, q, q, t, t, t)
+    short = torch.randn(4, 2, 4)
+    with pytest.raises(ValueError, match="q_txt has 4 rows"):
+        req.attention(q, q, q, short, short, short)
+
+
+@pytest.mark.parametrize("lengths, match", [
+    ([2.7], r"text_lengths\[0\] must be an integer"),
+    ([True], r"text_lengths\[0\] must be an integer"),
+    ([-1], r"text_lengths\[0\] must be non-negative"),
+    ("5", "text_lengths must be a sequence of integers"),
+])
+def test_request_refuses_non_integer_text_lengths(lengths, match):
+    with pytest.raises(ValueError, match=match):
+        winsp.WindowRuntime([REG]).request([(2, 8, 8)], lengths)
+
+
+def test_layers_must_be_integers():
+    req = winsp.WindowRuntime([REG, SHIFT]).request([(2, 8, 8)])
+    x = req.scatter(torch.zeros(128, 2))
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(ValueError, match="layer must be an integer"):
+            req.to_layer(x, bad)
+    with pytest.raises(ValueError, match="layer must be an integer"):
+        req.scatter(torch.zeros(128, 2), layer=False)
+    assert req.to_layer(x, 1).shape == x.shape
+
+
+def test_config_refuses_unknown_backends_and_planners_at_construction():
+    with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
+        winsp.DiffusionParallelConfig(attention_backend="bogus")
+    with pytest.raises(ValueError, match="unknown planner"):
+        winsp.DiffusionParallelConfig(planner="bogus")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        winsp.WindowRuntime([REG], attention_backend="bogus")
+    assert winsp.DiffusionParallelConfig(attention_backend="grouped_sdpa").attention_backend == "grouped_sdpa"
+
+
+def test_no_runtime_inside_a_multi_rank_world_is_an_error():
+    results = run_ranks(_unbuilt_runtime, 2, timeout=60)
+    assert all("build_runtime() was never called" in r for r in results)
+
+
+def _unbuilt_runtime(rank, world_size):
+    from examples.toy_windowed_block import ToyWindowedDiT
+
+    try:
+        ToyWindowedDiT()(torch.zeros(4 * 4 * 4, 16), torch.zeros(2, 16), [(4, 4, 4)], [2])
+    except RuntimeError as err:
+        return str(err)
+    return "ran unsharded"

@@ -95,13 +95,14 @@ def _check_inputs(
     return q_txt, k_txt, v_txt
 
 
-def _empty_outputs(q_vid: Tensor, k_vid: Tensor, v_vid: Tensor) -> tuple[Tensor, Tensor]:
+def _empty_outputs(*qkv: Tensor) -> tuple[Tensor, Tensor]:
     """Zero-row outputs for a rank whose windows are all empty (so there is no window text either).
 
-    They still depend on q, k and v, so a backward pass through them yields empty/zero gradients instead of
-    failing, and upstream parameters get a gradient on every rank.
+    They still depend on every input (video and text q, k, v), so this rank's autograd graph has the same shape as
+    its peers': the backward reaches the same nodes, runs the same collectives (the text reduction's all-reduce of an
+    earlier layer is only reached through this layer's text inputs) and gives zero gradients upstream.
     """
-    vid_out = q_vid[:0] + k_vid[:0] + v_vid[:0]
+    vid_out = sum(t[:0] for t in qkv[1:]) + qkv[0][:0]
     return vid_out, vid_out.clone()
 
 
@@ -125,7 +126,7 @@ def attend(
     """:func:`window_attention` with the backend's runner and the segments' device indices already prepared."""
     q_txt, k_txt, v_txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
     if segments.total_seq == 0:
-        return _empty_outputs(q_vid, k_vid, v_vid)
+        return _empty_outputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt)
     return runner((q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), segments, index, _scale(q_vid, softmax_scale))
 
 
@@ -191,7 +192,7 @@ def reference_window_attention(
         txt_outs.append(out[vid_len:])
         vid_row += vid_len
     if not vid_outs:
-        return _empty_outputs(q_vid, k_vid, v_vid)
+        return _empty_outputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt)
     return torch.cat(vid_outs), torch.cat(txt_outs)
 
 

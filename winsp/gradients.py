@@ -41,7 +41,7 @@ def sync_gradients(
     *,
     bucket_bytes: int = _DEFAULT_BUCKET_BYTES,
 ) -> int:
-    """Sum the gradients of ``params`` over the SP group, in place; returns the number of all-reduces run.
+    """Sum the gradients of ``params`` over the SP group, in place; returns the number of gradient buckets summed.
 
     Args:
         params: a module (its parameters) or tensors (parameters, or inputs that required grad).
@@ -49,7 +49,8 @@ def sync_gradients(
             process group, or None (one rank: nothing to do).
         bucket_bytes: the most bytes one all-reduce carries (one tensor larger than that goes alone).
 
-    Tensors without a gradient are skipped. Every rank must call it with the same tensors in the same order.
+    Tensors without a gradient on any rank are skipped; one that has a gradient on some ranks only gets zeros on the
+    others first (one extra small all-reduce decides). Every rank must pass the same tensors in the same order.
     """
     sp = _as_group(group)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -58,11 +59,20 @@ def sync_gradients(
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"sync_gradients: item {i} is a {type(t).__name__}, not a tensor")
-    grads = [t.grad for t in tensors if t.grad is not None]
-    for g in grads:
-        if g.is_sparse:
+    for t in tensors:
+        if t.grad is not None and t.grad.is_sparse:
             raise ValueError("sync_gradients: sparse gradients are not supported; use dense embeddings")
-    if sp.is_single or not grads:
+    if sp.is_single or not tensors:
+        return 0
+    # A tensor can get a gradient on some ranks only (a rank without windows never touches some text weights): that
+    # rank's share is zero. One small all-reduce of "has a gradient" flags keeps every rank's buckets identical.
+    present = torch.tensor([t.grad is not None for t in tensors], dtype=torch.int32, device=tensors[0].device)
+    sp.all_reduce_sum_(present)
+    for t, count in zip(tensors, present.tolist()):
+        if count and t.grad is None:
+            t.grad = torch.zeros_like(t)
+    grads = [t.grad for t in tensors if t.grad is not None]
+    if not grads:
         return 0
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:

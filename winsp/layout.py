@@ -86,6 +86,7 @@ class Layout:
         self.window_sample = np.asarray(samples, dtype=np.int64)
         self.token_counts = self.window_shape.prod(axis=1)
         self.offsets = np.concatenate([[0], np.cumsum(self.token_counts)]).astype(np.int64)
+        self._num_tokens = int(self.offsets[-1])
         if int(self.offsets[-1]) != int(sizes.sum()):
             raise ValueError(
                 f"geometry {geometry!r} does not partition the grids {self.grids}: windows cover "
@@ -108,7 +109,7 @@ class Layout:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.offsets[-1])
+        return self._num_tokens
 
     @property
     def num_samples(self) -> int:

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .checks import count_tuple
 from .layout import Layout, inverse_permutation
 
 __all__ = [
@@ -38,13 +39,7 @@ def lpt_assign(window_token_counts: Sequence[int], world_size: int) -> list[list
     Returns one ascending list of window ids per rank (empty lists for ranks that get nothing).
     """
     world_size = _check_world_size(world_size)
-    counts = []
-    for i, c in enumerate(window_token_counts):
-        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)):
-            raise ValueError(f"window_token_counts[{i}] must be an integer token count, got {c!r}")
-        if c < 0:
-            raise ValueError(f"window_token_counts[{i}] must be non-negative, got {c}")
-        counts.append(int(c))
+    counts = count_tuple("window_token_counts", window_token_counts)
     order = sorted(range(len(counts)), key=lambda w: (-counts[w], w))
     heap = [(0, r) for r in range(world_size)]  # (assigned tokens, rank id): heap order is the tie-break rule
     assigned: list[list[int]] = [[] for _ in range(world_size)]

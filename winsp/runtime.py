@@ -27,6 +27,8 @@ from torch import Tensor
 
 from .attention import attend
 from .backends import Runner, available_backends, check_backend_name, load_backend, select_backend
+from .checks import count_tuple
+from .compile import planning
 from .config import DiffusionParallelConfig
 from .geometry import WindowGeometry
 from .group import SPGroup
@@ -88,6 +90,12 @@ class LocalWindows:
         return self.plan.layout.window_coords[self.positions]
 
     @cached_property
+    def window_shape(self) -> np.ndarray:
+        """[L, 3] extent (t, h, w) of the window each local row belongs to."""
+        lay = self.plan.layout
+        return lay.window_shape[lay.window_of_position[self.positions]]
+
+    @cached_property
     def grid_coords(self) -> np.ndarray:
         """[L, 3] global (t, h, w) of each local row inside its sample's grid."""
         lay = self.plan.layout
@@ -109,6 +117,7 @@ class LayoutTensors:
     token_ids: Tensor
     row_sample: Tensor
     window_coords: Tensor
+    window_shape: Tensor
     grid_coords: Tensor
     gather_order: Tensor
 
@@ -278,7 +287,8 @@ class WindowRuntime:
             return LayoutTensors(
                 plan=plan, local=local, index=local.segments.index_tensors(device), text=local.text.to(device),
                 token_ids=_tensor(local.token_ids, device), row_sample=_tensor(local.row_sample, device),
-                window_coords=_tensor(local.window_coords, device), grid_coords=_tensor(local.grid_coords, device),
+                window_coords=_tensor(local.window_coords, device), window_shape=_tensor(local.window_shape, device),
+                grid_coords=_tensor(local.grid_coords, device),
                 gather_order=_tensor(plan.gather_order, device),
             )
 
@@ -303,7 +313,7 @@ class WindowRuntime:
 
         return self.store.get(("request", grids, text_lengths, self.rank, str(device)), build)
 
-    @torch.compiler.disable
+    @planning
     def request(
         self,
         grids: Sequence[Sequence[int]],
@@ -334,18 +344,10 @@ class WindowRuntime:
 def _check_text_lengths(text_lengths, num_samples: int) -> tuple[int, ...]:
     if text_lengths is None:
         return (0,) * num_samples
-    if isinstance(text_lengths, (str, bytes)) or not hasattr(text_lengths, "__len__"):
-        raise ValueError(f"text_lengths must be a list of one integer per sample, got {text_lengths!r}")
-    out = []
-    for i, t in enumerate(text_lengths):
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise ValueError(f"text_lengths[{i}] must be an integer number of text rows, got {t!r}")
-        if t < 0:
-            raise ValueError(f"text_lengths[{i}] must be non-negative, got {t}")
-        out.append(int(t))
+    out = count_tuple("text_lengths", text_lengths)
     if len(out) != num_samples:
         raise ValueError(f"text_lengths has {len(out)} entries but there are {num_samples} samples")
-    return tuple(out)
+    return out
 
 
 class WindowRequest:
@@ -413,6 +415,11 @@ class WindowRequest:
     def window_coords(self) -> Tensor:
         """[L_local, 3] window-local (dt, dh, dw) of each local row in the current layout."""
         return self._current_layout().window_coords
+
+    @property
+    def window_shape(self) -> Tensor:
+        """[L_local, 3] extent (t, h, w) of the window of each local row (for window-size-relative positions)."""
+        return self._current_layout().window_shape
 
     @property
     def grid_coords(self) -> Tensor:

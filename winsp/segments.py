@@ -8,7 +8,6 @@ copies of those indices.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,29 +15,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import count_tuple
+
 __all__ = ["WindowSegments", "WindowIndexTensors", "INT32_MAX"]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _as_count_tuple(name: str, values: object) -> tuple[int, ...]:
-    """Coerce ``values`` to a tuple of non-negative Python ints, or raise a ValueError naming ``name``."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"WindowSegments.{name} must be a sequence of ints, got {type(values).__name__}")
-    out = []
-    for position, value in enumerate(values):  # type: ignore[union-attr]
-        if isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"WindowSegments.{name}[{position}] must be an int, got a bool")
-        try:
-            number = operator.index(value)
-        except TypeError:
-            raise ValueError(
-                f"WindowSegments.{name}[{position}] must be an int, got {type(value).__name__}"
-            ) from None
-        if number < 0:
-            raise ValueError(f"WindowSegments.{name}[{position}] must be non-negative, got {number}")
-        out.append(int(number))
-    return tuple(out)
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -80,9 +61,9 @@ class WindowSegments:
     """First row of that sample's text in the packed text tensor."""
 
     def __post_init__(self) -> None:
-        vid_counts = _as_count_tuple("vid_counts", self.vid_counts)
-        txt_lengths = _as_count_tuple("txt_lengths", self.txt_lengths)
-        txt_starts = _as_count_tuple("txt_starts", self.txt_starts)
+        vid_counts = count_tuple("WindowSegments.vid_counts", self.vid_counts)
+        txt_lengths = count_tuple("WindowSegments.txt_lengths", self.txt_lengths)
+        txt_starts = count_tuple("WindowSegments.txt_starts", self.txt_starts)
         if len(txt_lengths) != len(vid_counts):
             raise ValueError(
                 f"WindowSegments.txt_lengths has {len(txt_lengths)} entries but vid_counts has "
@@ -96,6 +77,7 @@ class WindowSegments:
         object.__setattr__(self, "vid_counts", vid_counts)
         object.__setattr__(self, "txt_lengths", txt_lengths)
         object.__setattr__(self, "txt_starts", txt_starts)
+        self._derive_lengths()
 
     @classmethod
     def from_samples(
@@ -109,8 +91,8 @@ class WindowSegments:
         The packed text tensor holds sample 0's text, then sample 1's, ...; ``window_samples[i]`` is the
         sample that local window ``i`` belongs to.
         """
-        lengths = _as_count_tuple("sample_txt_lengths", sample_txt_lengths)
-        samples = _as_count_tuple("window_samples", window_samples)
+        lengths = count_tuple("WindowSegments.sample_txt_lengths", sample_txt_lengths)
+        samples = count_tuple("WindowSegments.window_samples", window_samples)
         starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         for position, sample in enumerate(samples):
             if sample >= len(lengths):
@@ -124,83 +106,50 @@ class WindowSegments:
         )
 
     # ----------------------------------------------------------------- lengths (pure Python, no arrays)
+    def _derive_lengths(self) -> None:
+        """Compute every Python-level length once, at construction (plain attributes: nothing to lock or trace).
+
+        Attributes: ``seq_lens`` (video + text rows of each window), ``total_vid`` (video rows on this rank),
+        ``total_txt`` (window-text rows, the length of the window-major ``txt_out``), ``total_seq``, ``txt_extent``
+        (minimal packed-text length every window's text fits in), ``max_seqlen`` (longest segment, 0 without
+        windows), ``groups`` (``(segment length, window indices)`` per set of non-empty windows of equal length, in
+        order of first window), ``pack_order`` (non-empty windows group by group: the order kernels see),
+        ``group_slices`` (``(first packed row, window count, segment length)`` per group), ``is_uniform`` (at least
+        one window, all with the same video count and text length: the packed sequence is ``[N, V + T]`` with the
+        video a view of ``vid``) and ``packing_is_identity`` (no window text and pack order is local order).
+        """
+        seq_lens = tuple(v + t for v, t in zip(self.vid_counts, self.txt_lengths))
+        members: dict[int, list[int]] = {}
+        for window, length in enumerate(seq_lens):
+            if length > 0:
+                members.setdefault(length, []).append(window)
+        groups = tuple((length, tuple(windows)) for length, windows in members.items())
+        pack_order = tuple(w for _, windows in groups for w in windows)
+        slices, start = [], 0
+        for length, windows in groups:
+            slices.append((start, len(windows), length))
+            start += len(windows) * length
+        total_vid, total_txt = sum(self.vid_counts), sum(self.txt_lengths)
+        derived = dict(
+            seq_lens=seq_lens,
+            total_vid=total_vid,
+            total_txt=total_txt,
+            total_seq=total_vid + total_txt,
+            txt_extent=max((s + n for s, n in zip(self.txt_starts, self.txt_lengths) if n > 0), default=0),
+            max_seqlen=max(seq_lens, default=0),
+            groups=groups,
+            pack_order=pack_order,
+            group_slices=tuple(slices),
+            is_uniform=(len(seq_lens) > 0 and seq_lens[0] > 0 and len(set(self.vid_counts)) == 1
+                        and len(set(self.txt_lengths)) == 1),
+            packing_is_identity=total_txt == 0 and list(pack_order) == sorted(pack_order),
+        )
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
     @property
     def num_windows(self) -> int:
         return len(self.vid_counts)
-
-    @cached_property
-    def seq_lens(self) -> tuple[int, ...]:
-        """Segment length of each window: its video rows plus its text rows."""
-        return tuple(v + t for v, t in zip(self.vid_counts, self.txt_lengths))
-
-    @cached_property
-    def total_vid(self) -> int:
-        """Video rows on this rank (the expected length of ``q_vid``)."""
-        return sum(self.vid_counts)
-
-    @cached_property
-    def total_txt(self) -> int:
-        """Window-text rows: the length of the window-major ``txt_out``."""
-        return sum(self.txt_lengths)
-
-    @cached_property
-    def total_seq(self) -> int:
-        """Rows of the packed ``[window video, window text]`` sequence over all windows."""
-        return self.total_vid + self.total_txt
-
-    @cached_property
-    def txt_extent(self) -> int:
-        """Minimal length of the packed text tensor that every window's text fits in."""
-        return max((s + n for s, n in zip(self.txt_starts, self.txt_lengths) if n > 0), default=0)
-
-    @cached_property
-    def max_seqlen(self) -> int:
-        """Longest segment (0 without windows); a Python int, so kernels never read it from the device."""
-        return max(self.seq_lens, default=0)
-
-    @cached_property
-    def groups(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """``(segment length, window indices)`` for each set of non-empty windows of equal segment length.
-
-        Groups appear in order of their first window; windows keep local order inside a group.
-        """
-        members: dict[int, list[int]] = {}
-        for window, length in enumerate(self.seq_lens):
-            if length > 0:
-                members.setdefault(length, []).append(window)
-        return tuple((length, tuple(windows)) for length, windows in members.items())
-
-    @cached_property
-    def pack_order(self) -> tuple[int, ...]:
-        """Non-empty windows in the order the kernels see them: group by group (see :attr:`groups`)."""
-        return tuple(w for _, windows in self.groups for w in windows)
-
-    @cached_property
-    def group_slices(self) -> tuple[tuple[int, int, int], ...]:
-        """``(first packed row, window count, segment length)`` of each group in the packed sequence."""
-        slices, start = [], 0
-        for length, windows in self.groups:
-            slices.append((start, len(windows), length))
-            start += len(windows) * length
-        return tuple(slices)
-
-    @cached_property
-    def is_uniform(self) -> bool:
-        """True when there is at least one window and all have the same video count and text length.
-
-        Then the packed sequence is ``[N, V + T]`` with the video part a plain view of ``vid``.
-        """
-        return (
-            self.num_windows > 0
-            and self.seq_lens[0] > 0
-            and len(set(self.vid_counts)) == 1
-            and len(set(self.txt_lengths)) == 1
-        )
-
-    @cached_property
-    def packing_is_identity(self) -> bool:
-        """True when the packed sequence is ``vid`` itself: no window text, and pack order is local order."""
-        return self.total_txt == 0 and list(self.pack_order) == sorted(self.pack_order)
 
     # ----------------------------------------------------------------- CPU arrays
     def check_int32(self) -> None:

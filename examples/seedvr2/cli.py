@@ -3,8 +3,9 @@
 Single process, or window-parallel under ``torchrun --nproc-per-node N`` (gloo on CPU, NCCL on GPUs; every rank reads
 the input and runs the same stages, the DiT's windows are shared among the ranks, rank 0 writes the file).
 
-With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer. Without them it runs embedded tiny
-demo weights (see :mod:`.demo`) so that the command works anywhere in seconds; it says so, since that restores nothing.
+With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer (``--model 7b``: the 7B). Without
+them it runs embedded tiny demo weights of that architecture (see :mod:`.demo`) so that the command works anywhere in
+seconds; it says so, since that restores nothing.
 
 Exit codes: 0 success; 2 bad input or usage (one ``error:`` line on stderr, no output file); anything else is a bug.
 """
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--resolution", metavar="WxH",
                       help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
     size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
+    p.add_argument("--model", choices=("3b", "7b"), default="3b", help="which SeedVR2 DiT (default: 3b)")
     p.add_argument("--dit-checkpoint", metavar="PATH", help="released DiT weights (.pth or .safetensors)")
     p.add_argument("--vae-checkpoint", metavar="PATH", help="released VAE weights (.pth or .safetensors)")
     p.add_argument("--text-embeds", metavar="PATH",
@@ -234,8 +236,10 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
     return txt.float()
 
 
-def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LoadedModels:
-    """The released models from the two checkpoints, or the embedded demo models when neither is given."""
+def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, report=None) -> LoadedModels:
+    """The released models from the two checkpoints, or the embedded demo models when neither is given.
+
+    ``report`` receives the loaders' one-line notes (what a half-precision checkpoint was cast to)."""
     if (args.dit_checkpoint is None) != (args.vae_checkpoint is None):
         given, missing = (("--dit-checkpoint", "--vae-checkpoint") if args.vae_checkpoint is None
                           else ("--vae-checkpoint", "--dit-checkpoint"))
@@ -243,7 +247,7 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     if args.dit_checkpoint is None:
         from .demo import demo_models, demo_text_embeds
 
-        dit, vae = demo_models(device, dtype)
+        dit, vae = demo_models(device, dtype, model=args.model)
         txt = _read_text_embeds(args.text_embeds, dit.config.txt_in_dim) if args.text_embeds else demo_text_embeds()
         return LoadedModels(dit, vae, txt, demo=True)
 
@@ -254,12 +258,12 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         if not os.path.isfile(path):
             raise InputError(f"{flag}: file not found: {path}")
     with torch.device("meta"):
-        dit = SeedVR2NaDiT(NaDiTConfig.seedvr2_3b())
-        vae = CausalVideoVAE(VideoVAEConfig.seedvr2())
+        dit = SeedVR2NaDiT(NaDiTConfig.released(args.model)).to(dtype)  # a bf16 checkpoint stays bf16
+        vae = CausalVideoVAE(VideoVAEConfig.seedvr2()).to(dtype)
     for flag, loader, model, path in (("--dit-checkpoint", load_dit_checkpoint, dit, args.dit_checkpoint),
                                       ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint)):
         try:
-            loader(model, path)
+            loader(model, path, report=report)
         except (ValueError, OSError) as exc:  # the loaders report every checkpoint problem as one of these
             raise InputError(f"{flag} {path}: {exc}") from None
     txt = _read_text_embeds(args.text_embeds or DEFAULT_TEXT_EMBEDS, dit.config.txt_in_dim)
@@ -297,11 +301,12 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     video = frames_to_model(media.frames, geometry)
 
     progress.start("load")
-    models = load_models(args, launch.device, dtype)
+    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None)
     if models.demo and is_rank0:
         progress.note(
             f"{PROG}: WARNING: no checkpoints given: running the embedded tiny DEMO weights (random, seeded). "
-            f"The output is NOT a restoration; pass --dit-checkpoint and --vae-checkpoint for SeedVR2 3B."
+            f"The output is NOT a restoration; pass --dit-checkpoint and --vae-checkpoint for SeedVR2 "
+            f"{args.model.upper()}."
         )
     pipe = SeedVR2Pipeline(models.dit, models.vae, args.vae_parallel, group=SPGroup.world())
 
@@ -329,7 +334,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         f"({_fmt_size(geometry.output, media.num_frames)}{', ' + fps if not media.is_image else ''}; model at "
         f"{geometry.work[1]}x{geometry.work[0]}) | SP {pipe.group.size} | {pipe.describe()}; "
         f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
-        f"{'DEMO weights' if models.demo else 'SeedVR2 3B'}; colour fix {'wavelet' if color_fix else 'off'} | "
+        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; "
+        f"colour fix {'wavelet' if color_fix else 'off'} | "
         f"{timing} | total {sum(seconds.values()):.2f}s"
     )
 

@@ -1,7 +1,8 @@
 """Embedded demo weights and a synthetic sample clip, so the command line works anywhere without checkpoints.
 
-The demo models have the architecture of the released SeedVR2 3B DiT and VAE at a tiny size (the configurations of
-the reference golden files: a 4-layer, 96-wide DiT and a 16/32-channel VAE, about 1.9 M parameters in all). Their
+The demo models have the architecture of a released SeedVR2 DiT (the 3B's by default, or the 7B's) and of the VAE
+at a tiny size (the configurations of the reference golden files: a 4-layer, 96-wide DiT and a 16/32-channel VAE,
+about 1.9 M parameters in all). Their
 weights are the modules' own initialisation drawn from a fixed seed at run time, and the "prompt" is random, so the
 whole pipeline (resize, VAE, window-parallel DiT, decode, colour fix, encode to file) runs in seconds, identically on
 every rank and every run. It restores nothing: the output is what random weights make of the input.
@@ -17,6 +18,7 @@ from .vae import CausalVideoVAE, VideoVAEConfig
 __all__ = [
     "DEMO_SEED",
     "DEMO_DIT_CONFIG",
+    "DEMO_DIT_CONFIGS",
     "DEMO_VAE_CONFIG",
     "DEMO_TEXT_TOKENS",
     "demo_models",
@@ -31,6 +33,11 @@ DEMO_TEXT_TOKENS = 16
 DEMO_DIT_CONFIG = NaDiTConfig.seedvr2_at_size(
     vid_dim=96, txt_in_dim=64, heads=3, head_dim=32, num_layers=4, mm_layers=2, rope_dim=32
 )
+#: the tiny DiT of each released model (the 7B's is the 7B golden file's: the same size, the 7B architecture)
+DEMO_DIT_CONFIGS = {
+    "3b": DEMO_DIT_CONFIG,
+    "7b": NaDiTConfig.seedvr2_7b_at_size(vid_dim=96, txt_in_dim=64, heads=3, head_dim=32, num_layers=4),
+}
 
 DEMO_VAE_CONFIG = dict(
     block_out_channels=[16, 16, 32, 32],
@@ -44,18 +51,21 @@ DEMO_VAE_CONFIG = dict(
 
 
 def demo_models(
-    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, model: str = "3b"
 ) -> tuple[SeedVR2NaDiT, CausalVideoVAE]:
-    """The tiny DiT and VAE with weights drawn from :data:`DEMO_SEED` (the global RNG is left untouched)."""
+    """The tiny DiT of ``model``'s architecture ("3b" or "7b") and the tiny VAE, with weights drawn from
+    :data:`DEMO_SEED` (the global RNG is left untouched)."""
+    if model not in DEMO_DIT_CONFIGS:
+        raise ValueError(f"model must be one of {sorted(DEMO_DIT_CONFIGS)}, got {model!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEMO_SEED)
-        dit = SeedVR2NaDiT(DEMO_DIT_CONFIG)
+        dit = SeedVR2NaDiT(DEMO_DIT_CONFIGS[model])
         vae = CausalVideoVAE(VideoVAEConfig(**DEMO_VAE_CONFIG))
     return dit.to(device=device, dtype=dtype).eval(), vae.to(device=device, dtype=dtype).eval()
 
 
 def demo_text_embeds(tokens: int = DEMO_TEXT_TOKENS) -> torch.Tensor:
-    """A fixed random "prompt embedding" ``[tokens, 64]`` for the demo DiT."""
+    """A fixed random "prompt embedding" ``[tokens, 64]`` for the demo DiTs (both take 64-wide text)."""
     generator = torch.Generator().manual_seed(DEMO_SEED + 1)
     return torch.randn(tokens, DEMO_DIT_CONFIG.txt_in_dim, generator=generator)
 

@@ -168,6 +168,32 @@ class SeedVR2Pipeline:
             mode, vae, group=self.group, tile_size=vae_tile_size, overlap=vae_tile_overlap
         )
 
+    @classmethod
+    def from_checkpoints(
+        cls, dit_checkpoint=None, vae_checkpoint=None, *, model: str = "3b", device="cpu",
+        dtype: torch.dtype = torch.float32, report: Optional[Callable[[str], None]] = None, **kwargs,
+    ) -> "SeedVR2Pipeline":
+        """The pipeline of the released ``model`` (``"3b"`` or ``"7b"``): its DiT and the VAE built on the meta device
+        in ``dtype``, loaded strictly from the two checkpoints (``report`` gets the loaders' one-line cast notes), on
+        ``device``. With neither checkpoint: the tiny demo weights of that architecture (:mod:`.demo`). ``kwargs`` go
+        to the constructor (``vae_parallel``, ``group``, ...)."""
+        from .dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+        from .vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint
+
+        if (dit_checkpoint is None) != (vae_checkpoint is None):
+            raise ValueError("give both dit_checkpoint and vae_checkpoint, or neither for the demo weights")
+        if dit_checkpoint is None:
+            from .demo import demo_models
+
+            dit, vae = demo_models(device, dtype, model=model)
+            return cls(dit, vae, **kwargs)
+        with torch.device("meta"):
+            dit = SeedVR2NaDiT(NaDiTConfig.released(model)).to(dtype)
+            vae = CausalVideoVAE(VideoVAEConfig.seedvr2()).to(dtype)
+        load_dit_checkpoint(dit, dit_checkpoint, report=report)
+        load_vae_checkpoint(vae, vae_checkpoint, report=report)
+        return cls(dit.to(device).eval(), vae.to(device).eval(), **kwargs)
+
     # ---- properties -------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

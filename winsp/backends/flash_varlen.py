@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Backend
-from .varlen import varlen_runner, varlen_unavailable_reason
+from .varlen import varlen_backend
 
 
 def _import():
@@ -14,18 +13,10 @@ def _import():
     return flash_attn_varlen_func
 
 
-def _load():
-    kernel = _import()
-
+def _call(kernel):
     def call(q, k, v, cu, longest, scale):
         return kernel(q, k, v, cu, cu, longest, longest, dropout_p=0.0, softmax_scale=scale, causal=False)
+    return call
 
-    return varlen_runner(call)
 
-
-BACKEND = Backend(
-    name="flash_varlen",
-    unavailable_reason=lambda device, segments, dtype: varlen_unavailable_reason(
-        device, segments, dtype, _import, "flash_attn.flash_attn_varlen_func"),
-    load=_load,
-)
+BACKEND = varlen_backend("flash_varlen", lambda: _import(), "flash_attn.flash_attn_varlen_func", _call)

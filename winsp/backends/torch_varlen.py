@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Backend
-from .varlen import varlen_runner, varlen_unavailable_reason
+from .varlen import varlen_backend
 
 
 def _import():
@@ -14,18 +13,10 @@ def _import():
     return varlen_attn
 
 
-def _load():
-    kernel = _import()
-
+def _call(kernel):
     def call(q, k, v, cu, longest, scale):
         return kernel(q, k, v, cu, cu, longest, longest, scale=scale)
+    return call
 
-    return varlen_runner(call)
 
-
-BACKEND = Backend(
-    name="torch_varlen",
-    unavailable_reason=lambda device, segments, dtype: varlen_unavailable_reason(
-        device, segments, dtype, _import, "torch.nn.attention.varlen.varlen_attn"),
-    load=_load,
-)
+BACKEND = varlen_backend("torch_varlen", lambda: _import(), "torch.nn.attention.varlen.varlen_attn", _call)

@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .base import Runner, pack, unpack
+from .base import Backend, Runner, pack, unpack
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -49,3 +49,18 @@ def varlen_runner(call: Callable) -> Runner:
         return unpack(packed_out, idx.unpack_index, segments)
 
     return run
+
+
+def varlen_backend(name: str, importer: Callable[[], Optional[Callable]], where: str,
+                   call: Callable[[Callable], Callable]) -> Backend:
+    """A varlen :class:`Backend`: ``importer()`` finds the kernel (None when absent, named ``where`` in the reason);
+    ``call(kernel)`` adapts it to ``(q, k, v, cu_seqlens, max_seqlen, scale) -> packed output``.
+
+    ``importer`` is looked up again at every use, through the backend module, so tests can stand in a fake kernel.
+    """
+    return Backend(
+        name=name,
+        unavailable_reason=lambda device, segments, dtype: varlen_unavailable_reason(
+            device, segments, dtype, importer, where),
+        load=lambda: varlen_runner(call(importer())),
+    )

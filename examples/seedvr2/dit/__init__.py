@@ -1,4 +1,5 @@
-"""SeedVR2's diffusion transformer (NaDiT, the 3B ``models/dit_v2`` architecture) on the winsp window runtime."""
+"""SeedVR2's diffusion transformers (NaDiT: the 3B ``models/dit_v2`` and 7B ``models/dit`` architectures) on the winsp
+window runtime."""
 
 from .config import NaDiTConfig
 from .loader import load_dit_checkpoint, normalize_checkpoint_keys, read_state_dict

@@ -4,11 +4,14 @@ The block sees only this rank's video rows (in its own window layout) and the fu
 the attention is tokenwise; the attention itself, the window bookkeeping and the text reduction go through the
 :class:`BlockContext`, which the model builds from a ``winsp`` request.
 
-Reference behaviour kept on purpose:
-  * blocks past ``mm_layers`` share one set of weights between the streams (keys ``.all``), earlier ones keep
-    ``.vid``/``.txt``; text flows through every block either way;
-  * the last block has no text modulation or text MLP: its text enters attention normalised but *unmodulated*, and
-    its text output is never used (so it is not computed here).
+One block class serves both released architectures; where they differ the config holds one switch each:
+  * ``cfg.stream_sharing(layer)``: which sub-layers use one module for both streams (keys ``.all``) instead of two
+    (``.vid``/``.txt``). 3B: everything past ``mm_layers``; 7B: nothing (``shared_qkv``/``shared_mlp`` False);
+  * ``cfg.last_layer_video_only`` (3B): the last block has no text modulation or text MLP, so its text enters
+    attention normalised but *unmodulated*. The 7B's last block is complete and modulates its text;
+  * ``cfg.rope_kind``: mmrope3d (3B, video and text) or rope3d (7B ``qk_rope``, video only), see :mod:`.rope`;
+  * ``cfg.mlp_type``: SwiGLU (3B) or GELU (7B), see :func:`.layers.make_mlp`.
+Either way the last block's text output is never read, so it is not computed here.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Optional, Protocol
 
 from torch import Tensor, nn
 
-from .config import NaDiTConfig
+from .config import NaDiTConfig, StreamSharing
 from .layers import Modulation, StreamPair, make_mlp, make_norm
 from .rope import RotaryEmbedding3d, apply_rope
 
@@ -49,16 +52,18 @@ class BlockContext(Protocol):
 class WindowMMAttention(nn.Module):
     """QKV projection, per-head q/k norm, window-local RoPE, window attention and output projection, per stream."""
 
-    def __init__(self, cfg: NaDiTConfig, shared: bool) -> None:
+    def __init__(self, cfg: NaDiTConfig, sharing: StreamSharing) -> None:
         super().__init__()
         inner = cfg.heads * cfg.head_dim
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
         dim = cfg.vid_dim
-        self.proj_qkv = StreamPair(lambda: nn.Linear(dim, 3 * inner, bias=cfg.qk_bias), shared=shared)
-        self.proj_out = StreamPair(lambda: nn.Linear(inner, dim), shared=shared)
-        self.norm_q = StreamPair(lambda: make_norm(cfg.qk_norm, cfg.head_dim, cfg.norm_eps, True), shared=shared)
-        self.norm_k = StreamPair(lambda: make_norm(cfg.qk_norm, cfg.head_dim, cfg.norm_eps, True), shared=shared)
-        self.rope = RotaryEmbedding3d(cfg.rope_dim) if cfg.rope_type is not None else None
+        self.proj_qkv = StreamPair(lambda: nn.Linear(dim, 3 * inner, bias=cfg.qk_bias), shared=sharing.qkv)
+        self.proj_out = StreamPair(lambda: nn.Linear(inner, dim), shared=sharing.qkv)
+        make_qk_norm = lambda: make_norm(cfg.qk_norm, cfg.head_dim, cfg.norm_eps, True)  # noqa: E731
+        self.norm_q = StreamPair(make_qk_norm, shared=sharing.qk_norm)
+        self.norm_k = StreamPair(make_qk_norm, shared=sharing.qk_norm)
+        kind = cfg.rope_kind
+        self.rope = RotaryEmbedding3d(cfg.rope_input_dim, kind) if kind is not None else None
 
     def _qkv(self, x: Tensor, stream: str) -> tuple[Tensor, Tensor, Tensor]:
         pick = (lambda pair: pair.for_vid()) if stream == "vid" else (lambda pair: pair.for_txt())
@@ -74,6 +79,7 @@ class WindowMMAttention(nn.Module):
         if self.rope is not None:
             cos, sin = ctx.rope_vid(self.rope)
             q_v, k_v = apply_rope(q_v, cos, sin), apply_rope(k_v, cos, sin)
+        if self.rope is not None and self.rope.rotates_text:
             cos, sin = ctx.rope_txt(self.rope)
             q_t, k_t = apply_rope(q_t, cos, sin), apply_rope(k_t, cos, sin)
         vid_out, txt_out = ctx.attention(q_v, k_v, v_v, q_t, k_t, v_t, text_output=need_txt_out)
@@ -88,17 +94,19 @@ class NaDiTBlock(nn.Module):
 
     def __init__(self, cfg: NaDiTConfig, layer: int) -> None:
         super().__init__()
-        shared = not cfg.separate_stream_weights(layer)
+        sharing = cfg.stream_sharing(layer)
         self.layer = layer
         self.is_last = layer == cfg.num_layers - 1
+        # 3B: the last block's text skips modulation and the MLP (its video-only sub-layers); the 7B's keeps them
+        self.video_only = self.is_last and cfg.last_layer_video_only
         # attn_norm / mlp_norm of the reference have no parameters (elementwise_affine=False): one module serves both
         self.norm = make_norm(cfg.norm, cfg.vid_dim, cfg.norm_eps, False)
-        self.attn = WindowMMAttention(cfg, shared)
+        self.attn = WindowMMAttention(cfg, sharing)
         hidden = cfg.mlp_hidden_dim
-        self.mlp = StreamPair(lambda: make_mlp(cfg.mlp_type, cfg.vid_dim, hidden), shared=shared,
-                              video_only=self.is_last)
-        self.ada = StreamPair(lambda: Modulation(cfg.vid_dim, ("attn", "mlp")), shared=shared,
-                              video_only=self.is_last)
+        self.mlp = StreamPair(lambda: make_mlp(cfg.mlp_type, cfg.vid_dim, hidden), shared=sharing.mlp,
+                              video_only=self.video_only)
+        self.ada = StreamPair(lambda: Modulation(cfg.vid_dim, ("attn", "mlp")), shared=sharing.ada,
+                              video_only=self.video_only)
 
     @staticmethod
     def _modulate(x: Tensor, mod: Modulation, name: str, slot: Tensor, rows) -> Tensor:
@@ -108,8 +116,8 @@ class NaDiTBlock(nn.Module):
     def forward(self, vid: Tensor, txt: Tensor, ctx: BlockContext) -> tuple[Tensor, Tensor]:
         attn_slot, mlp_slot = ctx.emb_slots[:, 0], ctx.emb_slots[:, 1]
         ada_v = self.ada.for_vid()
-        # the last block's text path skips modulation and the MLP (the reference's video-only sub-layers)
-        ada_t = None if self.is_last else self.ada.for_txt()
+        # a video-only last block's text enters attention unmodulated (even where its modulation weights are shared)
+        ada_t = None if self.video_only else self.ada.for_txt()
 
         v = self._modulate(self.norm(vid), ada_v, "attn", attn_slot, ctx.vid_rows)
         t = self.norm(txt)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "compute_dtype",
     "Norm",
     "make_norm",
     "StreamPair",
@@ -24,6 +25,11 @@ __all__ = [
     "TimeEmbedding",
     "sinusoidal_embedding",
 ]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype precision-sensitive math runs in: float32, or float64 for float64 inputs (gradient checks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Norm(nn.Module):
@@ -41,16 +47,17 @@ class Norm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if affine and kind == "layer" else None
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
+        wide = compute_dtype(x.dtype)
+        x32 = x.to(wide)
         if self.kind == "rms":
             y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             if self.weight is not None:
-                y = y * self.weight.float()
+                y = y * self.weight.to(wide)
         else:
             y = F.layer_norm(
                 x32, (self.dim,),
-                None if self.weight is None else self.weight.float(),
-                None if self.bias is None else self.bias.float(),
+                None if self.weight is None else self.weight.to(wide),
+                None if self.bias is None else self.bias.to(wide),
                 self.eps,
             )
         return y.to(x.dtype)

@@ -4,17 +4,23 @@ Exactly one key rename is applied: the reference stores each block's RoPE table 
 and this port as ``blocks.<i>.attn.rope.freqs``. After that, any missing, unexpected or shape-mismatched key is an
 error, so a checkpoint that does not match the model cannot reach inference. Files are read by
 :mod:`..checkpoint_file` (``.pth``/``.pt`` through ``torch.load(weights_only=True)``, which never runs pickled code).
+
+fp16/bf16 repacks are cast to the model's dtypes and fp8 ones dequantised or refused (:mod:`..checkpoint_dtypes`);
+RoPE frequency buffers stored in half precision are replaced by their exact float32 values (a fixed function of the
+config) when they agree to that precision, since rounded frequencies would shift every rotation angle.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from typing import Mapping, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint_dtypes import match_model_dtypes
 from ..checkpoint_file import read_checkpoint_file, tensor_state
 from .rope import RotaryEmbedding3d
 
@@ -22,10 +28,12 @@ __all__ = ["load_dit_checkpoint", "read_state_dict", "normalize_checkpoint_keys"
 
 _REFERENCE_ROPE_KEY = re.compile(r"^(blocks\.\d+\.attn\.rope)\.rope\.freqs$")
 _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
-# In a truncated checkpoint the model's new last block has no text MLP path; these keys then have no home.
+# In a truncated 3B checkpoint the model's new (video-only) last block has no text MLP path; these keys have no home.
 _TEXT_MLP_PATH = re.compile(r"^blocks\.(\d+)\.(mlp|ada|mlp_norm)\.txt\.")
 
 Source = Union[str, os.PathLike, Mapping[str, Tensor]]
+_log = logging.getLogger("examples.seedvr2")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _short(keys, limit: int = 8) -> str:
@@ -62,7 +70,9 @@ def normalize_checkpoint_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _drop_extra_blocks(state: dict[str, Tensor], num_layers: int, allow_truncated: bool) -> dict[str, Tensor]:
+def _drop_extra_blocks(
+    state: dict[str, Tensor], num_layers: int, allow_truncated: bool, last_video_only: bool
+) -> dict[str, Tensor]:
     block_ids = {int(m.group(1)) for m in map(_BLOCK_KEY.match, state) if m}
     extra = sorted(i for i in block_ids if i >= num_layers)
     if not extra:
@@ -80,22 +90,50 @@ def _drop_extra_blocks(state: dict[str, Tensor], num_layers: int, allow_truncate
         if m and int(m.group(1)) >= num_layers:
             continue
         t = _TEXT_MLP_PATH.match(key)
-        if t and int(t.group(1)) == num_layers - 1:
+        if last_video_only and t and int(t.group(1)) == num_layers - 1:
             continue  # the truncated model's last block has no text MLP path
         kept[key] = value
     return kept
 
 
-def load_dit_checkpoint(model: nn.Module, source: Source, *, allow_truncated: bool = False) -> nn.Module:
+def _restore_exact_rope(model: nn.Module, state: dict[str, Tensor]) -> int:
+    """Replace half-precision RoPE frequency buffers that round the model's exact values; returns how many."""
+    restored = 0
+    for name, module in model.named_modules():
+        key = f"{name}.freqs"
+        if isinstance(module, RotaryEmbedding3d) and key in state and state[key].dtype in _HALF:
+            exact = module.exact_frequencies()
+            stored = state[key].float()
+            if stored.shape == exact.shape and torch.allclose(stored, exact, rtol=1e-2, atol=0):
+                state[key] = exact
+                restored += 1
+    return restored
+
+
+def load_dit_checkpoint(
+    model: nn.Module, source: Source, *, allow_truncated: bool = False,
+    report: Optional[Callable[[str], None]] = None,
+) -> nn.Module:
     """Load a SeedVR2 DiT checkpoint into ``model`` strictly (see the module docstring); returns ``model``.
 
     ``source`` is a ``.safetensors``/``.pth``/``.pt`` path or a state dict in the reference or the port layout. A
     checkpoint with more blocks than the model is refused unless ``allow_truncated`` (then extra blocks are dropped).
-    A model built on the meta device receives the checkpoint's tensors directly (``assign=True``).
+    A model built on the meta device receives the checkpoint's tensors directly (``assign=True``), after they are
+    cast to its dtypes. ``report`` receives one line saying what was cast, if anything (default: the
+    ``examples.seedvr2`` logger at INFO).
     """
     state = normalize_checkpoint_keys(read_state_dict(source))
     num_layers = len(getattr(model, "blocks", ()))
-    state = _drop_extra_blocks(state, num_layers, allow_truncated)
+    config = getattr(model, "config", None)
+    last_video_only = getattr(config, "last_layer_video_only", True)
+    state = _drop_extra_blocks(state, num_layers, allow_truncated, last_video_only)
+    exact_rope = _restore_exact_rope(model, state)
+    state, cast = match_model_dtypes(state, model, what="DiT checkpoint")
+    if exact_rope:
+        cast = (cast or "DiT checkpoint: nothing else cast") + f"; {exact_rope} RoPE frequency buffers set to " \
+            "their exact float32 values"
+    if cast:
+        (report or _log.info)(cast)
 
     expected = model.state_dict()
     missing = set(expected) - set(state)

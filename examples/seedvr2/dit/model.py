@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import winsp
+from winsp.compile import planning
 
 from .block import NaDiTBlock
 from .config import NaDiTConfig
@@ -68,12 +69,12 @@ class ForwardContext:
             key_vid, key_txt = (rope_groups[i], "vid", slot), (rope_groups[i], "txt")
             if key_vid not in tables:
                 layout = request.layout(i)
-                positions = layout.window_coords.clone()
-                positions[:, 0] += text_offset.index_select(0, layout.row_sample)  # video t follows the text
-                tables[key_vid] = rope.tables(positions, width)
-            if key_txt not in tables:
+                tables[key_vid] = rope.video_tables(
+                    layout.window_coords, lambda: text_offset.index_select(0, layout.row_sample),
+                    layout.window_shape, width)
+            if rope.rotates_text and key_txt not in tables:
                 tables[key_txt] = rope.tables(txt_positions, width)
-            self._rope_vid[i], self._rope_txt[i] = tables[key_vid], tables[key_txt]
+            self._rope_vid[i], self._rope_txt[i] = tables[key_vid], tables.get(key_txt)
         self.row_sample = self._row_sample[0]
         self.rope_vid_tables = self.rope_txt_tables = None
 
@@ -104,7 +105,8 @@ class ForwardContext:
 
 
 class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
-    """SeedVR2's NaDiT (``models/dit_v2``) with window-parallel execution through ``winsp``.
+    """SeedVR2's NaDiT (the 3B's ``models/dit_v2`` or the 7B's ``models/dit``, as the config says) with
+    window-parallel execution through ``winsp``.
 
     The parameter layout mirrors the reference checkpoint except for one key per block: the RoPE frequency buffer is
     ``blocks.<i>.attn.rope.freqs`` (the reference stores ``...attn.rope.rope.freqs``); :func:`load_dit_checkpoint`
@@ -233,7 +235,7 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
         return shapes, text_lengths, timestep.to(vid.device)
 
     # ------------------------------------------------------------------ forward
-    @torch.compiler.disable
+    @planning
     def _prepare(self, vid, txt, vid_shape, txt_shape, timestep):
         """The planning phase of a forward: checks, patch indices, the winsp request and the per-forward context.
 

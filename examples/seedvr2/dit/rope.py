@@ -1,6 +1,15 @@
-"""3-axis rotary position embedding of SeedVR2's NaDiT ("mmrope3d"), written out as plain tensor math.
+"""3-axis rotary position embeddings of SeedVR2's NaDiTs, written out as plain tensor math.
 
-Frequencies: one axis gets ``F = (rope_dim // 3) // 2`` frequencies ``f_j = 10000 ** (-2j / (rope_dim // 3))``
+Two kinds share the channel layout and the rotation and differ in frequencies and positions:
+
+* ``"mmrope3d"`` (the 3B): described below; video and text are rotated.
+* ``"rope3d"`` (the 7B's ``qk_rope``, over ``head_dim // 2`` channels): ``F = ((head_dim // 2) // 3) // 2``
+  "pixel" frequencies ``f_j = pi * linspace(1, 128, F)[j]``; a video token at window-local coordinate d of a window
+  n tokens long on that axis sits at ``linspace(-1, 1, n)[d]`` (so every window spans [-1, 1] whatever its size);
+  text is not rotated.
+
+``mmrope3d`` frequencies: one axis gets ``F = (rope_dim // 3) // 2`` frequencies
+``f_j = 10000 ** (-2j / (rope_dim // 3))``
 ("language-model" spacing). A position p turns into angles ``p * f_j``, each used for one adjacent channel pair
 (2j, 2j+1), so an axis covers 2F channels. The three axes (t, h, w) are laid out one after another, covering
 ``6F`` channels (126 of 128 for the 3B); the remaining channels of a head pass through unrotated.
@@ -13,21 +22,50 @@ text token i uses (i, i, i). Windows restart at 0, so the embedding is relative 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
-__all__ = ["rope_frequencies", "rope_tables", "apply_rope", "RotaryEmbedding3d"]
+from .layers import compute_dtype
+
+__all__ = [
+    "ROPE_KINDS", "rope_frequencies", "pixel_frequencies", "unit_positions", "rope_tables",
+    "apply_rope", "RotaryEmbedding3d",
+]
+
+ROPE_KINDS = ("mmrope3d", "rope3d")
 
 
 def rope_frequencies(rope_dim: int, theta: float = 10000.0, device=None) -> Tensor:
-    """The per-axis frequency vector ``[ (rope_dim // 3) // 2 ]`` in float32."""
+    """The per-axis "language" frequency vector ``[ (rope_dim // 3) // 2 ]`` in float32 (mmrope3d)."""
     axis_dim = rope_dim // 3
     exponents = torch.arange(0, axis_dim, 2, device=device)[: axis_dim // 2].float() / axis_dim
     return 1.0 / (theta ** exponents)
 
 
+def pixel_frequencies(rope_dim: int, max_freq: float = 256.0, device=None) -> Tensor:
+    """The per-axis "pixel" frequency vector ``pi * linspace(1, max_freq / 2, (rope_dim // 3) // 2)`` (rope3d)."""
+    return torch.linspace(1.0, max_freq / 2, (rope_dim // 3) // 2, device=device) * math.pi
+
+
+def unit_positions(coords: Tensor, extents: Tensor) -> Tensor:
+    """``linspace(-1, 1, n)[d]`` for every coordinate ``d`` of an axis ``n`` long, elementwise, in float32.
+
+    Computed as ``torch.linspace`` does (a float32 step ``2 / (n - 1)``; the first half counted up from -1, the
+    second down from 1, each with one rounding), so the values equal the reference's tables; an axis of one sits at
+    -1. The single rounding uses float64 (exact for these products), except where a device has no float64.
+    """
+    wide = torch.float32 if coords.device.type == "mps" else torch.float64
+    step = (2.0 / (extents - 1).clamp_min(1).float()).to(wide)
+    up = (-1.0 + step * coords.to(wide)).float()
+    down = (1.0 - step * (extents - 1 - coords).to(wide)).float()
+    pos = torch.where(coords < torch.div(extents, 2, rounding_mode="floor"), up, down)
+    return torch.where(extents == 1, torch.full_like(pos, -1.0), pos)
+
+
 def rope_tables(positions: Tensor, freqs: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
-    """``cos``/``sin`` tables ``[N, width]`` (float32) for integer ``positions [N, 3]`` (t, h, w) and ``freqs [F]``.
+    """``cos``/``sin`` tables ``[N, width]`` (float32) for ``positions [N, 3]`` (t, h, w) and ``freqs [F]``.
 
     Channels ``0 .. 6F`` hold the three axes' angles (each shared by a channel pair); ``width`` (default ``6F``,
     must be even) pads the tables with cos = 1, sin = 0 so that the remaining channels pass through unchanged.
@@ -58,7 +96,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     span = cos.shape[-1]
     if span == 0:
         return x
-    x32 = x.float()
+    x32 = x.to(compute_dtype(x.dtype))
     rot = x32 if span == x.shape[-1] else x32[..., :span]
     pairs = rot.unflatten(-1, (span // 2, 2))
     swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (x0, x1) -> (-x1, x0)
@@ -69,20 +107,32 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RotaryEmbedding3d(nn.Module):
-    """Holds one block's RoPE frequency buffer (checkpoint key ``...attn.rope.freqs``, ``[F]``).
+    """Holds one block's RoPE frequency buffer (checkpoint key ``...attn.rope.freqs``, ``[F]``) and its kind.
 
-    The buffer stays float32 when the model is cast to a lower precision: positions times frequencies must be exact
-    for large positions, and the values are a fixed function of ``rope_dim`` anyway.
+    ``kind`` (see the module docstring) picks the initial frequencies, the video positions and whether text is
+    rotated (:attr:`rotates_text`). The buffer stays float32 when the model is cast to a lower precision: positions
+    times frequencies must be exact for large positions, and the values are a fixed function of ``rope_dim`` anyway.
     """
 
-    def __init__(self, rope_dim: int) -> None:
+    def __init__(self, rope_dim: int, kind: str = "mmrope3d") -> None:
         super().__init__()
-        self.rope_dim = rope_dim
-        self.register_buffer("freqs", rope_frequencies(rope_dim), persistent=True)
+        if kind not in ROPE_KINDS:
+            raise ValueError(f"unsupported RoPE kind {kind!r}; supported: {list(ROPE_KINDS)}")
+        self.rope_dim, self.kind = rope_dim, kind
+        self.register_buffer("freqs", self.exact_frequencies(), persistent=True)
+
+    def exact_frequencies(self) -> Tensor:
+        """The float32 frequencies this kind and ``rope_dim`` define (what released checkpoints store), on the CPU."""
+        return rope_frequencies(self.rope_dim) if self.kind == "mmrope3d" else pixel_frequencies(self.rope_dim)
 
     @property
     def span(self) -> int:
         return 6 * self.freqs.shape[0]
+
+    @property
+    def rotates_text(self) -> bool:
+        """mmrope3d rotates text q/k too (text token i at (i, i, i)); rope3d leaves text unrotated."""
+        return self.kind == "mmrope3d"
 
     def _apply(self, fn, recurse: bool = True):
         before = self.freqs
@@ -96,5 +146,19 @@ class RotaryEmbedding3d(nn.Module):
         """``cos``/``sin`` ``[N, width or span]`` for ``positions [N, 3]`` (see :func:`rope_tables`)."""
         return rope_tables(positions, self.freqs, width)
 
+    def video_tables(self, coords: Tensor, text_offset, extents: Tensor,
+                     width: int | None = None) -> tuple[Tensor, Tensor]:
+        """Tables for video rows at window-local ``coords [N, 3]`` of windows ``extents [N, 3]`` long.
+
+        ``text_offset`` (a callable returning ``[N]``, called only by mmrope3d) is the text length of each row's
+        sample, added to the time coordinate; rope3d maps each window axis onto [-1, 1] instead.
+        """
+        if self.kind == "mmrope3d":
+            positions = coords.clone()
+            positions[:, 0] += text_offset()
+        else:
+            positions = unit_positions(coords, extents)
+        return self.tables(positions, width)
+
     def extra_repr(self) -> str:
-        return f"rope_dim={self.rope_dim}, rotated_channels={self.span}"
+        return f"rope_dim={self.rope_dim}, kind={self.kind}, rotated_channels={self.span}"

@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Mapping, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
+from ..checkpoint_dtypes import match_model_dtypes
 from ..checkpoint_file import read_checkpoint_file
 
 __all__ = ["load_vae_checkpoint", "check_state_dict"]
 
 StateSource = Union[str, "os.PathLike[str]", Mapping[str, torch.Tensor]]
 _LIST_LIMIT = 12
+_log = logging.getLogger("examples.seedvr2")
 
 
 def _listing(names: list[str]) -> str:
@@ -46,12 +49,15 @@ def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor]) -> No
         raise ValueError(f"checkpoint does not fit {type(module).__name__}: " + "; ".join(problems))
 
 
-def load_vae_checkpoint(vae: nn.Module, source: StateSource) -> nn.Module:
+def load_vae_checkpoint(
+    vae: nn.Module, source: StateSource, *, report: Optional[Callable[[str], None]] = None
+) -> nn.Module:
     """Load ``source`` (a file path or a state dict) into ``vae`` strictly and return ``vae``.
 
-    A module built on the meta device (``with torch.device("meta"):``) takes the checkpoint's tensors
-    themselves (``assign=True``: no second copy, dtype and device of the checkpoint); a materialised module
-    copies the values into its existing parameters (casting to their dtype).
+    Floating tensors are first cast to the module's dtypes (fp16/bf16 repacks; fp8 only with per-tensor scales, see
+    :mod:`..checkpoint_dtypes`), and ``report`` receives one line saying what was cast (default: the
+    ``examples.seedvr2`` logger at INFO). A module built on the meta device (``with torch.device("meta"):``) then
+    takes the tensors themselves (``assign=True``: no second copy); a materialised module copies the values.
     """
     if isinstance(source, Mapping):
         state = dict(source)
@@ -59,7 +65,10 @@ def load_vae_checkpoint(vae: nn.Module, source: StateSource) -> nn.Module:
         state = read_checkpoint_file(source)
     else:
         raise TypeError(f"source must be a path or a state dict, got {type(source).__name__}")
+    state, cast = match_model_dtypes(state, vae, what="VAE checkpoint")
     check_state_dict(vae, state)
+    if cast:
+        (report or _log.info)(cast)
     on_meta = any(t.is_meta for t in list(vae.parameters()) + list(vae.buffers()))
     vae.load_state_dict(state, strict=True, assign=on_meta)
     return vae

@@ -1,0 +1,102 @@
+"""Training gradients under window SP equal one rank's, whatever a parameter feeds (float64, SP = 2, 3, 4).
+
+winsp's convention: after backward every gradient on every rank is a partial sum over the SP group;
+``winsp.sync_gradients`` sums them once. Covered here on the SeedVR2 DiT in train() mode: blocks before ``mm_layers``
+keep separate video/text weights, later blocks share one set between the streams, the timestep embedding modulates
+both streams, and the inputs ``vid`` and ``txt`` get gradients too. (The toy model's version of the same check, with
+video-only, text-only and shared weights, is in test_parallel_core.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import winsp
+from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+from tests.test_dit import random_batch, read_golden
+from winsp.testing import run_ranks
+
+SHAPES, TEXT, STEPS = [(2, 12, 16), (1, 8, 8)], [5, 3], [700.0, 120.0]
+
+
+def _train(world_size: int) -> dict:
+    meta, state, _, _ = read_golden()
+    torch.manual_seed(0)
+    model = SeedVR2NaDiT(NaDiTConfig.from_metadata(meta))
+    load_dit_checkpoint(model, state)
+    model = model.double().train()
+    runtime = model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    b = random_batch(model.config, SHAPES, TEXT, STEPS, seed=5)
+    vid = b["vid"].double().requires_grad_(True)
+    txt = b["txt"].double().requires_grad_(True)
+    out = model(vid, txt, b["vid_shape"], b["txt_shape"], b["timestep"].double())
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    (out * weight).sum().backward()  # every rank computes the same loss from the gathered output
+    winsp.sync_gradients(model, runtime)
+    winsp.sync_gradients([vid, txt], runtime)
+    return dict(out=out.detach(), vid=vid.grad, txt=txt.grad,
+                params={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _rank_main(rank, world_size):
+    return _train(world_size)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return _train(1)
+
+
+def test_the_dit_has_every_kind_of_parameter(one_rank):
+    names = set(one_rank["params"])
+    assert any(".vid." in n for n in names) and any(".txt." in n for n in names)  # separate streams
+    assert any(".all." in n for n in names)  # shared between the streams (blocks past mm_layers)
+    assert any(n.startswith("emb_in.") for n in names)  # the timestep embedding behind both modulations
+    assert all(g.abs().max() > 0 for g in one_rank["params"].values())
+
+
+def test_sp4_has_a_rank_without_windows():
+    """So the SP = 4 case below also covers a rank that owns no window in some layer."""
+    meta = read_golden()[0]
+    model = SeedVR2NaDiT(NaDiTConfig.from_metadata(meta))
+    patch = model.config.patch_size
+    grids = [(t // patch[0], h // patch[1], w // patch[2]) for t, h, w in SHAPES]
+    plans = winsp.plan_schedule(grids, model.window_schedule(), 4)
+    assert any(0 in plan.rank_token_counts for plan in plans)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dit_training_gradients_equal_one_rank(world_size, one_rank):
+    for rank, r in enumerate(run_ranks(_rank_main, world_size, timeout=300)):
+        for key in ("out", "vid", "txt"):
+            err = (r[key] - one_rank[key]).abs().max().item()
+            assert err <= 1e-9 * max(1.0, one_rank[key].abs().max().item()), (rank, key, err)
+        assert set(r["params"]) == set(one_rank["params"])
+        for name, want in one_rank["params"].items():
+            err = (r["params"][name] - want).abs().max().item()
+            assert err <= 1e-9 * max(1.0, want.abs().max().item()), (rank, name, err)
+
+
+def _partial_worker(rank, world_size):
+    """Without sync_gradients the gradients are partial: the shared weights' sum over ranks is the whole gradient."""
+    meta, state, _, _ = read_golden()
+    model = SeedVR2NaDiT(NaDiTConfig.from_metadata(meta))
+    load_dit_checkpoint(model, state)
+    model = model.double().train()
+    model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    b = random_batch(model.config, SHAPES, TEXT, STEPS, seed=5)
+    out = model(b["vid"].double(), b["txt"].double(), b["vid_shape"], b["txt_shape"], b["timestep"].double())
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    (out * weight).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if ".all." in n or n.startswith("emb_in.")}
+
+
+@pytest.mark.multirank
+def test_unsynced_gradients_are_partial_sums(one_rank):
+    results = run_ranks(_partial_worker, 2, timeout=300)
+    for name, grads in ((n, [r[n] for r in results]) for n in results[0]):
+        want = one_rank["params"][name]
+        assert (grads[0] - want).abs().max() > 1e-6 * want.abs().max()  # one rank alone is not the gradient
+        assert (grads[0] + grads[1] - want).abs().max() <= 1e-9 * max(1.0, want.abs().max().item()), name
