@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 import winsp
@@ -69,6 +70,20 @@ def test_cut_weight_is_the_transition_rows_moved():
     edges = overlap_edges(reg.layout, shift.layout)
     assert int(edges[2].sum()) == reg.layout.num_tokens  # the overlaps partition the tokens
     assert cut_weight(edges, reg.window_owner, shift.window_owner) == Transition(reg, shift).rows_moved
+
+
+@pytest.mark.parametrize("geoms", [(REG, SHIFT), (REG, winsp.FixedWindows((2, 5, 7), (1, 2, 3))),
+                                   (winsp.FixedWindows((3, 4, 4)), SHIFT)], ids=["seedvr2", "reg-fixed", "fixed-shift"])
+def test_overlap_edges_equal_token_level_counts(geoms):
+    grids = [(5, 17, 23), (1, 6, 4), (3, 18, 24)]
+    a, b = (build_layout(grids, g) for g in geoms)
+    ea, eb, ew = overlap_edges(a, b)
+    got = {(int(i), int(j)): int(w) for i, j, w in zip(ea, eb, ew)}
+    # brute force: the window of every canonical token under each layout, counted per pair
+    wa = a.window_of_position[a.position_of_token]
+    wb = b.window_of_position[b.position_of_token]
+    pairs, counts = np.unique(np.stack([wa, wb]), axis=1, return_counts=True)
+    assert got == {(int(i), int(j)): int(c) for (i, j), c in zip(pairs.T, counts)}
 
 
 @pytest.mark.parametrize("grid", [(12, 45, 80), (12, 68, 120), (12, 90, 160)], ids=["720p", "1080p", "1440p"])

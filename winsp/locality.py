@@ -5,7 +5,8 @@ moved in a transition between layouts A and B is exactly the cut weight of the *
 either layout, an edge (a, b) weighing the tokens windows a and b share, cut when a and b live on different ranks. A
 placement with little rank boundary moves little. The rule (pure numpy, deterministic, no communication):
 
-1. Overlap edges between the layouts that follow each other in the schedule, as products of 1-D interval overlaps.
+1. Overlap edges between the layouts that follow each other in the schedule, from the cells both layouts' window
+   edges cut the grid into (volumes are products of 1-D interval lengths).
 2. Rank the box splits ``P = pt * ph * pw`` of the grid by an estimate of the rows their boundaries force to move
    (each internal boundary plane moves about half a window's depth of rows), and keep the best few.
 3. For each kept split, place the *anchor* layout (the one with the fewest windows) by recursive cuts along the split
@@ -42,14 +43,15 @@ SLACK_LIMIT = 0.05
 _SPLITS_KEPT = 3  # box splits fully evaluated, best estimates first
 _FM_PASSES = 4
 _FM_PATIENCE = 40  # non-improving moves tried before a pass gives up
-_BLOCK = 1 << 22  # overlap entries computed at once (memory bound of the dense 1-D overlap products)
 
 
 def overlap_edges(a: Layout, b: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(windows of ``a``, windows of ``b``, shared tokens) for every pair of windows that overlap.
 
-    Both layouts must describe the same batch. Overlaps are products of the three 1-D interval overlaps, computed per
-    sample (windows of different samples never overlap).
+    Both layouts must describe the same batch. Per sample, the window edges of both layouts along each axis cut the
+    grid into cells that each lie in one window of ``a`` and one of ``b``: label the cells with both window ids and
+    sum cell volumes per id pair (products of 1-D interval lengths). The work grows with windows and cells, never with
+    tokens x windows, and windows of different samples never overlap.
     """
     if a.grids != b.grids:
         raise ValueError(f"overlap_edges needs layouts of the same batch: grids {a.grids} vs {b.grids}")
@@ -59,21 +61,28 @@ def overlap_edges(a: Layout, b: Layout) -> tuple[np.ndarray, np.ndarray, np.ndar
     for s in range(a.num_samples):
         ia = np.arange(a_first[s], a_first[s + 1])
         ib = np.arange(b_first[s], b_first[s + 1])
-        sa, za = a.window_start[ia], a.window_start[ia] + a.window_shape[ia]
-        sb, zb = b.window_start[ib], b.window_start[ib] + b.window_shape[ib]
-        rows = max(1, _BLOCK // max(1, ib.size))
-        for lo in range(0, ia.size, rows):
-            hi = min(ia.size, lo + rows)
-            ov = np.ones((hi - lo, ib.size), dtype=np.int64)
-            for k in range(3):
-                ov *= np.clip(np.minimum(za[lo:hi, k, None], zb[None, :, k])
-                              - np.maximum(sa[lo:hi, k, None], sb[None, :, k]), 0, None)
-            i, j = np.nonzero(ov)
-            ea.append(ia[lo + i])
-            eb.append(ib[j])
-            ew.append(ov[i, j])
+        boxes = [(lay.window_start[i], lay.window_start[i] + lay.window_shape[i]) for lay, i in ((a, ia), (b, ib))]
+        cuts = [np.unique(np.concatenate([lo[:, k] for lo, _ in boxes] + [hi[:, k] for _, hi in boxes]))
+                for k in range(3)]
+        labels = [_label_cells(lo, hi, cuts) for lo, hi in boxes]
+        lengths = [np.diff(c) for c in cuts]
+        volume = (lengths[0][:, None, None] * lengths[1][None, :, None] * lengths[2][None, None, :]).reshape(-1)
+        pair, inverse = np.unique(labels[0].reshape(-1) * ib.size + labels[1].reshape(-1), return_inverse=True)
+        ea.append(ia[pair // ib.size])
+        eb.append(ib[pair % ib.size])
+        ew.append(np.bincount(inverse.reshape(-1), weights=volume, minlength=pair.size).astype(np.int64))
     cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
     return cat(ea), cat(eb), cat(ew)
+
+
+def _label_cells(lo: np.ndarray, hi: np.ndarray, cuts: list[np.ndarray]) -> np.ndarray:
+    """[cells_t, cells_h, cells_w] index (within ``lo``) of the box covering each cell of the ``cuts`` grid."""
+    first = np.stack([np.searchsorted(cuts[k], lo[:, k]) for k in range(3)], axis=1)
+    last = np.stack([np.searchsorted(cuts[k], hi[:, k]) for k in range(3)], axis=1)
+    labels = np.empty(tuple(c.size - 1 for c in cuts), dtype=np.int64)
+    for i, ((t0, h0, w0), (t1, h1, w1)) in enumerate(zip(first.tolist(), last.tolist())):
+        labels[t0:t1, h0:h1, w0:w1] = i
+    return labels
 
 
 def cut_weight(edges: tuple[np.ndarray, np.ndarray, np.ndarray], owner_a: np.ndarray, owner_b: np.ndarray) -> int:
