@@ -141,21 +141,11 @@ class PlacementStats:
     local_rows: int  # the largest rank's rows (the local gathers of a transition touch them)
 
 
-def _owner(rank_windows, n: int) -> np.ndarray:
-    owner = np.empty(n, dtype=np.int64)
-    for r, ws in enumerate(rank_windows):
-        owner[ws] = r
-    return owner
-
-
 @lru_cache(maxsize=None)
 def placement_stats(grid: tuple[int, int, int], p: int, planner: str, text_tokens: int = 58) -> PlacementStats:
     layouts = [build_layout([grid], winsp.make_geometry(m, NUM_WINDOWS)) for m in ("regular", "shifted")]
-    if planner == "locality":
-        placed = locality_placement(layouts, {(0, 1): 1}, p)
-    else:
-        placed = [winsp.lpt_assign(lay.token_counts.tolist(), p) for lay in layouts]
-    owners = [_owner(rw, lay.num_windows) for rw, lay in zip(placed, layouts)]
+    placed = locality_placement(layouts, {(0, 1): 1}, p) if planner == "locality" else [None, None]
+    owners = [winsp.Plan(lay, p, rank_windows=rw).window_owner for lay, rw in zip(layouts, placed)]
     rows, attn = [], []
     for lay, own in zip(layouts, owners):
         rows.append(np.bincount(own, weights=lay.token_counts, minlength=p))
