@@ -329,15 +329,164 @@ def test_bad_output_paths(tmp_path, capsys):
 def test_failed_write_leaves_no_file(tmp_path, capsys, monkeypatch):
     import examples.seedvr2.media as media
 
-    def explode(path, frames, fps):
-        with open(path, "wb") as f:
-            f.write(b"partial")
+    def explode(self, frame, pts=None):
         raise media.MediaError("disk full (simulated)")
 
-    monkeypatch.setattr(media, "_write_h264", explode)
+    monkeypatch.setattr(media.MediaWriter, "write", explode)
     src = make_mp4(tmp_path / "in.mp4")
     _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--quiet"], "disk full", tmp_path,
                   keep={"in.mp4"})
+
+
+# ---- the CLI never loses data -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("link", ["same", "relative", "symlink", "hardlink"])
+def test_output_that_is_the_input_is_refused(tmp_path, capsys, link, monkeypatch):
+    src = make_mp4(tmp_path / "in.mp4")
+    before = open(src, "rb").read()
+    out = {"same": src, "relative": "in.mp4"}.get(link, tmp_path / "alias.mp4")
+    monkeypatch.chdir(tmp_path)
+    if link == "symlink":
+        os.symlink(src, out)
+    elif link == "hardlink":
+        os.link(src, out)
+    keep = {"in.mp4"} | ({"alias.mp4"} if link in ("symlink", "hardlink") else set())
+    line = _expect_error(capsys, ["restore", src, "-o", out, "--overwrite"], "is the input", tmp_path, keep=keep)
+    assert "same file, or a link" in line
+    assert open(src, "rb").read() == before
+
+
+def test_existing_output_needs_overwrite(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    out = tmp_path / "o.png"
+    out.write_bytes(b"precious")
+    _expect_error(capsys, ["restore", src, "-o", out], "--overwrite", tmp_path, keep={"in.png", "o.png"})
+    assert out.read_bytes() == b"precious"
+    assert cli.main(["restore", src, "-o", str(out), "--overwrite", "--quiet"]) == 0
+    assert probe(out)[:3] == (1, 32, 48)
+
+
+def test_default_output_goes_beside_the_input(tmp_path, capsys, monkeypatch):
+    sub = tmp_path / "clips"
+    sub.mkdir()
+    src = make_mp4(sub / "walk.mp4")
+    monkeypatch.chdir(tmp_path)  # not where the output goes
+    assert cli.main(["restore", src, "--quiet"]) == 0
+    assert "walk_restored.mp4" in capsys.readouterr().err
+    assert sorted(os.listdir(sub)) == ["walk.mp4", "walk_restored.mp4"] and leftovers(tmp_path, {"clips"}) == []
+    _expect_error(capsys, ["restore", src], "walk_restored.mp4 exists", sub, keep={"walk.mp4", "walk_restored.mp4"})
+
+
+def _truncated_faststart(tmp_path) -> str:
+    full = tmp_path / "full.mp4"
+    with av.open(str(full), "w", options={"movflags": "faststart"}) as c:
+        s = c.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt = 48, 32, "yuv420p"
+        s.options = {"g": "4", "bf": "0"}
+        for f in _frames(40, 32, 48):
+            c.mux(s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        c.mux(s.encode(None))
+    data = full.read_bytes()
+    half = tmp_path / "half.mp4"
+    half.write_bytes(data[: len(data) // 2])
+    full.unlink()
+    return str(half)
+
+
+def test_short_decode_is_refused_unless_allowed(tmp_path, capsys):
+    src = _truncated_faststart(tmp_path)
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4"], "of the 40 frames", tmp_path,
+                         keep={"half.mp4"})
+    assert "--allow-partial-input" in line
+    decodable = read_frames_count(src)
+    assert 0 < decodable < 40
+    assert cli.main(["restore", src, "-o", str(tmp_path / "o.mp4"), "--allow-partial-input", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING" in err and f"only {decodable} of the 40 frames" in err
+    assert probe(tmp_path / "o.mp4")[0] == decodable
+
+
+def read_frames_count(path) -> int:
+    n = 0
+    with av.open(str(path)) as c:
+        try:
+            for _ in c.decode(video=0):
+                n += 1
+        except av.FFmpegError:
+            pass
+    return n
+
+
+def test_small_image_says_to_use_scale(tmp_path, capsys):
+    small = make_png(tmp_path / "small.png", h=12, w=40)
+    line = _expect_error(capsys, ["restore", small, "-o", tmp_path / "o.png"], "use --scale 1.34 or more", tmp_path,
+                         keep={"small.png"})
+    assert "the input is 40x12" in line
+    assert cli.main(["restore", small, "-o", str(tmp_path / "o.png"), "--scale", "1.34", "--quiet"]) == 0
+
+
+def test_alpha_input_says_what_was_dropped(tmp_path, capsys):
+    src = tmp_path / "rgba.png"
+    with av.open(str(src), "w", format="image2", options={"update": "1"}) as c:
+        s = c.add_stream("png")
+        s.width, s.height, s.pix_fmt = 48, 32, "rgba"
+        c.mux(s.encode(av.VideoFrame.from_ndarray(_frames(1, 32, 48)[0], format="rgb24").reformat(format="rgba")))
+        c.mux(s.encode(None))
+    assert cli.main(["restore", str(src), "-o", str(tmp_path / "o.png"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "drops the alpha channel" in err
+
+
+def test_odd_output_size_is_written_in_yuv420p_and_said(tmp_path, capsys):
+    src = make_mp4(tmp_path / "in.mp4")
+    out = tmp_path / "o.mp4"
+    assert cli.main(["restore", src, "-o", str(out), "--resolution", "47x33", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "written as 48x34" in err
+    with av.open(str(out)) as c:
+        assert c.streams.video[0].codec_context.pix_fmt == "yuv420p"
+    assert probe(out)[:3] == (5, 34, 48)
+
+
+def test_oversized_request_is_refused_before_allocating(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--resolution", "16000x16000"],
+                         "GiB per rank", tmp_path, keep={"in.png"})
+    assert "--vae-parallel tiled" in line and "more ranks" in line and "is free on cpu" in line
+
+
+def test_memory_check_uses_the_free_memory_it_is_told(tmp_path, capsys, monkeypatch):
+    """With 4 MiB "free", a 128x128 png (about 10 MiB of demo-VAE activations) is refused; with plenty it runs."""
+    monkeypatch.setattr(cli, "available_bytes", lambda device: 4 * 2**20)
+    src = make_png(tmp_path / "in.png", h=128, w=128)
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png"], "is free on cpu", tmp_path, keep={"in.png"})
+    monkeypatch.setattr(cli, "available_bytes", lambda device: 2**40)
+    assert cli.main(["restore", src, "-o", str(tmp_path / "o.png"), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["random", "truncated_zip", "magic", "pickle"])
+def test_every_unreadable_checkpoint_is_one_error_line(tmp_path, capsys, damage):
+    import io
+    import pickle
+
+    import torch
+
+    src = make_png(tmp_path / "in.png")
+    good = io.BytesIO()
+    torch.save({"w": torch.zeros(64, 64)}, good)
+    data = {
+        "random": bytes(np.random.default_rng(1).integers(0, 256, 999, dtype=np.uint8)),
+        "truncated_zip": good.getvalue()[: len(good.getvalue()) // 2],
+        "magic": b"XXXX" + good.getvalue()[4:],
+        "pickle": pickle.dumps({"w": [1, 2, 3]})[:-3],
+    }[damage]
+    (tmp_path / "dit.pth").write_bytes(data)
+    (tmp_path / "vae.pth").write_bytes(data)
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--dit-checkpoint", tmp_path / "dit.pth",
+                                  "--vae-checkpoint", tmp_path / "vae.pth"], "--dit-checkpoint", tmp_path,
+                         keep={"in.png", "dit.pth", "vae.pth"})
+    assert "dit.pth" in line
 
 
 @pytest.mark.parametrize("case", ["missing", "scale"])

@@ -7,6 +7,11 @@ With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer
 demo weights (see :mod:`.demo`) so that the command works anywhere in seconds; it says so, since that restores nothing.
 
 Exit codes: 0 success; 2 bad input or usage (one ``error:`` line on stderr, no output file); anything else is a bug.
+
+The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is refused,
+an existing output is only replaced with ``--overwrite``, a video that decodes fewer frames than its container declares
+is refused unless ``--allow-partial-input``, and a request whose estimated memory exceeds what the device has is refused
+before anything is allocated. Without ``-o`` the output goes beside the input as ``<input>_restored.<ext>``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ import torch
 from winsp.group import init_world_from_env, shutdown_world
 
 from .media import (
+    IMAGE_EXTENSIONS,
     MediaError,
+    default_output_path,
+    h264_frame_size,
+    same_file,
     Geometry,
     frames_to_model,
     model_to_frames,
@@ -59,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("restore", help="restore a video or image", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="video (mp4, mov, webm, mkv, ...) or image (png, jpg)")
-    p.add_argument("-o", "--output", required=True, help="output file: .mp4/.mov/.mkv (H.264) or .png/.jpg")
+    p.add_argument("-o", "--output",
+                   help="output file: .mp4/.mov/.mkv (H.264) or .png/.jpg (default: <input>_restored.<ext> beside the "
+                        "input)")
+    p.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
+    p.add_argument("--allow-partial-input", action="store_true",
+                   help="restore the frames that decode from a truncated or damaged video (with a warning) instead of "
+                        "refusing it")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--resolution", metavar="WxH",
                       help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
@@ -187,13 +202,34 @@ def _resolve_dtype(name: Optional[str], device: torch.device, demo: bool) -> tor
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
+def resolve_output_path(args: argparse.Namespace) -> str:
+    """``-o`` or the default ``<input>_restored.<ext>``; refuses the input itself and, without ``--overwrite``, any
+    existing file. Checked before anything is read or run."""
+    path = args.output if args.output is not None else default_output_path(args.input)
+    if os.path.exists(args.input) and same_file(path, args.input):
+        raise MediaError(f"the output {path} is the input {args.input} (same file, or a link to it); "
+                         f"choose another -o so the input is not overwritten")
+    if os.path.isdir(path):
+        raise MediaError(f"output path is a directory: {path}")
+    if os.path.lexists(path) and not args.overwrite:
+        raise MediaError(f"the output {path} exists; pass --overwrite to replace it, or choose another -o")
+    return path
+
+
+def _default_image_output(args: argparse.Namespace, path: str, is_image: bool) -> str:
+    """A default output for an image input whose extension cannot be written (bmp, webp, ...) is a .png."""
+    if args.output is None and is_image and os.path.splitext(path)[1].lower() not in IMAGE_EXTENSIONS:
+        path = os.path.splitext(path)[0] + ".png"
+        if os.path.lexists(path) and not args.overwrite:
+            raise MediaError(f"the output {path} exists; pass --overwrite to replace it, or choose another -o")
+    return path
+
+
 def _check_output_path(path: str, num_frames_hint: Optional[int] = None) -> None:
     kind = output_kind(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise MediaError(f"output directory does not exist: {directory}")
-    if os.path.isdir(path):
-        raise MediaError(f"output path is a directory: {path}")
     if kind == "image" and num_frames_hint is not None and num_frames_hint > 1:
         raise MediaError(
             f"the input has {num_frames_hint} frames but {path} is an image file; use a video extension (.mp4)"
@@ -267,6 +303,63 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                         demo=False)
 
 
+def available_bytes(device: torch.device) -> Optional[int]:
+    """Memory free for this run on ``device``: the GPU's free bytes, or the host's MemAvailable; None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(args: argparse.Namespace, geometry: Geometry, frames: int, dtype: torch.dtype, sp_size: int,
+                 device: torch.device, demo: bool) -> None:
+    """Refuse, before anything is allocated, a request whose estimated peak does not fit the device's free memory."""
+    from .demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG
+    from .pipeline import estimate_restore_bytes
+
+    free = available_bytes(device)
+    if free is None:
+        return
+    if demo:
+        vae_channels, dit_width, weights = DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIG.vid_dim, 0
+    else:
+        from .dit import NaDiTConfig
+        from .vae import VideoVAEConfig
+
+        vae_channels = VideoVAEConfig.seedvr2().block_out_channels[0]
+        dit_width = NaDiTConfig.seedvr2_3b().vid_dim
+        weights = sum(os.path.getsize(p) for p in (args.dit_checkpoint, args.vae_checkpoint) if p and os.path.isfile(p))
+    estimate = estimate_restore_bytes(
+        frames=frames, height=geometry.work[0], width=geometry.work[1], vae_channels=vae_channels,
+        dit_width=dit_width, element_bytes=torch.finfo(dtype).bits // 8, vae_parallel=args.vae_parallel,
+        sp_size=sp_size, tile=(256 + 64, 256 + 64),
+    )
+    need = estimate.total + weights
+    if need > free:
+        helps = []
+        if args.vae_parallel != "tiled":
+            helps.append("--vae-parallel tiled")
+        if frames > 5:
+            helps.append("a smaller --batch-frames")
+        helps += ["more ranks (torchrun --nproc-per-node N with --vae-parallel height)", "a smaller --resolution"]
+        raise InputError(
+            f"this request needs about {_gib(need)} per rank (estimate: VAE {_gib(estimate.vae)}, DiT "
+            f"{_gib(estimate.dit)}, frames {_gib(estimate.frames)}, weights {_gib(weights)} for {frames} frames at "
+            f"{geometry.work[1]}x{geometry.work[0]}) but {_gib(free)} is free on {device.type}; try "
+            f"{', '.join(helps)}"
+        )
+
+
 def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> str:
     """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input."""
     from winsp.group import SPGroup
@@ -278,15 +371,17 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         plan_geometry((64, 64), scale=args.scale)  # validates the number itself
-    _check_output_path(args.output)
+    output = resolve_output_path(args)
+    _check_output_path(output)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
     color_fix = (args.color_fix or ("none" if demo else "wavelet")) == "wavelet"
     is_rank0 = launch.rank == 0
 
     progress.start("read")
-    media = read_media(args.input)
-    _check_output_path(args.output, media.num_frames)
+    media = read_media(args.input, allow_partial=args.allow_partial_input)
+    output = _default_image_output(args, output, media.is_image)
+    _check_output_path(output, media.num_frames)
     geometry: Geometry = plan_geometry((media.height, media.width), resolution=resolution, scale=args.scale)
     latent_rows = geometry.work[0] // 8
     if args.vae_parallel == "height" and launch.world_size > latent_rows:
@@ -294,6 +389,17 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
             f"{geometry.work[0]} has {latent_rows} rows for {launch.world_size} ranks; use --vae-parallel replicated"
         )
+    check_memory(args, geometry, media.num_frames, dtype, launch.world_size, launch.device, demo)
+    if is_rank0:
+        for note in media.info.notes:
+            progress.note(f"{PROG}: {note}")
+        coded = h264_frame_size(*geometry.output)
+        if output_kind(output) == "video" and coded != geometry.output:
+            progress.note(
+                f"{PROG}: note: {geometry.output[1]}x{geometry.output[0]} has an odd side; H.264 yuv420p (what "
+                f"players accept) needs even sides, so it is written as {coded[1]}x{coded[0]} with the edge "
+                f"repeated (use --resolution with even sides to avoid this)"
+            )
     video = frames_to_model(media.frames, geometry)
 
     progress.start("load")
@@ -318,14 +424,14 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         if color_fix:
             reference = video.to(restored.device).transpose(0, 1)
             restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
-        write_media(args.output, model_to_frames(restored.cpu(), geometry), media.fps)
+        write_media(output, model_to_frames(restored.cpu(), geometry), media.fps)
     progress.done()
 
     seconds = progress.seconds
     timing = " ".join(f"{stage} {seconds.get(stage, 0.0):.2f}s" for stage in STAGES)
     fps = f"{float(media.fps):.3g} fps"
     return (
-        f"{PROG}: {args.input} ({_fmt_size(geometry.input, media.num_frames)}) -> {args.output} "
+        f"{PROG}: {args.input} ({_fmt_size(geometry.input, media.num_frames)}) -> {output} "
         f"({_fmt_size(geometry.output, media.num_frames)}{', ' + fps if not media.is_image else ''}; model at "
         f"{geometry.work[1]}x{geometry.work[0]}) | SP {pipe.group.size} | {pipe.describe()}; "
         f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "

@@ -20,6 +20,7 @@ The math, as SeedVR2 runs it (facts taken from the reference, code written here)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -37,6 +38,8 @@ __all__ = [
     "trailing_timesteps",
     "v_lerp_endpoint",
     "euler_v_lerp_sample",
+    "MemoryEstimate",
+    "estimate_restore_bytes",
 ]
 
 SCALING_FACTOR = 0.9152
@@ -107,6 +110,63 @@ def euler_v_lerp_sample(
         s = timesteps[i + 1] / T
         x = (1.0 - s) * x_0 + s * x_T
     raise ValueError("timesteps must not be empty")
+
+
+# ---- memory estimate ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak activation bytes of restoring one temporal batch on one rank, by part."""
+
+    vae: int
+    dit: int
+    frames: int
+
+    @property
+    def total(self) -> int:
+        return self.vae + self.dit + self.frames
+
+
+#: peak live VAE activations, in units of (first-level channels x h x w x element size), by padded batch length:
+#: measured with ``vae.memory.peak_tensor_bytes`` on the demo VAE with the released temporal chunk of 4 frames
+#: (1 frame: 8.1, 5 frames: 32.1, 9 frames and more: 53-55; the full-resolution decoder level dominates, as in the
+#: released VAE, whose levels shrink area 4x while channels grow at most 2x), rounded up.
+_VAE_UNITS_ONE_FRAME, _VAE_UNITS_FIVE, _VAE_UNITS_CHUNKED = 9.0, 34.0, 58.0
+#: DiT activations per token, in units of the model width x element size (attention inputs/outputs, MLP hidden
+#: states, residuals; the window attention itself is local). A coarse upper figure.
+_DIT_UNITS_PER_TOKEN = 16.0
+#: copies of the batch's frames alive at once in float32 (input, padded input, output, colour fix, uint8 out).
+_FRAME_COPIES = 6.0
+
+
+def estimate_restore_bytes(
+    *, frames: int, height: int, width: int, vae_channels: int, dit_width: int, element_bytes: int = 4,
+    vae_parallel: str = "replicated", sp_size: int = 1, tile: Optional[tuple[int, int]] = None,
+    patch: tuple[int, int, int] = (1, 2, 2), spatial_factor: int = 8, temporal_factor: int = 4,
+) -> MemoryEstimate:
+    """Peak activation bytes per rank of restoring ``frames`` frames of ``height x width`` (the working size) with a
+    VAE whose first level has ``vae_channels`` channels (temporal chunks of 4 frames) and a DiT of ``dit_width``.
+
+    An estimate from the shapes only, made before anything is allocated so that an oversized request can be refused
+    with a message instead of dying in the allocator. The VAE part was calibrated on the demo models (see the
+    constants above; ``tests/test_pipeline.py`` checks it bounds the measured peak); it scales with the frame area,
+    which ``"height"`` sharding divides by ``sp_size`` and ``"tiled"`` caps at ``tile`` (with its overlap).
+    """
+    padded = causal_frame_count(frames, temporal_factor)
+    units = _VAE_UNITS_ONE_FRAME if padded == 1 else _VAE_UNITS_FIVE if padded <= 5 else _VAE_UNITS_CHUNKED
+    area = height * width
+    if vae_parallel == "height":
+        area = math.ceil(height / sp_size) * width
+    elif vae_parallel == "tiled" and tile is not None:
+        area = min(height, tile[0]) * min(width, tile[1])
+    vae = units * vae_channels * area * element_bytes
+    latent_frames = 1 + (padded - 1) // temporal_factor
+    tokens = math.ceil(latent_frames / patch[0]) * math.ceil(height / spatial_factor / patch[1]) * math.ceil(
+        width / spatial_factor / patch[2])
+    dit = _DIT_UNITS_PER_TOKEN * math.ceil(tokens / sp_size) * dit_width * element_bytes
+    frame_bytes = _FRAME_COPIES * 3 * padded * height * width * 4
+    return MemoryEstimate(vae=int(vae), dit=int(dit), frames=int(frame_bytes))
 
 
 # ---- the pipeline -------------------------------------------------------------------------------------------------
