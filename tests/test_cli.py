@@ -86,7 +86,8 @@ def test_restore_mp4_single_process(tmp_path):
     assert probe(out) == (5, 32, 48, Fraction(24000, 1001))
     assert "DEMO" in result.stderr and "WARNING" in result.stderr  # says loudly that it is the demo
     summary = result.stderr.strip().splitlines()[-1]
-    assert "48x32, 5 frames" in summary and "SP 1" in summary and "DiT" in summary and "decode" in summary
+    assert "48x32, 5 frames" in summary and "SP 1" in summary and "1 batch of 21 frames" in summary
+    assert "frames/s" in summary and "peak RSS per rank" in summary
     assert leftovers(tmp_path, {"in.mp4", "out.mp4"}) == []
 
 

@@ -1,7 +1,10 @@
 """Command line: ``python -m examples.seedvr2 restore INPUT -o OUTPUT [options]``.
 
-Single process, or window-parallel under ``torchrun --nproc-per-node N`` (gloo on CPU, NCCL on GPUs; every rank reads
-the input and runs the same stages, the DiT's windows are shared among the ranks, rank 0 writes the file).
+Single process, or parallel under ``torchrun --nproc-per-node W`` (gloo on CPU, NCCL on GPUs). The clip is restored in
+temporal batches of ``--batch-frames`` frames that share ``--overlap`` cross-faded frames, decoded lazily from the input
+and encoded to the output as they finish, so memory does not grow with the clip. With ``--sp-size N`` the W ranks form
+W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
+``--vae-parallel`` mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
 
 With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer. Without them it runs embedded tiny
 demo weights (see :mod:`.demo`) so that the command works anywhere in seconds; it says so, since that restores nothing.
@@ -45,10 +48,12 @@ from .media import (
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+
 PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
 DEFAULT_SEED = 666
-STAGES = ("read", "load", "encode", "DiT", "decode", "write")
+STAGES = ("read", "load", "restore")
 
 
 class InputError(ValueError):
@@ -88,7 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"),
                    help="compute dtype (default: bf16 on GPU with checkpoints, else fp32)")
     p.add_argument("--vae-parallel", choices=("replicated", "height", "tiled"), default="replicated",
-                   help="how ranks share the VAE (default: replicated, every rank runs it)")
+                   help="how the ranks of an SP group share the VAE (default: replicated, every rank runs it)")
+    p.add_argument("--batch-frames", type=int, default=DEFAULT_BATCH_FRAMES, metavar="N",
+                   help=f"frames per temporal batch, 4n+1 (default {DEFAULT_BATCH_FRAMES}); memory depends on this, "
+                        f"not on the clip's length")
+    p.add_argument("--overlap", type=int, default=DEFAULT_OVERLAP, metavar="K",
+                   help=f"frames shared by consecutive batches, cross-faded so batches join without a jump "
+                        f"(default {DEFAULT_OVERLAP}; 0 disables)")
+    p.add_argument("--sp-size", type=int, metavar="N",
+                   help="window-SP degree: the world's ranks form (world / N) groups of N that take whole temporal "
+                        "batches; the world size must be a multiple of N (default: all ranks one group)")
     p.add_argument("--color-fix", choices=("wavelet", "none"),
                    help="colour correction towards the input (default: wavelet with checkpoints, none with the demo)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
@@ -113,6 +127,7 @@ class StageProgress:
     _current: Optional[str] = None
     _started: float = 0.0
     _open_line: bool = False
+    _last_done: int = 0
 
     def start(self, stage: str) -> None:
         self._finish_current()
@@ -131,6 +146,18 @@ class StageProgress:
         if self._open_line:
             self.stream.write("\n")
             self._open_line = False
+
+    def frames(self, done: int, total: int) -> None:
+        """Show the frames of the whole clip written so far during the current stage (redrawn on a terminal; in a
+        log, one line per tenth of the clip)."""
+        if not self.enabled or self._current is None:
+            return
+        label = f"{self._current} {done}/{total} frames"
+        if self._is_tty():
+            self._draw(self.stages.index(self._current), label)
+        elif done == total or done * 10 // total > (self._last_done * 10 // total if total else 0):
+            self._draw(self.stages.index(self._current), label)
+        self._last_done = done
 
     def done(self) -> None:
         self._finish_current()
@@ -360,17 +387,49 @@ def check_memory(args: argparse.Namespace, geometry: Geometry, frames: int, dtyp
         )
 
 
-def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> str:
-    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input."""
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    """This process's peak memory so far: GPU memory allocated by torch on CUDA, else the peak resident set."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device)), "peak GPU memory"
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak RSS"
+
+
+def _per_rank_figures(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``values`` (one row per rank), through winsp's world group (one collective)."""
     from winsp.group import SPGroup
 
-    from .color_fix import wavelet_color_fix
-    from .pipeline import SeedVR2Pipeline
+    world = SPGroup.world()
+    row = torch.tensor([values], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    return world.all_gather_rows(row, [1] * world.size).cpu().tolist()
 
-    # Everything cheap to check is checked before any model is built.
+
+def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> str:
+    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input."""
+    import numpy as np
+
+    from winsp.mesh import build_temporal_mesh, ordered_results
+
+    from .media import MediaWriter, iter_frames, probe_media
+    from .pipeline import SeedVR2Pipeline
+    from .temporal import TemporalBlender, check_batching, plan_temporal_batches, temporal_batches
+
+    # Everything cheap to check is checked before anything is read or any model built, identically on every rank.
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         plan_geometry((64, 64), scale=args.scale)  # validates the number itself
+    try:
+        check_batching(args.batch_frames, args.overlap)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    sp_size = launch.world_size if args.sp_size is None else args.sp_size
+    if sp_size < 1 or launch.world_size % sp_size:
+        raise InputError(
+            f"--sp-size {sp_size}: the world size {launch.world_size} must be a positive multiple of it (launch "
+            f"torchrun --nproc-per-node with a multiple of {max(sp_size, 1)}, or choose an --sp-size dividing "
+            f"{launch.world_size})"
+        )
     output = resolve_output_path(args)
     _check_output_path(output)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
@@ -379,28 +438,29 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     is_rank0 = launch.rank == 0
 
     progress.start("read")
-    media = read_media(args.input, allow_partial=args.allow_partial_input)
-    output = _default_image_output(args, output, media.is_image)
-    _check_output_path(output, media.num_frames)
-    geometry: Geometry = plan_geometry((media.height, media.width), resolution=resolution, scale=args.scale)
+    info = probe_media(args.input, allow_partial=args.allow_partial_input)
+    output = _default_image_output(args, output, info.is_image)
+    _check_output_path(output, info.num_frames)
+    geometry: Geometry = plan_geometry((info.height, info.width), resolution=resolution, scale=args.scale)
     latent_rows = geometry.work[0] // 8
-    if args.vae_parallel == "height" and launch.world_size > latent_rows:
+    if args.vae_parallel == "height" and sp_size > latent_rows:
         raise InputError(
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
-            f"{geometry.work[0]} has {latent_rows} rows for {launch.world_size} ranks; use --vae-parallel replicated"
+            f"{geometry.work[0]} has {latent_rows} rows for {sp_size} ranks; use --vae-parallel replicated"
         )
-    check_memory(args, geometry, media.num_frames, dtype, launch.world_size, launch.device, demo)
+    plan = plan_temporal_batches(info.num_frames, args.batch_frames, args.overlap)
+    check_memory(args, geometry, plan[0].num_frames, dtype, sp_size, launch.device, demo)
+    is_video_out = output_kind(output) == "video"
     if is_rank0:
-        for note in media.info.notes:
+        for note in info.notes:
             progress.note(f"{PROG}: {note}")
         coded = h264_frame_size(*geometry.output)
-        if output_kind(output) == "video" and coded != geometry.output:
+        if is_video_out and coded != geometry.output:
             progress.note(
                 f"{PROG}: note: {geometry.output[1]}x{geometry.output[0]} has an odd side; H.264 yuv420p (what "
                 f"players accept) needs even sides, so it is written as {coded[1]}x{coded[0]} with the edge "
                 f"repeated (use --resolution with even sides to avoid this)"
             )
-    video = frames_to_model(media.frames, geometry)
 
     progress.start("load")
     models = load_models(args, launch.device, dtype)
@@ -409,34 +469,67 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             f"{PROG}: WARNING: no checkpoints given: running the embedded tiny DEMO weights (random, seeded). "
             f"The output is NOT a restoration; pass --dit-checkpoint and --vae-checkpoint for SeedVR2 3B."
         )
-    pipe = SeedVR2Pipeline(models.dit, models.vae, args.vae_parallel, group=SPGroup.world())
+    mesh = build_temporal_mesh(sp_size)
+    pipe = SeedVR2Pipeline(models.dit, models.vae, args.vae_parallel, group=mesh.sp)
 
-    progress.start("encode")
-    latent = pipe.encode(video)
-    progress.start("DiT")
-    generator = torch.Generator().manual_seed(args.seed)
-    restored_latent = pipe.denoise(latent, models.txt, generator=generator)
-    progress.start("decode")
-    restored = pipe.decode(restored_latent, media.num_frames)
+    progress.start("restore")
+    started = time.perf_counter()
+    needed = np.zeros(info.num_frames, dtype=bool)  # frames of the batches this rank's group restores
+    for batch in plan:
+        if mesh.owns(batch.index):
+            needed[batch.start:batch.stop] = True
+    model_frames = (
+        None if frame is None else frames_to_model(frame[None], geometry)[:, 0]
+        for _, frame, _ in iter_frames(info, keep=lambda i: bool(needed[i]))
+    )
+    batches = temporal_batches(model_frames, args.batch_frames, args.overlap)
+    computed = []
 
-    progress.start("write")
-    if is_rank0:  # every rank holds the full result; one writes it
-        if color_fix:
-            reference = video.to(restored.device).transpose(0, 1)
-            restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
-        write_media(output, model_to_frames(restored.cpu(), geometry), media.fps)
+    def compute(index: int) -> torch.Tensor:
+        for batch, clip in batches:  # skip the batches other groups restore (their frames were not converted)
+            if batch.index == index:
+                break
+        restored = pipe.restore_batch(clip.transpose(0, 1), models.txt, index, args.seed, color_fix)
+        computed.append(batch.num_frames)
+        return torch.from_numpy(model_to_frames(restored.cpu(), geometry))
+
+    results = ordered_results(mesh, len(plan), compute)
+    if mesh.is_writer:
+        use_pts = is_video_out and len(info.frame_pts) == info.num_frames
+        with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
+                         audio_from=args.input if is_video_out and info.has_audio else None) as writer:
+            blender = TemporalBlender()
+            for index, frames in results:
+                for frame in blender.push(plan[index], frames.cpu(), args.overlap):
+                    writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+                progress.frames(writer.frames_written, info.num_frames)
+            for frame in blender.finish():
+                writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+            progress.frames(writer.frames_written, info.num_frames)
+            if writer.frames_written != info.num_frames:  # a bug, never a silently short file
+                raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
+    else:
+        for _ in results:
+            pass
+    seconds_restore = time.perf_counter() - started
+    peak, peak_kind = _peak_memory(launch.device)
+    figures = _per_rank_figures([peak, float(sum(computed)), seconds_restore], launch.device)
     progress.done()
 
     seconds = progress.seconds
     timing = " ".join(f"{stage} {seconds.get(stage, 0.0):.2f}s" for stage in STAGES)
-    fps = f"{float(media.fps):.3g} fps"
+    fps = f"{float(info.fps):.3g} fps"
+    peaks = " ".join(f"{row[0] / 2**30:.2f}" for row in figures)
+    frames_per_s = info.num_frames / max(seconds.get("restore", seconds_restore), 1e-9)
     return (
-        f"{PROG}: {args.input} ({_fmt_size(geometry.input, media.num_frames)}) -> {output} "
-        f"({_fmt_size(geometry.output, media.num_frames)}{', ' + fps if not media.is_image else ''}; model at "
-        f"{geometry.work[1]}x{geometry.work[0]}) | SP {pipe.group.size} | {pipe.describe()}; "
-        f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
+        f"{PROG}: {args.input} ({_fmt_size(geometry.input, info.num_frames)}) -> {output} "
+        f"({_fmt_size(geometry.output, info.num_frames)}{', ' + fps if not info.is_image else ''}; model at "
+        f"{geometry.work[1]}x{geometry.work[0]}) | {len(plan)} batch{'es' if len(plan) != 1 else ''} of "
+        f"{args.batch_frames} frames, overlap {args.overlap} | {mesh.describe()} | SP {mesh.sp_size} | "
+        f"{pipe.describe()}; {'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
         f"{'DEMO weights' if models.demo else 'SeedVR2 3B'}; colour fix {'wavelet' if color_fix else 'off'} | "
-        f"{timing} | total {sum(seconds.values()):.2f}s"
+        f"{timing} | total {sum(seconds.values()):.2f}s | {frames_per_s:.2f} frames/s | {peak_kind} per rank "
+        f"{peaks} GiB"
     )
 
 

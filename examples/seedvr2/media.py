@@ -93,6 +93,7 @@ class MediaInfo:
     has_audio: bool
     dropped: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    frame_pts: tuple = field(default=(), repr=False)  # each decodable frame's pts in time_base (video inputs)
 
 
 @dataclass
@@ -156,9 +157,10 @@ def probe_media(path: str | os.PathLike, allow_partial: bool = False) -> MediaIn
         is_image = container.format.name in _IMAGE_DEMUXERS
         fps = _stream_fps(stream)
         has_audio = bool(container.streams.audio)
-        count, size, pix_fmt, broken = 0, None, "", None
+        count, size, pix_fmt, broken, pts = 0, None, "", None, []
         try:
             for frame in container.decode(stream):
+                pts.append(frame.pts)
                 if size is None:
                     size, pix_fmt = (frame.height, frame.width), frame.format.name
                 elif (frame.height, frame.width) != size:
@@ -192,6 +194,7 @@ def probe_media(path: str | os.PathLike, allow_partial: bool = False) -> MediaIn
         path=path, num_frames=count, declared_frames=declared, height=size[0], width=size[1], fps=fps,
         is_image=is_image and count == 1, pixel_format=pix_fmt, time_base=time_base, has_audio=has_audio,
         dropped=tuple(dropped), notes=tuple(notes),
+        frame_pts=tuple(pts) if time_base is not None and None not in pts else (),
     )
 
 

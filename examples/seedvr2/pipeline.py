@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from .color_fix import wavelet_color_fix
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, TemporalBatch, TemporalBlender, batch_seed, temporal_batches
 from .vae.modes import VAE_MODES, make_vae_runner
 
 __all__ = [
@@ -346,3 +348,40 @@ class SeedVR2Pipeline:
         if trace is not None:
             trace.update(latent=latent, restored_latent=restored)
         return self.decode(restored, video.shape[1])
+
+    # ---- long clips -------------------------------------------------------------------------------------------
+    def restore_batch(
+        self, video: torch.Tensor, txt: torch.Tensor, index: int, seed: int, color_fix: bool = False
+    ) -> torch.Tensor:
+        """Restore temporal batch ``index`` of a clip, ``video [3, t, h, w]``, with its own noise seed
+        (:func:`~examples.seedvr2.temporal.batch_seed`), then optionally the wavelet colour fix towards the input.
+        Any rank (any group) restoring batch ``index`` gets the same result."""
+        generator = torch.Generator().manual_seed(batch_seed(seed, index))
+        restored = self.restore(video, txt, generator=generator)
+        if color_fix:
+            reference = video.to(restored.device).transpose(0, 1)
+            restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
+        return restored
+
+    def restore_stream(
+        self,
+        frames: Iterable[torch.Tensor],
+        txt: torch.Tensor,
+        *,
+        batch_frames: int = DEFAULT_BATCH_FRAMES,
+        overlap: int = DEFAULT_OVERLAP,
+        seed: int = 0,
+        color_fix: bool = False,
+    ) -> Iterator[torch.Tensor]:
+        """Restore a clip of any length from an iterator of frames ``[3, h, w]`` (in [-1, 1]), yielding restored
+        frames ``[3, h, w]`` in order as soon as they are final.
+
+        The clip is cut into temporal batches of ``batch_frames`` (4n + 1) frames sharing ``overlap`` frames, which
+        are cross-faded (see :mod:`examples.seedvr2.temporal`). At most one batch of input, its result and
+        ``overlap`` held frames are alive at a time, so memory does not depend on the clip's length.
+        """
+        blender = TemporalBlender()
+        for batch, clip in temporal_batches(frames, batch_frames, overlap):
+            restored = self.restore_batch(clip.transpose(0, 1), txt, batch.index, seed, color_fix)
+            yield from blender.push(batch, restored.transpose(0, 1), overlap)
+        yield from blender.finish()
