@@ -138,6 +138,88 @@ def test_image_two_ranks_torchrun(tmp_path):
     assert probe(out)[:3] == (1, 48, 32)
 
 
+def make_mp4_with_audio(path, t=160, h=32, w=48, fps=Fraction(24000, 1001)) -> str:
+    """A clip with a moving pattern and an AAC tone, muxed as a camera would."""
+    with av.open(str(path), "w") as c:
+        v = c.add_stream("libx264", rate=fps)
+        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
+        a = c.add_stream("aac", rate=8000)
+        for f in _frames(t, h, w):
+            c.mux(v.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        n = int(8000 * t / fps)
+        samples = (0.3 * np.sin(2 * np.pi * 440 * np.arange(n) / 8000)).astype(np.float32)[None]
+        for k in range(0, n, 1024):
+            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, k:k + 1024]), format="fltp",
+                                               layout="mono")
+            chunk.sample_rate, chunk.pts = 8000, k
+            c.mux(a.encode(chunk))
+        c.mux(a.encode(None))
+        c.mux(v.encode(None))
+    return str(path)
+
+
+def decoded(path) -> tuple[np.ndarray, list[float], list[bytes]]:
+    """(frames as int, frame times in seconds, coded audio packets) of a file."""
+    with av.open(str(path)) as c:
+        frames = [(f.to_ndarray(format="rgb24"), f.time) for f in c.decode(video=0)]
+    with av.open(str(path)) as c:
+        audio = [bytes(p) for p in c.demux(c.streams.audio[0]) if p.size] if c.streams.audio else []
+    return np.stack([f for f, _ in frames]).astype(int), [t for _, t in frames], audio
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_path):
+    """A 160-frame clip with audio, in temporal batches (default 21 frames, overlap 4): one process, and
+    ``torchrun --nproc-per-node 4 --sp-size 2`` (2 groups taking alternate batches, window SP 2 inside each), give the
+    same frames up to float rounding (lossless H.264, --crf 0, so the codec adds nothing), keep the frame count, fps
+    and timing, and copy the audio packets untouched."""
+    src = make_mp4_with_audio(tmp_path / "long.mp4")
+    one, four = tmp_path / "one.mp4", tmp_path / "four.mp4"
+    single = run_cli("restore", src, "-o", one, "--crf", "0")
+    assert single.returncode == 0, single.stderr
+    multi = run_cli("restore", src, "-o", four, "--crf", "0", "--sp-size", "2", nproc=4)
+    assert multi.returncode == 0, multi.stderr
+    summary = multi.stderr.strip().splitlines()[-1]
+    assert "10 batches of 21 frames, overlap 4" in summary  # strides of 17 frames
+    assert "2 temporal groups x SP 2" in summary and "frames/s" in summary
+    assert len(summary.split("peak RSS per rank ")[1].split()) == 4 + 1  # four figures and "GiB"
+    assert multi.stderr.count("160/160 frames") == 1  # the frame counter, on rank 0 only
+    src_frames, src_times, src_audio = decoded(src)
+    for out in (one, four):
+        assert probe(out) == (160, 32, 48, Fraction(24000, 1001))
+        _, times, audio = decoded(out)
+        np.testing.assert_allclose(times, src_times, atol=1e-3)
+        assert audio == src_audio and len(audio) > 10
+    a, b = decoded(one)[0], decoded(four)[0]
+    # float-level differences flip a few uint8 values by one; through lossless YUV 4:2:0 one step in R, G or B can move
+    # a decoded channel by up to 3 (the YUV->RGB gains are 1.16 for luma plus up to 2.02 for chroma)
+    assert np.abs(a - b).max() <= 3 and np.abs(a - b).mean() < 0.01
+
+
+def test_stream_settings_are_checked_before_anything_runs(tmp_path, capsys):
+    src = make_mp4(tmp_path / "in.mp4")
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--batch-frames", "8"], "4n+1", tmp_path,
+                  keep={"in.mp4"})
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--overlap", "21"], "--overlap", tmp_path,
+                  keep={"in.mp4"})
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--sp-size", "2"],
+                  "world size 1 must be a positive multiple", tmp_path, keep={"in.mp4"})
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--crf", "99"], "--crf", tmp_path,
+                  keep={"in.mp4"})
+
+
+def test_overlapping_batches_write_every_frame_once(tmp_path, capsys):
+    """Two batches of 9 frames over 13 frames with --overlap 4: 13 frames written (the blend itself is checked
+    against the batches in tests/test_temporal.py)."""
+    src = make_mp4(tmp_path / "in.mp4", t=13)
+    out = tmp_path / "o.mp4"
+    assert cli.main(["restore", src, "-o", str(out), "--batch-frames", "9", "--overlap", "4", "--crf", "0",
+                     "--quiet"]) == 0
+    assert "2 batches of 9 frames, overlap 4" in capsys.readouterr().err
+    assert probe(out)[0] == 13
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
 
 

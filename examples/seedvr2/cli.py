@@ -31,6 +31,7 @@ import torch
 from winsp.group import init_world_from_env, shutdown_world
 
 from .media import (
+    DEFAULT_CRF,
     IMAGE_EXTENSIONS,
     MediaError,
     default_output_path,
@@ -105,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batches; the world size must be a multiple of N (default: all ranks one group)")
     p.add_argument("--color-fix", choices=("wavelet", "none"),
                    help="colour correction towards the input (default: wavelet with checkpoints, none with the demo)")
+    p.add_argument("--crf", type=int, default=DEFAULT_CRF,
+                   help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
     return parser
 
@@ -497,7 +500,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     if mesh.is_writer:
         use_pts = is_video_out and len(info.frame_pts) == info.num_frames
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
-                         audio_from=args.input if is_video_out and info.has_audio else None) as writer:
+                         audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf) as writer:
             blender = TemporalBlender()
             for index, frames in results:
                 for frame in blender.push(plan[index], frames.cpu(), args.overlap):

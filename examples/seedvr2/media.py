@@ -66,6 +66,7 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv")
 _IMAGE_DEMUXERS = ("image2", "png_pipe", "jpeg_pipe", "bmp_pipe", "webp_pipe", "tiff_pipe", "jpegls_pipe")
 DEFAULT_FPS = Fraction(25)
+DEFAULT_CRF = 16  # H.264 constant rate factor: visually near-lossless; 0 is lossless (in YUV 4:2:0)
 
 
 class MediaError(ValueError):
@@ -351,11 +352,15 @@ class MediaWriter:
     Video (.mp4/.mov/.mkv): H.264 yuv420p (odd sides padded by one edge row/column, see :func:`h264_frame_size`);
     frames keep the ``pts`` they are given in ``time_base`` (the input's timing), or are spaced ``1/fps`` apart; the
     audio streams of ``audio_from`` are copied packet by packet, untouched and interleaved by time. Image (.png/.jpg):
-    exactly one frame. The file appears under ``path`` only when the block ends without an exception.
+    exactly one frame. The file appears under ``path`` only when the block ends without an exception. ``crf`` is
+    the H.264 quality (0 lossless, default 16).
     """
 
     def __init__(self, path: str | os.PathLike, height: int, width: int, fps: Fraction = DEFAULT_FPS, *,
-                 time_base: Optional[Fraction] = None, audio_from: Optional[str] = None) -> None:
+                 time_base: Optional[Fraction] = None, audio_from: Optional[str] = None, crf: int = DEFAULT_CRF) -> None:
+        if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
+            raise MediaError(f"--crf must be an integer from 0 (lossless) to 51, got {crf!r}")
+        self.crf = crf
         self.path, self.kind = os.fspath(path), output_kind(path)
         self.size = (int(height), int(width))
         self.fps, self.time_base, self.audio_from = Fraction(fps), time_base, audio_from
@@ -395,7 +400,7 @@ class MediaWriter:
         stream = container.add_stream("libx264", rate=self.fps.limit_denominator(1_000_000))
         stream.height, stream.width = self.coded_size
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "16", "preset": "medium"}
+        stream.options = {"crf": str(self.crf), "preset": "medium"}
         if self.time_base is not None:
             stream.codec_context.time_base = self.time_base
         self._video = stream
