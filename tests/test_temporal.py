@@ -11,7 +11,8 @@ import torch
 from examples.seedvr2.temporal import (
     TemporalBatch,
     TemporalBlender,
-    batch_seed,
+    clip_noise,
+    noise_seed,
     check_batching,
     crossfade,
     plan_temporal_batches,
@@ -84,11 +85,21 @@ def test_blender_refuses_out_of_order_batches():
         list(blender.push(plan[1], torch.zeros(9, 1), 2))
 
 
-def test_batch_seeds():
-    assert batch_seed(666, 0) == 666
-    seeds = {batch_seed(666, i) for i in range(1000)}
+def test_noise_seeds_differ_by_frame_and_seed():
+    seeds = {noise_seed(666, i) for i in range(1000)}
     assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
-    assert batch_seed(1, 5) != batch_seed(2, 5)
+    assert noise_seed(1, 5) != noise_seed(2, 5)
+
+
+def test_clip_noise_is_keyed_by_position_so_aligned_batches_share_it():
+    """Batches 16 frames apart (overlap 5 with 21-frame batches): the shared latent frames get the same noise."""
+    a = clip_noise(7, 0, 21, (2, 3), 16)
+    b = clip_noise(7, 16, 21, (2, 3), 16)
+    assert a.shape == b.shape == (6, 2, 3, 16)
+    torch.testing.assert_close(b[0], a[4])  # both end at clip frame 16
+    torch.testing.assert_close(b[1], a[5])  # frames 17..20
+    assert not torch.equal(clip_noise(8, 0, 21, (2, 3), 16), a)
+    assert clip_noise(7, 0, 1, (2, 3), 16).shape == (1, 2, 3, 16)  # an image
 
 
 # ---- the pipeline over a stream -----------------------------------------------------------------------------------
@@ -112,7 +123,7 @@ def _clip(t: int, h: int = 16, w: int = 32) -> torch.Tensor:
 def test_stream_of_one_batch_equals_the_whole_clip_restore(demo_pipeline):
     pipe, txt = demo_pipeline
     video = _clip(7)
-    whole = pipe.restore(video, txt, generator=torch.Generator().manual_seed(3))
+    whole = pipe.restore(video, txt, noise=clip_noise(3, 0, 7, (2, 4), 16))
     streamed = torch.stack(list(pipe.restore_stream(iter(video.transpose(0, 1)), txt, batch_frames=9, overlap=4,
                                                     seed=3)), dim=1)
     torch.testing.assert_close(streamed, whole, atol=1e-5, rtol=1e-5)
@@ -128,7 +139,7 @@ def test_stream_of_many_batches_equals_its_batches_blended(demo_pipeline):
     blender, expected = TemporalBlender(), []
     for batch in plan_temporal_batches(19, 9, 3):
         out = pipe.restore(video[:, batch.start:batch.stop], txt,
-                           generator=torch.Generator().manual_seed(batch_seed(5, batch.index)))
+                           noise=clip_noise(5, batch.start, batch.num_frames, (2, 4), 16))
         expected += list(blender.push(batch, out.transpose(0, 1), 3))
     expected += list(blender.finish())
     torch.testing.assert_close(streamed, torch.stack(expected), atol=1e-5, rtol=1e-5)

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from .color_fix import wavelet_color_fix
-from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, TemporalBatch, TemporalBlender, batch_seed, temporal_batches
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, TemporalBlender, clip_noise, temporal_batches
 from .vae.modes import VAE_MODES, make_vae_runner
 
 __all__ = [
@@ -351,13 +351,15 @@ class SeedVR2Pipeline:
 
     # ---- long clips -------------------------------------------------------------------------------------------
     def restore_batch(
-        self, video: torch.Tensor, txt: torch.Tensor, index: int, seed: int, color_fix: bool = False
+        self, video: torch.Tensor, txt: torch.Tensor, start: int, seed: int, color_fix: bool = False
     ) -> torch.Tensor:
-        """Restore temporal batch ``index`` of a clip, ``video [3, t, h, w]``, with its own noise seed
-        (:func:`~examples.seedvr2.temporal.batch_seed`), then optionally the wavelet colour fix towards the input.
-        Any rank (any group) restoring batch ``index`` gets the same result."""
-        generator = torch.Generator().manual_seed(batch_seed(seed, index))
-        restored = self.restore(video, txt, generator=generator)
+        """Restore the temporal batch ``video [3, t, h, w]`` that begins at clip frame ``start``, with noise keyed by
+        its position in the clip (:func:`~examples.seedvr2.temporal.clip_noise`), then optionally the wavelet colour
+        fix towards the input. Any rank (any group) restoring this batch gets the same result."""
+        t, h, w = video.shape[1:]
+        f = self.spatial_factor
+        noise = clip_noise(seed, start, t, (h // f, w // f), self.vae.config.latent_channels, self.temporal_factor)
+        restored = self.restore(video, txt, noise=noise)
         if color_fix:
             reference = video.to(restored.device).transpose(0, 1)
             restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
@@ -382,6 +384,6 @@ class SeedVR2Pipeline:
         """
         blender = TemporalBlender()
         for batch, clip in temporal_batches(frames, batch_frames, overlap):
-            restored = self.restore_batch(clip.transpose(0, 1), txt, batch.index, seed, color_fix)
+            restored = self.restore_batch(clip.transpose(0, 1), txt, batch.start, seed, color_fix)
             yield from blender.push(batch, restored.transpose(0, 1), overlap)
         yield from blender.finish()

@@ -31,7 +31,8 @@ __all__ = [
     "plan_temporal_batches",
     "temporal_batches",
     "TemporalBlender",
-    "batch_seed",
+    "noise_seed",
+    "clip_noise",
 ]
 
 #: 21 = 4 * 5 + 1 frames: 6 latent frames. With the VAE's temporal chunks of 4 frames the VAE's memory does not depend
@@ -39,8 +40,10 @@ __all__ = [
 #: activations in bf16 for the 3B) and the batch's frames in float32 (720p: ~0.5 GB for input plus output). That fits
 #: a 24 GB GPU next to the 3B's bf16 weights, while giving the DiT's 3D windows several latent frames of context.
 DEFAULT_BATCH_FRAMES = 21
-#: 4 shared frames (one latent frame's worth) are cross-faded; they cost 4 / 17 = 24% more frames computed.
-DEFAULT_OVERLAP = 4
+#: 5 shared frames are cross-faded; they cost 5 / 16 = 31% more frames computed. 5 = 4 + 1 makes consecutive batches
+#: start 16 frames apart, a whole number of latent frames, so their shared latent frames get the same noise (see
+#: :func:`clip_noise`), which shrinks the difference the cross-fade has to hide (see benchmarks/README.md).
+DEFAULT_OVERLAP = 5
 
 
 @dataclass(frozen=True)
@@ -172,10 +175,27 @@ def crossfade(earlier: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
     return mixed.to(later.dtype)
 
 
-def batch_seed(seed: int, index: int) -> int:
-    """The noise seed of batch ``index``: ``seed`` itself for the first batch (so a clip that fits one batch draws
-    the same noise as a whole-clip restore), a fixed mix of both for the others. Whichever rank restores a batch
-    draws the same noise, so any layout of ranks gives the same frames."""
-    if index == 0:
-        return int(seed)
-    return (int(seed) * 0x100000001B3 + 0x9E3779B97F4A7C15 * int(index)) % (2**63 - 1)
+def noise_seed(seed: int, frame: int) -> int:
+    """The seed of the latent noise of the latent frame that ends at clip frame ``frame`` (a fixed mix of both)."""
+    return (int(seed) * 0x100000001B3 + 0x9E3779B97F4A7C15 * (int(frame) + 1)) % (2**63 - 1)
+
+
+def clip_noise(seed: int, start: int, num_frames: int, latent_hw: tuple[int, int], channels: int,
+               temporal_factor: int = 4) -> torch.Tensor:
+    """Standard normal latent noise ``(t', h', w', channels)`` for the batch of ``num_frames`` frames at ``start``,
+    keyed by position in the clip rather than by batch.
+
+    Latent frame 0 of a batch covers its first frame, latent frame ``j >= 1`` the ``temporal_factor`` frames ending at
+    ``start + 4j``; each is drawn from :func:`noise_seed` of that last frame. So the noise depends only on the seed
+    and where the frames are: whichever rank (group) restores a batch draws the same noise, and when the overlap is
+    ``4m + 1`` (batch starts 4 frames apart) the latent frames two batches share see the same noise, which makes the
+    two restorations of the shared frames agree more closely before they are cross-faded.
+    """
+    from .pipeline import causal_frame_count
+
+    padded = causal_frame_count(num_frames, temporal_factor)
+    frames = []
+    for j in range(1 + (padded - 1) // temporal_factor):
+        generator = torch.Generator().manual_seed(noise_seed(seed, start + temporal_factor * j))
+        frames.append(torch.randn(tuple(latent_hw) + (channels,), generator=generator, dtype=torch.float32))
+    return torch.stack(frames)
