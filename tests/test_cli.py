@@ -18,6 +18,7 @@ import pytest
 av = pytest.importorskip("av")
 
 from examples.seedvr2 import cli  # noqa: E402
+from tests.media_files import write_clip_with_audio, write_truncated_faststart  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "python -m examples.seedvr2: error:"
@@ -138,26 +139,6 @@ def test_image_two_ranks_torchrun(tmp_path):
     assert probe(out)[:3] == (1, 48, 32)
 
 
-def make_mp4_with_audio(path, t=160, h=32, w=48, fps=Fraction(24000, 1001)) -> str:
-    """A clip with a moving pattern and an AAC tone, muxed as a camera would."""
-    with av.open(str(path), "w") as c:
-        v = c.add_stream("libx264", rate=fps)
-        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
-        a = c.add_stream("aac", rate=8000)
-        for f in _frames(t, h, w):
-            c.mux(v.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        n = int(8000 * t / fps)
-        samples = (0.3 * np.sin(2 * np.pi * 440 * np.arange(n) / 8000)).astype(np.float32)[None]
-        for k in range(0, n, 1024):
-            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, k:k + 1024]), format="fltp",
-                                               layout="mono")
-            chunk.sample_rate, chunk.pts = 8000, k
-            c.mux(a.encode(chunk))
-        c.mux(a.encode(None))
-        c.mux(v.encode(None))
-    return str(path)
-
-
 def decoded(path) -> tuple[np.ndarray, list[float], list[bytes]]:
     """(frames as int, frame times in seconds, coded audio packets) of a file."""
     with av.open(str(path)) as c:
@@ -174,7 +155,7 @@ def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_p
     ``torchrun --nproc-per-node 4 --sp-size 2`` (2 groups taking alternate batches, window SP 2 inside each), give the
     same frames up to float rounding (lossless H.264, --crf 0, so the codec adds nothing), keep the frame count, fps
     and timing, and copy the audio packets untouched."""
-    src = make_mp4_with_audio(tmp_path / "long.mp4")
+    src = write_clip_with_audio(tmp_path / "long.mp4", _frames(160, 32, 48), Fraction(24000, 1001))
     one, four = tmp_path / "one.mp4", tmp_path / "four.mp4"
     single = run_cli("restore", src, "-o", one, "--crf", "0")
     assert single.returncode == 0, single.stderr
@@ -461,24 +442,8 @@ def test_default_output_goes_beside_the_input(tmp_path, capsys, monkeypatch):
     _expect_error(capsys, ["restore", src], "walk_restored.mp4 exists", sub, keep={"walk.mp4", "walk_restored.mp4"})
 
 
-def _truncated_faststart(tmp_path) -> str:
-    full = tmp_path / "full.mp4"
-    with av.open(str(full), "w", options={"movflags": "faststart"}) as c:
-        s = c.add_stream("libx264", rate=24)
-        s.width, s.height, s.pix_fmt = 48, 32, "yuv420p"
-        s.options = {"g": "4", "bf": "0"}
-        for f in _frames(40, 32, 48):
-            c.mux(s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        c.mux(s.encode(None))
-    data = full.read_bytes()
-    half = tmp_path / "half.mp4"
-    half.write_bytes(data[: len(data) // 2])
-    full.unlink()
-    return str(half)
-
-
 def test_short_decode_is_refused_unless_allowed(tmp_path, capsys):
-    src = _truncated_faststart(tmp_path)
+    src = write_truncated_faststart(tmp_path / "half.mp4", _frames(40, 32, 48))
     line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4"], "of the 40 frames", tmp_path,
                          keep={"half.mp4"})
     assert "--allow-partial-input" in line

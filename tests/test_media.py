@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 av = pytest.importorskip("av")
 
+from tests.media_files import write_clip_with_audio, write_truncated_faststart  # noqa: E402
+
 from examples.seedvr2.color_fix import wavelet_color_fix, wavelet_lowpass  # noqa: E402
 from examples.seedvr2.media import (  # noqa: E402
     MediaError,
@@ -160,23 +162,11 @@ def test_truncated_video_is_an_error(tmp_path):
         read_media(bad)
 
 
-def _faststart_clip(path, t=40, h=32, w=48) -> bytes:
-    with av.open(str(path), "w", options={"movflags": "faststart"}) as c:  # the frame index comes first
-        s = c.add_stream("libx264", rate=24)
-        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
-        s.options = {"g": "4", "bf": "0"}  # short GOPs: a cut file still decodes its first frames
-        for frame in smooth_clip(t, h, w, seed=3):
-            c.mux(s.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        c.mux(s.encode(None))
-    return open(path, "rb").read()
-
-
 def test_short_decode_is_refused_naming_both_counts(tmp_path):
     """The first half of a faststart mp4: the container declares 40 frames, fewer decode. Refused, unless the user
     accepts a partial input, which is then reported as a warning."""
-    data = _faststart_clip(tmp_path / "full.mp4")
-    half = tmp_path / "half.mp4"
-    half.write_bytes(data[: len(data) // 2])
+    half = write_truncated_faststart(tmp_path / "half.mp4", smooth_clip(40, 32, 48, seed=3))
+    write_media(tmp_path / "full.mp4", smooth_clip(40, 32, 48, seed=3), Fraction(24))
     with pytest.raises(MediaError, match=r"only \d+ of the 40 frames its container declares") as exc:
         probe_media(half)
     assert "--allow-partial-input" in str(exc.value)
@@ -218,23 +208,6 @@ def test_lazy_frames_skip_conversion_of_unwanted_frames(tmp_path):
     assert all(pts is not None for _, _, pts in got)
 
 
-def _clip_with_audio(path, t=24, fps=12, h=32, w=48, container_options=None) -> None:
-    with av.open(str(path), "w") as c:
-        v = c.add_stream("libx264", rate=fps)
-        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
-        a = c.add_stream("aac", rate=8000)
-        for frame in smooth_clip(t, h, w):
-            c.mux(v.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        samples = (0.3 * np.sin(2 * np.pi * 440 * np.arange(8000 * t // fps) / 8000)).astype(np.float32)[None]
-        for k in range(0, samples.shape[1], 1024):
-            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, k:k + 1024]), format="fltp",
-                                               layout="mono")
-            chunk.sample_rate, chunk.pts = 8000, k
-            c.mux(a.encode(chunk))
-        c.mux(a.encode(None))
-        c.mux(v.encode(None))
-
-
 def _audio_packets(path) -> list[bytes]:
     with av.open(str(path)) as c:
         return [bytes(p) for p in c.demux(c.streams.audio[0]) if p.size]
@@ -243,7 +216,7 @@ def _audio_packets(path) -> list[bytes]:
 @pytest.mark.parametrize("ext", [".mp4", ".mkv"])
 def test_writer_copies_audio_untouched_and_keeps_timing(tmp_path, ext):
     src = tmp_path / "src.mp4"
-    _clip_with_audio(src)
+    write_clip_with_audio(src, smooth_clip(24, 32, 48), Fraction(12))
     info = probe_media(src)
     assert info.has_audio
     out = tmp_path / f"out{ext}"

@@ -492,6 +492,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         for batch, clip in batches:  # skip the batches other groups restore (their frames were not converted)
             if batch.index == index:
                 break
+        else:
+            raise RuntimeError(f"the input ended before temporal batch {index} of {len(plan)}")
         restored = pipe.restore_batch(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix)
         computed.append(batch.num_frames)
         return torch.from_numpy(model_to_frames(restored.cpu(), geometry))
