@@ -151,7 +151,7 @@ def decoded(path) -> tuple[np.ndarray, list[float], list[bytes]]:
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_path):
-    """A 160-frame clip with audio, in temporal batches (default 21 frames, overlap 4): one process, and
+    """A 160-frame clip with audio, in temporal batches (default 21 frames, overlap 5): one process, and
     ``torchrun --nproc-per-node 4 --sp-size 2`` (2 groups taking alternate batches, window SP 2 inside each), give the
     same frames up to float rounding (lossless H.264, --crf 0, so the codec adds nothing), keep the frame count, fps
     and timing, and copy the audio packets untouched."""
@@ -162,7 +162,7 @@ def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_p
     multi = run_cli("restore", src, "-o", four, "--crf", "0", "--sp-size", "2", nproc=4)
     assert multi.returncode == 0, multi.stderr
     summary = multi.stderr.strip().splitlines()[-1]
-    assert "10 batches of 21 frames, overlap 4" in summary  # strides of 17 frames
+    assert "10 batches of 21 frames, overlap 5" in summary  # strides of 16 frames
     assert "2 temporal groups x SP 2" in summary and "frames/s" in summary
     assert len(summary.split("peak RSS per rank ")[1].split()) == 4 + 1  # four figures and "GiB"
     assert multi.stderr.count("160/160 frames") == 1  # the frame counter, on rank 0 only
