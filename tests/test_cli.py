@@ -117,17 +117,20 @@ def test_restore_is_deterministic_for_a_seed(tmp_path):
 def test_restore_two_ranks_torchrun(tmp_path, vae_parallel):
     src = make_mp4(tmp_path / "in.mp4", t=5, h=32, w=48, fps=Fraction(12))
     single, double = tmp_path / "single.mp4", tmp_path / "double.mp4"
-    result = run_cli("restore", src, "-o", double, "--vae-parallel", vae_parallel, "--scale", "1.5", nproc=2)
+    result = run_cli("restore", src, "-o", double, "--vae-parallel", vae_parallel, "--scale", "1.5", "--crf", "0",
+                     nproc=2)
     assert result.returncode == 0, result.stderr
     assert probe(double) == (5, 48, 72, Fraction(12))
     assert "SP 2" in result.stderr and "window-aligned SP" in result.stderr
     assert result.stderr.count("WARNING") == 1  # rank 0 speaks for both
-    # same pixels as one process (the H.264 encoder is deterministic for identical frames)
-    assert cli.main(["restore", src, "-o", str(single), "--scale", "1.5", "--quiet"]) == 0
+    # same pixels as one process up to float rounding. Lossless H.264 (--crf 0): a lossy encoder turns a one-level
+    # difference into larger ones through its rate-control decisions; through lossless YUV 4:2:0 one step in R, G or
+    # B can still move a decoded channel by up to 3 (YUV->RGB gains: 1.16 for luma plus up to 2.02 for chroma)
+    assert cli.main(["restore", src, "-o", str(single), "--scale", "1.5", "--crf", "0", "--quiet"]) == 0
     with av.open(str(single)) as a, av.open(str(double)) as b:
         fa = np.stack([f.to_ndarray(format="rgb24") for f in a.decode(video=0)]).astype(int)
         fb = np.stack([f.to_ndarray(format="rgb24") for f in b.decode(video=0)]).astype(int)
-    assert np.abs(fa - fb).max() <= 1
+    assert np.abs(fa - fb).max() <= 3 and np.abs(fa - fb).mean() < 0.01
 
 
 @pytest.mark.multirank

@@ -27,9 +27,9 @@ def read_checkpoint_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path!r} does not exist or is not a file")
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"checkpoint {path!r} is empty (0 bytes)")
     suffix = os.path.splitext(path)[1].lower()
+    if suffix in CHECKPOINT_SUFFIXES and os.path.getsize(path) == 0:
+        raise ValueError(f"checkpoint {path!r} is empty (0 bytes)")
     if suffix == ".safetensors":
         state = _read_safetensors(path)
     elif suffix in (".pth", ".pt"):
