@@ -9,6 +9,14 @@ median over ``--repeats`` runs of the process CPU time and of the wall time is p
 run under ``winsp.testing.run_ranks`` (gloo) and the slowest rank's figures are shown, for the VAE replicated and
 height-sharded. The models are the embedded demo models (the golden files' tiny architecture), so the figures show
 the pipeline's own overheads and the split of work between stages, not SeedVR2 3B speed.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_pipeline.py --stream [--height 32] [--width 48] [--repeats 3]
+
+Long clips (the command line as a user runs it, in subprocesses, demo weights): peak RSS of restoring a 40- and a
+160-frame clip at the same settings (their ratio shows memory no longer follows the clip's length); frames/s of one
+process against ``torchrun --nproc-per-node 4 --sp-size 2`` (2 temporal groups x window SP 2) on a 160-frame clip; and
+the seam check: mean absolute frame-to-frame difference of the restored clip at batch boundaries against the range
+seen inside batches (``--overlap`` 5, the default, 4 and 0).
 """
 
 from __future__ import annotations
@@ -84,6 +92,78 @@ def bench(rank: int, world: int, src: str, vae_parallel: str, repeats: int) -> d
     }
 
 
+# ---- long clips ---------------------------------------------------------------------------------------------------
+
+PREFIX = "python -m examples.seedvr2: "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(args: list, nproc: int = 1) -> str:
+    """Run the command line (as ``python -m`` or under torchrun); return its summary line."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    result = subprocess.run(launcher + ["-m", "examples.seedvr2", "restore", *map(str, args), "--quiet",
+                                        "--overwrite"], cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(result.stderr)
+    return [line for line in result.stderr.splitlines() if line.startswith(PREFIX)][-1]
+
+
+def _field(summary: str, name: str) -> list[float]:
+    if name == "frames/s":
+        return [float(summary.split(" frames/s")[0].split()[-1])]
+    return [float(v) for v in summary.split(name)[1].split("GiB")[0].split()]
+
+
+def seam_check(height: int, width: int, frames: int, batch_frames: int, overlap: int) -> dict:
+    """Mean |frame t+1 - frame t| of a restored synthetic clip (demo weights, streamed), split into transitions at
+    batch boundaries (from the first blended frame to the first frame after the blend) and inside batches."""
+    from examples.seedvr2.temporal import plan_temporal_batches
+
+    torch.set_num_threads(1)
+    dit, vae = demo_models()
+    pipe = SeedVR2Pipeline(dit, vae)
+    video = sample_frames(frames, height, width).permute(0, 3, 1, 2).float() / 127.5 - 1  # [t, 3, h, w]
+    out = torch.stack(list(pipe.restore_stream(iter(video), demo_text_embeds(), batch_frames=batch_frames,
+                                               overlap=overlap, seed=0)))
+    diffs = (out[1:] - out[:-1]).abs().mean(dim=(1, 2, 3)) * 127.5  # in 8-bit levels
+    plan = plan_temporal_batches(frames, batch_frames, overlap)
+    boundary = set()
+    for batch in plan[1:]:  # transitions t -> t+1 that involve a blended frame or the first frame after the blend
+        boundary.update(range(batch.start - 1, batch.start + batch.blend))
+    inside = [float(d) for t, d in enumerate(diffs) if t not in boundary]
+    at = [float(d) for t, d in enumerate(diffs) if t in boundary]
+    return {"inside": (min(inside), statistics.median(inside), max(inside)), "boundary": (min(at), max(at))}
+
+
+def stream_main(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        clips = {}
+        for frames in (40, 160):
+            clips[frames] = os.path.join(tmp, f"clip{frames}.mp4")
+            write_media(clips[frames], sample_frames(frames, args.height, args.width).numpy(), Fraction(24))
+        out = os.path.join(tmp, "out.mp4")
+        rss = {n: statistics.median(_field(run_cli([clips[n], "-o", out]), "peak RSS per rank")[0]
+                                    for _ in range(args.repeats)) for n in (40, 160)}
+        print(f"peak RSS (GiB, median of {args.repeats}): 40 frames {rss[40]:.3f}, 160 frames {rss[160]:.3f}, "
+              f"ratio {rss[160] / rss[40]:.3f}")
+        one = [_field(run_cli([clips[160], "-o", out]), "frames/s")[0] for _ in range(args.repeats)]
+        mesh = [run_cli([clips[160], "-o", out, "--sp-size", "2"], nproc=4) for _ in range(args.repeats)]
+        fps4 = [_field(s, "frames/s")[0] for s in mesh]
+        print(f"frames/s, 160 frames (median of {args.repeats}): one process {statistics.median(one):.2f}, "
+              f"4 ranks = 2 groups x SP 2 {statistics.median(fps4):.2f}, ratio "
+              f"{statistics.median(fps4) / statistics.median(one):.3f}; per-rank peak RSS at 4 ranks "
+              f"{_field(mesh[-1], 'peak RSS per rank')} GiB")
+    for overlap in (5, 4, 0):
+        seam = seam_check(args.height, args.width, 61, 21, overlap)
+        lo, med, hi = seam["inside"]
+        print(f"seam check, overlap {overlap}: inside batches min {lo:.2f} median {med:.2f} max {hi:.2f}; "
+              f"at boundaries min {seam['boundary'][0]:.2f} max {seam['boundary'][1]:.2f} (8-bit levels)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=9)
@@ -92,7 +172,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--stream", action="store_true", help="the long-clip figures instead (see above)")
     args = parser.parse_args()
+    if args.stream:
+        return stream_main(args)
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,12 +13,20 @@ from hypothesis import strategies as st
 
 av = pytest.importorskip("av")
 
+from tests.media_files import write_clip_with_audio, write_truncated_faststart  # noqa: E402
+
 from examples.seedvr2.color_fix import wavelet_color_fix, wavelet_lowpass  # noqa: E402
 from examples.seedvr2.media import (  # noqa: E402
     MediaError,
     center_crop,
+    MediaWriter,
     frames_to_model,
+    h264_frame_size,
+    iter_frames,
     model_to_frames,
+    probe_media,
+    same_file,
+    default_output_path,
     parse_resolution,
     plan_geometry,
     read_media,
@@ -59,13 +67,18 @@ def test_mp4_round_trip_keeps_frames_size_fps(tmp_path, fps):
         assert c.streams.video[0].codec_context.name == "h264"
 
 
-def test_mp4_odd_size_is_kept_exactly(tmp_path):
+def test_mp4_odd_size_is_padded_by_one_edge_pixel_in_yuv420p(tmp_path):
     clip = smooth_clip(3, 33, 47)
     path = tmp_path / "odd.mp4"
     write_media(path, clip, Fraction(30))
+    with av.open(str(path)) as c:
+        assert c.streams.video[0].codec_context.pix_fmt == "yuv420p"  # what common players accept
     media = read_media(path)
-    assert media.frames.shape == (3, 33, 47, 3)
-    assert np.abs(media.frames.astype(int) - clip.astype(int)).mean() < 3.0
+    assert media.frames.shape == (3, 34, 48, 3) and h264_frame_size(33, 47) == (34, 48)
+    assert np.abs(media.frames[:, :33, :47].astype(int) - clip.astype(int)).mean() < 3.0
+    # the extra row / column repeat the edge
+    assert np.abs(media.frames[:, 33].astype(int) - media.frames[:, 32].astype(int)).mean() < 3.0
+    assert np.abs(media.frames[:, :, 47].astype(int) - media.frames[:, :, 46].astype(int)).mean() < 3.0
 
 
 def test_png_round_trip_is_lossless(tmp_path):
@@ -103,12 +116,16 @@ def test_writing_many_frames_to_png_is_refused_and_leaves_nothing(tmp_path):
 def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
     import examples.seedvr2.media as media_mod
 
-    def broken(path, frames, fps):
-        with open(path, "wb") as f:
-            f.write(b"half a file")
-        raise RuntimeError("encoder died")
+    real_write = media_mod.MediaWriter.write
+    calls = []
 
-    monkeypatch.setattr(media_mod, "_write_h264", broken)
+    def dies_on_second(self, frame, pts=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("encoder died")
+        return real_write(self, frame, pts)
+
+    monkeypatch.setattr(media_mod.MediaWriter, "write", dies_on_second)
     with pytest.raises(RuntimeError, match="encoder died"):
         write_media(tmp_path / "out.mp4", smooth_clip(2, 16, 16))
     assert os.listdir(tmp_path) == []
@@ -143,6 +160,124 @@ def test_truncated_video_is_an_error(tmp_path):
     bad.write_bytes(good.read_bytes()[:200])
     with pytest.raises(MediaError):
         read_media(bad)
+
+
+def test_short_decode_is_refused_naming_both_counts(tmp_path):
+    """The first half of a faststart mp4: the container declares 40 frames, fewer decode. Refused, unless the user
+    accepts a partial input, which is then reported as a warning."""
+    half = write_truncated_faststart(tmp_path / "half.mp4", smooth_clip(40, 32, 48, seed=3))
+    write_media(tmp_path / "full.mp4", smooth_clip(40, 32, 48, seed=3), Fraction(24))
+    with pytest.raises(MediaError, match=r"only \d+ of the 40 frames its container declares") as exc:
+        probe_media(half)
+    assert "--allow-partial-input" in str(exc.value)
+    info = probe_media(half, allow_partial=True)
+    assert 0 < info.num_frames < 40 and info.declared_frames == 40
+    assert any("WARNING" in n and f"{info.num_frames} frames" in n for n in info.notes)
+    assert sum(1 for _ in iter_frames(info)) == info.num_frames
+    full = probe_media(tmp_path / "full.mp4")
+    assert (full.num_frames, full.declared_frames, full.notes) == (40, 40, ())
+
+
+@pytest.mark.parametrize("pix_fmt,dropped", [("rgba", "alpha"), ("rgb48be", "16-bit"), ("rgba64be", "alpha")])
+def test_alpha_and_16_bit_inputs_say_what_is_dropped(tmp_path, pix_fmt, dropped):
+    path = tmp_path / "in.png"
+    with av.open(str(path), "w", format="image2", options={"update": "1"}) as c:
+        s = c.add_stream("png")
+        s.width, s.height, s.pix_fmt = 24, 20, pix_fmt
+        c.mux(s.encode(av.VideoFrame.from_ndarray(smooth_clip(1, 20, 24)[0], format="rgb24").reformat(format=pix_fmt)))
+        c.mux(s.encode(None))
+    info = probe_media(path)
+    assert any(dropped in n for n in info.notes), info.notes
+    assert read_media(path).frames.shape == (1, 20, 24, 3)
+
+
+def test_plain_8_bit_input_has_no_notes(tmp_path):
+    path = tmp_path / "in.png"
+    write_media(path, smooth_clip(1, 16, 16))
+    assert probe_media(path).notes == ()
+
+
+def test_lazy_frames_skip_conversion_of_unwanted_frames(tmp_path):
+    path = tmp_path / "clip.mp4"
+    clip = smooth_clip(7, 16, 32)
+    write_media(path, clip, Fraction(10))
+    info = probe_media(path)
+    got = list(iter_frames(info, keep=lambda i: i % 3 == 0))
+    assert [i for i, _, _ in got] == list(range(7))
+    assert [f is not None for _, f, _ in got] == [i % 3 == 0 for i in range(7)]
+    assert all(pts is not None for _, _, pts in got)
+
+
+def _audio_packets(path) -> list[bytes]:
+    with av.open(str(path)) as c:
+        return [bytes(p) for p in c.demux(c.streams.audio[0]) if p.size]
+
+
+@pytest.mark.parametrize("ext", [".mp4", ".mkv"])
+def test_writer_copies_audio_untouched_and_keeps_timing(tmp_path, ext):
+    src = tmp_path / "src.mp4"
+    write_clip_with_audio(src, smooth_clip(24, 32, 48), Fraction(12))
+    info = probe_media(src)
+    assert info.has_audio
+    out = tmp_path / f"out{ext}"
+    with MediaWriter(out, info.height, info.width, info.fps, time_base=info.time_base, audio_from=str(src)) as w:
+        for _, frame, pts in iter_frames(info):
+            w.write(255 - frame, pts)
+    assert _audio_packets(out) == _audio_packets(src)  # the coded audio, byte for byte
+    with av.open(str(src)) as a, av.open(str(out)) as b:
+        ta = [f.time for f in a.decode(video=0)]
+        tb = [f.time for f in b.decode(video=0)]
+    assert len(ta) == len(tb) == 24
+    steps_a, steps_b = np.diff(ta), np.diff(tb)
+    np.testing.assert_allclose(steps_b, steps_a, atol=2e-3)  # same spacing (a container may shift the start)
+
+
+def test_variable_frame_timing_is_kept(tmp_path):
+    src = tmp_path / "vfr.mkv"
+    gaps = [0, 1, 3, 4, 8, 9, 15]  # in 1/30 s
+    with av.open(str(src), "w") as c:
+        s = c.add_stream("libx264", rate=30)
+        s.width, s.height, s.pix_fmt = 32, 16, "yuv420p"
+        s.codec_context.time_base = Fraction(1, 30)
+        for pts, frame in zip(gaps, smooth_clip(len(gaps), 16, 32)):
+            f = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            f.pts, f.time_base = pts, Fraction(1, 30)
+            c.mux(s.encode(f))
+        c.mux(s.encode(None))
+    info = probe_media(src)
+    out = tmp_path / "out.mp4"
+    with MediaWriter(out, info.height, info.width, info.fps, time_base=info.time_base) as w:
+        for _, frame, pts in iter_frames(info):
+            w.write(frame, pts)
+    with av.open(str(out)) as c:
+        times = [f.time for f in c.decode(video=0)]
+    np.testing.assert_allclose(np.array(times) - times[0], np.array(gaps) / 30, atol=2e-3)
+
+
+def test_writer_refuses_wrong_frames_and_leaves_nothing(tmp_path):
+    with pytest.raises(ValueError, match="uint8"):
+        with MediaWriter(tmp_path / "o.mp4", 16, 16) as w:
+            w.write(np.zeros((16, 18, 3), np.uint8))
+    with pytest.raises(MediaError, match="no frame"):
+        with MediaWriter(tmp_path / "o.png", 16, 16):
+            pass
+    assert os.listdir(tmp_path) == []
+
+
+def test_same_file_sees_links(tmp_path):
+    a = tmp_path / "a.mp4"
+    a.write_bytes(b"x")
+    os.symlink(a, tmp_path / "sym.mp4")
+    os.link(a, tmp_path / "hard.mp4")
+    assert same_file(a, tmp_path / "sym.mp4") and same_file(a, tmp_path / "hard.mp4")
+    assert same_file(a, tmp_path / "sub" / ".." / "a.mp4")
+    assert not same_file(a, tmp_path / "b.mp4")
+
+
+def test_default_output_path_sits_beside_the_input():
+    assert default_output_path("/v/clip.mov") == "/v/clip_restored.mov"
+    assert default_output_path("/v/clip.webm") == "/v/clip_restored.mp4"
+    assert default_output_path("pic.PNG") == "pic_restored.PNG"
 
 
 def test_audio_only_file_has_no_video_stream(tmp_path):

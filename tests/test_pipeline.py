@@ -283,3 +283,25 @@ def test_restore_matches_reference_parallel(world, modes):
         for mode, errors in per_mode.items():
             print(f"SP={world} VAE {mode} rank {rank}: {errors}")
             check_golden_errors(errors)
+
+
+# ---- memory estimate ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("frames,height,width", [(1, 32, 48), (13, 32, 48)])
+def test_memory_estimate_bounds_the_measured_peak(frames, height, width):
+    """The shape-only estimate the CLI refuses oversized requests with is an upper bound of the real peak of live
+    tensors (demo models, float32), and not a wild one (within 2.5x)."""
+    from examples.seedvr2.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG, demo_models, demo_text_embeds
+    from examples.seedvr2.pipeline import estimate_restore_bytes
+    from examples.seedvr2.vae.memory import peak_tensor_bytes
+
+    dit, vae = demo_models()
+    pipe = SeedVR2Pipeline(dit, vae)
+    video = torch.zeros(3, frames, height, width)
+    with torch.no_grad(), peak_tensor_bytes() as measured:
+        pipe.restore(video, demo_text_embeds(), generator=torch.Generator().manual_seed(0))
+    estimate = estimate_restore_bytes(frames=frames, height=height, width=width,
+                                      vae_channels=DEMO_VAE_CONFIG["block_out_channels"][0],
+                                      dit_width=DEMO_DIT_CONFIG.vid_dim).total
+    assert measured.peak <= estimate <= 2.5 * measured.peak, (measured.peak, estimate)

@@ -27,6 +27,7 @@ from .store import RuntimeStore
 from .runtime import WindowRequest, WindowRuntime
 from .gradients import sync_gradients
 from .nn import WindowParallel
+from .mesh import TemporalMesh, build_temporal_mesh, interleaved_schedule, ordered_results
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "SHIFTED_METHOD",
     "SPGroup",
     "SeedVR2Windows",
+    "TemporalMesh",
     "Transition",
     "WindowAttention",
     "WindowGeometry",
@@ -51,10 +53,13 @@ __all__ = [
     "WindowSegments",
     "available_backends",
     "build_layout",
+    "build_temporal_mesh",
     "ensure_layout",
     "gather_rows",
+    "interleaved_schedule",
     "lpt_assign",
     "make_geometry",
+    "ordered_results",
     "plan_schedule",
     "redistribute_rows",
     "reduce_window_text",

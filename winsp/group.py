@@ -16,7 +16,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["SPGroup", "init_world_from_env", "shutdown_world", "world_size_if_initialised"]
+__all__ = ["SPGroup", "init_world_from_env", "shutdown_world", "world_rank_and_size",
+           "new_subgroup", "send_tensor", "recv_tensor"]
 
 
 def _process_group(name: str):
@@ -173,6 +174,68 @@ class SPGroup:
         return self.all_to_all_single(send, sizes, [tensor.shape[0]] * self.size)
 
 
+def world_rank_and_size() -> tuple[int, int]:
+    """(rank, size) in the default process group, or (0, 1) when torch.distributed is not initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def new_subgroup(ranks) -> object:
+    """A ``torch.distributed`` subgroup of the world ``ranks`` (collective: every rank must call it, in the same
+    order, for every subgroup)."""
+    import torch.distributed as dist
+
+    return dist.new_group(list(ranks))
+
+
+# ---- point-to-point (world ranks) -------------------------------------------------------------------------------
+
+_HEADER = 10  # int64 words: ndim, up to 8 dims, dtype code
+_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+           torch.float32, torch.float64, torch.bool)
+
+
+def _comm_device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+    """Send ``tensor`` (any shape up to 8 dims, a common dtype) to world rank ``dst``; it receives it with
+    :func:`recv_tensor` without knowing its shape (a small header goes first)."""
+    import torch.distributed as dist
+
+    if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+        raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims (at most {_HEADER - 2})")
+    device = _comm_device()
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0] = tensor.dim()
+    header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    header[-1] = _DTYPES.index(tensor.dtype)
+    dist.send(header.to(device), dst)
+    dist.send(tensor.contiguous().to(device), dst)
+
+
+def recv_tensor(src: int) -> torch.Tensor:
+    """The tensor world rank ``src`` sent with :func:`send_tensor` (on the backend's device)."""
+    import torch.distributed as dist
+
+    device = _comm_device()
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    header = header.cpu()
+    ndim = int(header[0])
+    out = torch.empty(tuple(int(v) for v in header[1:1 + ndim]), dtype=_DTYPES[int(header[-1])], device=device)
+    dist.recv(out, src)
+    return out
+
+
 # ---- launch -----------------------------------------------------------------------------------------------------
 
 def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
@@ -193,13 +256,6 @@ def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
         return dist.get_rank(), dist.get_world_size(), False
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), True
-
-
-def world_size_if_initialised() -> int:
-    """The size of the default process group, or 1 when torch.distributed is not initialised."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def shutdown_world() -> None:

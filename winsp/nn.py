@@ -14,7 +14,7 @@ from torch import nn
 
 from .config import DiffusionParallelConfig
 from .geometry import WindowGeometry
-from .group import world_size_if_initialised
+from .group import world_rank_and_size
 from .runtime import WindowRequest, WindowRuntime
 
 __all__ = ["WindowParallel", "ScatterWindows", "EnsureLayout", "ReplicatedTextWindowAttention", "GatherWindows"]
@@ -51,7 +51,7 @@ class WindowParallel:
         """The runtime to run a forward with: the built one, or a one-rank runtime outside a multi-rank world."""
         if self._winsp_runtime is not None:
             return self._winsp_runtime
-        world = world_size_if_initialised()
+        _, world = world_rank_and_size()
         if world > 1:
             raise RuntimeError(
                 f"{type(self).__name__}: torch.distributed runs {world} ranks but build_runtime() was never called, "

@@ -2,13 +2,17 @@
 
 Shared by the DiT and VAE loaders. ``.safetensors`` files hold only tensors; ``.pth``/``.pt`` files are pickles and
 go through ``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and refuses anything else
-(memory-mapped when the file's format allows it). Every failure is a ``ValueError`` naming the file.
+(memory-mapped when the file's format allows it). Every failure is a ``ValueError`` naming the file: a damaged file
+(random bytes, a truncated zip, a wrong magic number, a pickle that breaks anywhere) makes ``torch.load`` raise almost
+any exception type (``IndexError``, ``KeyError``, ``struct.error``, ``AssertionError``, ...), so every ``Exception``
+from the readers is translated; only interrupts (``KeyboardInterrupt``, ``SystemExit``) pass through.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from typing import Mapping
 
 import torch
@@ -24,6 +28,8 @@ def read_checkpoint_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path!r} does not exist or is not a file")
     suffix = os.path.splitext(path)[1].lower()
+    if suffix in CHECKPOINT_SUFFIXES and os.path.getsize(path) == 0:
+        raise ValueError(f"checkpoint {path!r} is empty (0 bytes)")
     if suffix == ".safetensors":
         state = _read_safetensors(path)
     elif suffix in (".pth", ".pt"):
@@ -53,23 +59,33 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
         return load_file(path, device="cpu")
     except SafetensorError as err:
         raise ValueError(f"checkpoint {path!r} is not a readable safetensors file ({err})") from None
+    except Exception as err:  # noqa: BLE001 - a damaged file can fail in any way; the file is at fault
+        raise ValueError(f"checkpoint {path!r} is not a readable safetensors file ({_reason(err)})") from None
+
+
+def _reason(err: BaseException) -> str:
+    """``Type: first line`` of an exception, for a one-line message."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _torch_load_weights_only(path: str) -> dict:
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+        with warnings.catch_warnings():  # a damaged pickle also warns (odd protocol numbers); the error says it all
+            warnings.simplefilter("ignore")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap" not in str(err):
+                    raise
+                state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
     except pickle.UnpicklingError as err:
         raise ValueError(
             f"refused to load checkpoint {path!r}: it is not a plain tensor checkpoint (loading it would need to run "
-            f"pickled code, which weights_only loading does not do). Details: {err}"
+            f"pickled code, which weights_only loading does not do, or the file is damaged). Details: {_reason(err)}"
         ) from None
-    except (RuntimeError, EOFError) as err:
-        raise ValueError(f"checkpoint {path!r} could not be read as a torch checkpoint ({err})") from None
+    except Exception as err:  # noqa: BLE001 - random bytes, truncated zips, broken pickles fail in any way
+        raise ValueError(f"checkpoint {path!r} could not be read as a torch checkpoint ({_reason(err)})") from None
     if not isinstance(state, Mapping):
         raise ValueError(f"checkpoint {path!r} holds a {type(state).__name__}, not a state dict")
     return dict(state)

@@ -1,13 +1,21 @@
 """Command line: ``python -m examples.seedvr2 restore INPUT -o OUTPUT [options]``.
 
-Single process, or window-parallel under ``torchrun --nproc-per-node N`` (gloo on CPU, NCCL on GPUs; every rank reads
-the input and runs the same stages, the DiT's windows are shared among the ranks, rank 0 writes the file).
+Single process, or parallel under ``torchrun --nproc-per-node W`` (gloo on CPU, NCCL on GPUs). The clip is restored in
+temporal batches of ``--batch-frames`` frames that share ``--overlap`` cross-faded frames, decoded lazily from the input
+and encoded to the output as they finish, so memory does not grow with the clip. With ``--sp-size N`` the W ranks form
+W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
+``--vae-parallel`` mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
 
 With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer (``--model 7b``: the 7B). Without
 them it runs embedded tiny demo weights of that architecture (see :mod:`.demo`) so that the command works anywhere in
 seconds; it says so, since that restores nothing.
 
 Exit codes: 0 success; 2 bad input or usage (one ``error:`` line on stderr, no output file); anything else is a bug.
+
+The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is refused,
+an existing output is only replaced with ``--overwrite``, a video that decodes fewer frames than its container declares
+is refused unless ``--allow-partial-input``, and a request whose estimated memory exceeds what the device has is refused
+before anything is allocated. Without ``-o`` the output goes beside the input as ``<input>_restored.<ext>``.
 """
 
 from __future__ import annotations
@@ -24,7 +32,12 @@ import torch
 from winsp.group import init_world_from_env, shutdown_world
 
 from .media import (
+    DEFAULT_CRF,
+    IMAGE_EXTENSIONS,
     MediaError,
+    default_output_path,
+    h264_frame_size,
+    same_file,
     Geometry,
     frames_to_model,
     model_to_frames,
@@ -37,10 +50,12 @@ from .media import (
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+
 PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
 DEFAULT_SEED = 666
-STAGES = ("read", "load", "encode", "DiT", "decode", "write")
+STAGES = ("read", "load", "restore")
 
 
 class InputError(ValueError):
@@ -60,7 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("restore", help="restore a video or image", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="video (mp4, mov, webm, mkv, ...) or image (png, jpg)")
-    p.add_argument("-o", "--output", required=True, help="output file: .mp4/.mov/.mkv (H.264) or .png/.jpg")
+    p.add_argument("-o", "--output",
+                   help="output file: .mp4/.mov/.mkv (H.264) or .png/.jpg (default: <input>_restored.<ext> beside the "
+                        "input)")
+    p.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
+    p.add_argument("--allow-partial-input", action="store_true",
+                   help="restore the frames that decode from a truncated or damaged video (with a warning) instead of "
+                        "refusing it")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--resolution", metavar="WxH",
                       help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
@@ -75,9 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"),
                    help="compute dtype (default: bf16 on GPU with checkpoints, else fp32)")
     p.add_argument("--vae-parallel", choices=("replicated", "height", "tiled"), default="replicated",
-                   help="how ranks share the VAE (default: replicated, every rank runs it)")
+                   help="how the ranks of an SP group share the VAE (default: replicated, every rank runs it)")
+    p.add_argument("--batch-frames", type=int, default=DEFAULT_BATCH_FRAMES, metavar="N",
+                   help=f"frames per temporal batch, 4n+1 (default {DEFAULT_BATCH_FRAMES}); memory depends on this, "
+                        f"not on the clip's length")
+    p.add_argument("--overlap", type=int, default=DEFAULT_OVERLAP, metavar="K",
+                   help=f"frames shared by consecutive batches, cross-faded so batches join without a jump "
+                        f"(default {DEFAULT_OVERLAP}; 0 disables)")
+    p.add_argument("--sp-size", type=int, metavar="N",
+                   help="window-SP degree: the world's ranks form (world / N) groups of N that take whole temporal "
+                        "batches; the world size must be a multiple of N (default: all ranks one group)")
     p.add_argument("--color-fix", choices=("wavelet", "none"),
                    help="colour correction towards the input (default: wavelet with checkpoints, none with the demo)")
+    p.add_argument("--crf", type=int, default=DEFAULT_CRF,
+                   help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
     return parser
 
@@ -100,6 +132,7 @@ class StageProgress:
     _current: Optional[str] = None
     _started: float = 0.0
     _open_line: bool = False
+    _last_done: int = 0
 
     def start(self, stage: str) -> None:
         self._finish_current()
@@ -118,6 +151,18 @@ class StageProgress:
         if self._open_line:
             self.stream.write("\n")
             self._open_line = False
+
+    def frames(self, done: int, total: int) -> None:
+        """Show the frames of the whole clip written so far during the current stage (redrawn on a terminal; in a
+        log, one line per tenth of the clip)."""
+        if not self.enabled or self._current is None:
+            return
+        label = f"{self._current} {done}/{total} frames"
+        if self._is_tty():
+            self._draw(self.stages.index(self._current), label)
+        elif done == total or done * 10 // total > (self._last_done * 10 // total if total else 0):
+            self._draw(self.stages.index(self._current), label)
+        self._last_done = done
 
     def done(self) -> None:
         self._finish_current()
@@ -189,13 +234,34 @@ def _resolve_dtype(name: Optional[str], device: torch.device, demo: bool) -> tor
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
+def resolve_output_path(args: argparse.Namespace) -> str:
+    """``-o`` or the default ``<input>_restored.<ext>``; refuses the input itself and, without ``--overwrite``, any
+    existing file. Checked before anything is read or run."""
+    path = args.output if args.output is not None else default_output_path(args.input)
+    if os.path.exists(args.input) and same_file(path, args.input):
+        raise MediaError(f"the output {path} is the input {args.input} (same file, or a link to it); "
+                         f"choose another -o so the input is not overwritten")
+    if os.path.isdir(path):
+        raise MediaError(f"output path is a directory: {path}")
+    if os.path.lexists(path) and not args.overwrite:
+        raise MediaError(f"the output {path} exists; pass --overwrite to replace it, or choose another -o")
+    return path
+
+
+def _default_image_output(args: argparse.Namespace, path: str, is_image: bool) -> str:
+    """A default output for an image input whose extension cannot be written (bmp, webp, ...) is a .png."""
+    if args.output is None and is_image and os.path.splitext(path)[1].lower() not in IMAGE_EXTENSIONS:
+        path = os.path.splitext(path)[0] + ".png"
+        if os.path.lexists(path) and not args.overwrite:
+            raise MediaError(f"the output {path} exists; pass --overwrite to replace it, or choose another -o")
+    return path
+
+
 def _check_output_path(path: str, num_frames_hint: Optional[int] = None) -> None:
     kind = output_kind(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise MediaError(f"output directory does not exist: {directory}")
-    if os.path.isdir(path):
-        raise MediaError(f"output path is a directory: {path}")
     if kind == "image" and num_frames_hint is not None and num_frames_hint > 1:
         raise MediaError(
             f"the input has {num_frames_hint} frames but {path} is an image file; use a video extension (.mp4)"
@@ -271,34 +337,138 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                         demo=False)
 
 
-def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> str:
-    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input."""
+def available_bytes(device: torch.device) -> Optional[int]:
+    """Memory free for this run on ``device``: the GPU's free bytes, or the host's MemAvailable; None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(args: argparse.Namespace, geometry: Geometry, frames: int, dtype: torch.dtype, sp_size: int,
+                 device: torch.device, demo: bool) -> None:
+    """Refuse, before anything is allocated, a request whose estimated peak does not fit the device's free memory."""
+    from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
+    from .pipeline import estimate_restore_bytes
+
+    free = available_bytes(device)
+    if free is None:
+        return
+    if demo:
+        dit_width = DEMO_DIT_CONFIGS[args.model].vid_dim
+        vae_channels, weights = DEMO_VAE_CONFIG["block_out_channels"][0], 0
+    else:
+        from .dit import NaDiTConfig
+        from .vae import VideoVAEConfig
+
+        vae_channels = VideoVAEConfig.seedvr2().block_out_channels[0]
+        dit_width = NaDiTConfig.released(args.model).vid_dim
+        weights = sum(os.path.getsize(p) for p in (args.dit_checkpoint, args.vae_checkpoint) if p and os.path.isfile(p))
+    estimate = estimate_restore_bytes(
+        frames=frames, height=geometry.work[0], width=geometry.work[1], vae_channels=vae_channels,
+        dit_width=dit_width, element_bytes=torch.finfo(dtype).bits // 8, vae_parallel=args.vae_parallel,
+        sp_size=sp_size, tile=(256 + 64, 256 + 64),
+    )
+    need = estimate.total + weights
+    if need > free:
+        helps = []
+        if args.vae_parallel != "tiled":
+            helps.append("--vae-parallel tiled")
+        if frames > 5:
+            helps.append("a smaller --batch-frames")
+        helps += ["more ranks (torchrun --nproc-per-node N with --vae-parallel height)", "a smaller --resolution"]
+        raise InputError(
+            f"this request needs about {_gib(need)} per rank (estimate: VAE {_gib(estimate.vae)}, DiT "
+            f"{_gib(estimate.dit)}, frames {_gib(estimate.frames)}, weights {_gib(weights)} for {frames} frames at "
+            f"{geometry.work[1]}x{geometry.work[0]}) but {_gib(free)} is free on {device.type}; try "
+            f"{', '.join(helps)}"
+        )
+
+
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    """This process's peak memory so far: GPU memory allocated by torch on CUDA, else the peak resident set."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device)), "peak GPU memory"
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak RSS"
+
+
+def _per_rank_figures(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``values`` (one row per rank), through winsp's world group (one collective)."""
     from winsp.group import SPGroup
 
-    from .color_fix import wavelet_color_fix
-    from .pipeline import SeedVR2Pipeline
+    world = SPGroup.world()
+    row = torch.tensor([values], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    return world.all_gather_rows(row, [1] * world.size).cpu().tolist()
 
-    # Everything cheap to check is checked before any model is built.
+
+def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> str:
+    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input."""
+    import numpy as np
+
+    from winsp.mesh import build_temporal_mesh, ordered_results
+
+    from .media import MediaWriter, iter_frames, probe_media
+    from .pipeline import SeedVR2Pipeline
+    from .temporal import TemporalBlender, check_batching, plan_temporal_batches, temporal_batches
+
+    # Everything cheap to check is checked before anything is read or any model built, identically on every rank.
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         plan_geometry((64, 64), scale=args.scale)  # validates the number itself
-    _check_output_path(args.output)
+    try:
+        check_batching(args.batch_frames, args.overlap)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    sp_size = launch.world_size if args.sp_size is None else args.sp_size
+    if sp_size < 1 or launch.world_size % sp_size:
+        raise InputError(
+            f"--sp-size {sp_size}: the world size {launch.world_size} must be a positive multiple of it (launch "
+            f"torchrun --nproc-per-node with a multiple of {max(sp_size, 1)}, or choose an --sp-size dividing "
+            f"{launch.world_size})"
+        )
+    output = resolve_output_path(args)
+    _check_output_path(output)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
     color_fix = (args.color_fix or ("none" if demo else "wavelet")) == "wavelet"
     is_rank0 = launch.rank == 0
 
     progress.start("read")
-    media = read_media(args.input)
-    _check_output_path(args.output, media.num_frames)
-    geometry: Geometry = plan_geometry((media.height, media.width), resolution=resolution, scale=args.scale)
+    info = probe_media(args.input, allow_partial=args.allow_partial_input)
+    output = _default_image_output(args, output, info.is_image)
+    _check_output_path(output, info.num_frames)
+    geometry: Geometry = plan_geometry((info.height, info.width), resolution=resolution, scale=args.scale)
     latent_rows = geometry.work[0] // 8
-    if args.vae_parallel == "height" and launch.world_size > latent_rows:
+    if args.vae_parallel == "height" and sp_size > latent_rows:
         raise InputError(
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
-            f"{geometry.work[0]} has {latent_rows} rows for {launch.world_size} ranks; use --vae-parallel replicated"
+            f"{geometry.work[0]} has {latent_rows} rows for {sp_size} ranks; use --vae-parallel replicated"
         )
-    video = frames_to_model(media.frames, geometry)
+    plan = plan_temporal_batches(info.num_frames, args.batch_frames, args.overlap)
+    check_memory(args, geometry, plan[0].num_frames, dtype, sp_size, launch.device, demo)
+    is_video_out = output_kind(output) == "video"
+    if is_rank0:
+        for note in info.notes:
+            progress.note(f"{PROG}: {note}")
+        coded = h264_frame_size(*geometry.output)
+        if is_video_out and coded != geometry.output:
+            progress.note(
+                f"{PROG}: note: {geometry.output[1]}x{geometry.output[0]} has an odd side; H.264 yuv420p (what "
+                f"players accept) needs even sides, so it is written as {coded[1]}x{coded[0]} with the edge "
+                f"repeated (use --resolution with even sides to avoid this)"
+            )
 
     progress.start("load")
     models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None)
@@ -308,35 +478,69 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             f"The output is NOT a restoration; pass --dit-checkpoint and --vae-checkpoint for SeedVR2 "
             f"{args.model.upper()}."
         )
-    pipe = SeedVR2Pipeline(models.dit, models.vae, args.vae_parallel, group=SPGroup.world())
+    mesh = build_temporal_mesh(sp_size)
+    pipe = SeedVR2Pipeline(models.dit, models.vae, args.vae_parallel, group=mesh.sp)
 
-    progress.start("encode")
-    latent = pipe.encode(video)
-    progress.start("DiT")
-    generator = torch.Generator().manual_seed(args.seed)
-    restored_latent = pipe.denoise(latent, models.txt, generator=generator)
-    progress.start("decode")
-    restored = pipe.decode(restored_latent, media.num_frames)
+    progress.start("restore")
+    started = time.perf_counter()
+    needed = np.zeros(info.num_frames, dtype=bool)  # frames of the batches this rank's group restores
+    for batch in plan:
+        if mesh.owns(batch.index):
+            needed[batch.start:batch.stop] = True
+    model_frames = (
+        None if frame is None else frames_to_model(frame[None], geometry)[:, 0]
+        for _, frame, _ in iter_frames(info, keep=lambda i: bool(needed[i]))
+    )
+    batches = temporal_batches(model_frames, args.batch_frames, args.overlap)
+    computed = []
 
-    progress.start("write")
-    if is_rank0:  # every rank holds the full result; one writes it
-        if color_fix:
-            reference = video.to(restored.device).transpose(0, 1)
-            restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
-        write_media(args.output, model_to_frames(restored.cpu(), geometry), media.fps)
+    def compute(index: int) -> torch.Tensor:
+        for batch, clip in batches:  # skip the batches other groups restore (their frames were not converted)
+            if batch.index == index:
+                break
+        else:
+            raise RuntimeError(f"the input ended before temporal batch {index} of {len(plan)}")
+        restored = pipe.restore_batch(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix)
+        computed.append(batch.num_frames)
+        return torch.from_numpy(model_to_frames(restored.cpu(), geometry))
+
+    results = ordered_results(mesh, len(plan), compute)
+    if mesh.is_writer:
+        use_pts = is_video_out and len(info.frame_pts) == info.num_frames
+        with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
+                         audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf) as writer:
+            blender = TemporalBlender()
+            for index, frames in results:
+                for frame in blender.push(plan[index], frames.cpu(), args.overlap):
+                    writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+                progress.frames(writer.frames_written, info.num_frames)
+            for frame in blender.finish():
+                writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+            progress.frames(writer.frames_written, info.num_frames)
+            if writer.frames_written != info.num_frames:  # a bug, never a silently short file
+                raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
+    else:
+        for _ in results:
+            pass
+    seconds_restore = time.perf_counter() - started
+    peak, peak_kind = _peak_memory(launch.device)
+    figures = _per_rank_figures([peak, float(sum(computed)), seconds_restore], launch.device)
     progress.done()
 
     seconds = progress.seconds
     timing = " ".join(f"{stage} {seconds.get(stage, 0.0):.2f}s" for stage in STAGES)
-    fps = f"{float(media.fps):.3g} fps"
+    fps = f"{float(info.fps):.3g} fps"
+    peaks = " ".join(f"{row[0] / 2**30:.2f}" for row in figures)
+    frames_per_s = info.num_frames / max(seconds.get("restore", seconds_restore), 1e-9)
     return (
-        f"{PROG}: {args.input} ({_fmt_size(geometry.input, media.num_frames)}) -> {args.output} "
-        f"({_fmt_size(geometry.output, media.num_frames)}{', ' + fps if not media.is_image else ''}; model at "
-        f"{geometry.work[1]}x{geometry.work[0]}) | SP {pipe.group.size} | {pipe.describe()}; "
-        f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
-        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; "
-        f"colour fix {'wavelet' if color_fix else 'off'} | "
-        f"{timing} | total {sum(seconds.values()):.2f}s"
+        f"{PROG}: {args.input} ({_fmt_size(geometry.input, info.num_frames)}) -> {output} "
+        f"({_fmt_size(geometry.output, info.num_frames)}{', ' + fps if not info.is_image else ''}; model at "
+        f"{geometry.work[1]}x{geometry.work[0]}) | {len(plan)} batch{'es' if len(plan) != 1 else ''} of "
+        f"{args.batch_frames} frames, overlap {args.overlap} | {mesh.describe()} | SP {mesh.sp_size} | "
+        f"{pipe.describe()}; {'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
+        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; colour fix {'wavelet' if color_fix else 'off'} | "
+        f"{timing} | total {sum(seconds.values()):.2f}s | {frames_per_s:.2f} frames/s | {peak_kind} per rank "
+        f"{peaks} GiB"
     )
 
 

@@ -1,7 +1,11 @@
 """Video and image files in and out (PyAV), and the geometry that turns an input into the model's working size.
 
-Reading gives ``uint8`` frames ``[t, h, w, 3]`` and the stream's frame rate; writing takes the same layout. Images
-(png, jpg, ...) are read through the same path, since FFmpeg opens them as one-frame containers.
+Reading is two passes: :func:`probe_media` decodes the whole stream once without keeping any frame, so every problem
+(a damaged stream, a truncated file that decodes fewer frames than its container declares, a frame size that changes)
+is found before any model runs; then :func:`iter_frames` decodes again lazily, one ``uint8 [h, w, 3]`` frame at a
+time, so memory does not grow with the clip. :class:`MediaWriter` encodes frames as they come, keeps the input's frame
+timing, copies the input's audio packets untouched, and appears under its name only when complete. Images (png, jpg,
+...) go through the same path, since FFmpeg opens them as one-frame containers.
 
 Geometry ("exactly the requested size"). The user asks for an output size ``(H, W)`` (``--resolution WxH``, or
 ``--scale S`` = the input size times ``S``, rounded). The model needs sides that are multiples of 16, so:
@@ -21,9 +25,9 @@ import contextlib
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -32,12 +36,19 @@ import torch.nn.functional as F
 __all__ = [
     "MediaError",
     "Media",
+    "MediaInfo",
+    "MediaWriter",
     "Geometry",
     "IMAGE_EXTENSIONS",
     "VIDEO_EXTENSIONS",
     "MIN_SIDE",
+    "probe_media",
+    "iter_frames",
     "read_media",
     "write_media",
+    "h264_frame_size",
+    "same_file",
+    "default_output_path",
     "atomic_output",
     "output_kind",
     "parse_resolution",
@@ -55,10 +66,35 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv")
 _IMAGE_DEMUXERS = ("image2", "png_pipe", "jpeg_pipe", "bmp_pipe", "webp_pipe", "tiff_pipe", "jpegls_pipe")
 DEFAULT_FPS = Fraction(25)
+DEFAULT_CRF = 16  # H.264 constant rate factor: visually near-lossless; 0 is lossless (in YUV 4:2:0)
 
 
 class MediaError(ValueError):
     """An input or output file that cannot be used; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class MediaInfo:
+    """What :func:`probe_media` found: the frames that decode, what the container declares, and what is lost.
+
+    ``time_base`` is the video stream's (frame ``pts`` are in it; None for images); ``dropped`` names what the
+    conversion to 8-bit RGB loses (an alpha channel, bits beyond 8); ``notes`` are warnings for the user (a partial
+    input accepted with ``allow_partial=True``, what was dropped).
+    """
+
+    path: str
+    num_frames: int
+    declared_frames: Optional[int]
+    height: int
+    width: int
+    fps: Fraction
+    is_image: bool
+    pixel_format: str
+    time_base: Optional[Fraction]
+    has_audio: bool
+    dropped: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    frame_pts: tuple = field(default=(), repr=False)  # each decodable frame's pts in time_base (video inputs)
 
 
 @dataclass
@@ -68,6 +104,7 @@ class Media:
     frames: np.ndarray
     fps: Fraction
     is_image: bool
+    info: Optional[MediaInfo] = field(default=None, repr=False)
 
     @property
     def num_frames(self) -> int:
@@ -85,15 +122,9 @@ class Media:
 # ---- reading ------------------------------------------------------------------------------------------------------
 
 
-def read_media(path: str | os.PathLike) -> Media:
-    """Decode every frame of the first video stream of ``path`` (a video or an image) to RGB ``uint8``.
-
-    Raises :class:`MediaError` for a missing or empty file, a file FFmpeg cannot open, a file without a video stream,
-    a stream that fails to decode, or one that decodes to zero frames.
-    """
+def _open_input(path: str):
     import av
 
-    path = os.fspath(path)
     if not os.path.exists(path):
         raise MediaError(f"input file not found: {path}")
     if os.path.isdir(path):
@@ -104,26 +135,125 @@ def read_media(path: str | os.PathLike) -> Media:
         container = av.open(path)
     except av.FFmpegError as exc:
         raise MediaError(f"not a readable video or image: {path} ({_ffmpeg_reason(exc)})") from None
-    with container:
-        if not container.streams.video:
-            raise MediaError(f"no video stream in {path}")
+    if not container.streams.video:
+        container.close()
+        raise MediaError(f"no video stream in {path}")
+    return container
+
+
+def probe_media(path: str | os.PathLike, allow_partial: bool = False) -> MediaInfo:
+    """Decode every frame of the first video stream of ``path`` once, keeping none, and describe the input.
+
+    Raises :class:`MediaError` for a missing or empty file, a file FFmpeg cannot open, a file without a video stream,
+    a stream that fails to decode or decodes to zero frames, a frame size that changes mid-stream, and, unless
+    ``allow_partial``, a stream that decodes fewer frames than its container declares or that breaks off with a
+    decoding error (a truncated or damaged file: restoring it would silently write a shorter video).
+    """
+    import av
+
+    path = os.fspath(path)
+    with _open_input(path) as container:
         stream = container.streams.video[0]
+        declared = int(stream.frames) if stream.frames and stream.frames > 0 else None
         is_image = container.format.name in _IMAGE_DEMUXERS
         fps = _stream_fps(stream)
-        frames = []
+        has_audio = bool(container.streams.audio)
+        count, size, pix_fmt, broken, pts = 0, None, "", None, []
         try:
             for frame in container.decode(stream):
-                frames.append(frame.to_ndarray(format="rgb24"))
+                pts.append(frame.pts)
+                if size is None:
+                    size, pix_fmt = (frame.height, frame.width), frame.format.name
+                elif (frame.height, frame.width) != size:
+                    raise MediaError(
+                        f"frame size changes mid-stream in {path} (frame {count} is {frame.width}x{frame.height}, "
+                        f"the first was {size[1]}x{size[0]}); not supported"
+                    )
+                count += 1
         except av.FFmpegError as exc:
-            if not frames:
+            if count == 0:
                 raise MediaError(f"cannot decode the video stream of {path} ({_ffmpeg_reason(exc)})") from None
-            # A damaged tail: keep the frames that decoded (players do the same).
-    if not frames:
+            broken = _ffmpeg_reason(exc)
+        time_base = Fraction(stream.time_base) if stream.time_base is not None and not is_image else None
+    if count == 0:
         raise MediaError(f"no frames could be decoded from {path}")
-    shapes = {f.shape for f in frames}
-    if len(shapes) != 1:
-        raise MediaError(f"frame size changes mid-stream in {path} ({sorted(shapes)}); not supported")
-    return Media(frames=np.stack(frames), fps=fps, is_image=is_image and len(frames) == 1)
+    notes = []
+    short = declared is not None and count < declared
+    if short or broken:
+        what = (f"only {count} of the {declared} frames its container declares decode" if short
+                else f"decoding stops with an error after frame {count} ({broken})")
+        if not allow_partial:
+            raise MediaError(
+                f"{path}: {what}; the file is truncated or damaged and the output would be shorter than the input. "
+                f"Pass --allow-partial-input to restore the {count} frames that decode"
+            )
+        notes.append(f"WARNING: {path}: {what}; restoring those {count} frames (--allow-partial-input)")
+    dropped = dropped_by_rgb24(pix_fmt)
+    if dropped:
+        notes.append(f"note: {path} is {pix_fmt}; converting to 8-bit RGB drops {' and '.join(dropped)}")
+    return MediaInfo(
+        path=path, num_frames=count, declared_frames=declared, height=size[0], width=size[1], fps=fps,
+        is_image=is_image and count == 1, pixel_format=pix_fmt, time_base=time_base, has_audio=has_audio,
+        dropped=tuple(dropped), notes=tuple(notes),
+        frame_pts=tuple(pts) if time_base is not None and None not in pts else (),
+    )
+
+
+def dropped_by_rgb24(pix_fmt: str) -> list[str]:
+    """What converting frames of pixel format ``pix_fmt`` to 8-bit RGB loses: ``"the alpha channel"``, ``"N-bit
+    depth (kept 8 bits)"``; empty for 8-bit formats without alpha (and for names FFmpeg does not know)."""
+    import av
+
+    try:
+        fmt = av.VideoFormat(pix_fmt)
+    except (ValueError, av.FFmpegError):
+        return []
+    dropped = []
+    if any(c.is_alpha for c in fmt.components):
+        dropped.append("the alpha channel")
+    bits = max((c.bits for c in fmt.components), default=8)
+    if bits > 8:
+        dropped.append(f"{bits}-bit depth (kept 8 bits)")
+    return dropped
+
+
+def iter_frames(
+    info: MediaInfo, keep: Optional[Callable[[int], bool]] = None
+) -> Iterator[tuple[int, Optional[np.ndarray], Optional[int]]]:
+    """Decode ``info.path`` again lazily: ``(index, rgb24 uint8 [h, w, 3], pts)`` for its ``info.num_frames`` frames.
+
+    Frames for which ``keep(index)`` is false are decoded but not converted (``None`` is yielded instead), which is
+    how a rank skips the frames of batches other ranks restore. ``pts`` is in ``info.time_base`` (None for images).
+    Raises :class:`MediaError` if the file now yields fewer frames than the probe counted (it changed meanwhile).
+    """
+    import av
+
+    index = 0
+    with _open_input(info.path) as container:
+        stream = container.streams.video[0]
+        try:
+            for frame in container.decode(stream):
+                if index >= info.num_frames:
+                    break
+                wanted = keep is None or keep(index)
+                yield index, (frame.to_ndarray(format="rgb24") if wanted else None), (
+                    None if info.time_base is None else frame.pts)
+                index += 1
+        except av.FFmpegError as exc:
+            if index < info.num_frames:
+                raise MediaError(
+                    f"{info.path}: decoding failed at frame {index} of {info.num_frames} ({_ffmpeg_reason(exc)})"
+                ) from None
+    if index < info.num_frames:
+        raise MediaError(f"{info.path} changed while it was read: {index} frames decode now, {info.num_frames} before")
+
+
+def read_media(path: str | os.PathLike, allow_partial: bool = False) -> Media:
+    """Every frame of ``path`` (a video or an image) as RGB ``uint8 [t, h, w, 3]``; see :func:`probe_media` for the
+    checks. Holds the whole clip in memory: for long videos use :func:`iter_frames`."""
+    info = probe_media(path, allow_partial=allow_partial)
+    frames = np.stack([frame for _, frame, _ in iter_frames(info)])
+    return Media(frames=frames, fps=info.fps, is_image=info.is_image, info=info)
 
 
 def _stream_fps(stream) -> Fraction:
@@ -135,6 +265,29 @@ def _stream_fps(stream) -> Fraction:
 
 def _ffmpeg_reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+
+
+# ---- output paths -------------------------------------------------------------------------------------------------
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name the same file: equal after resolving links, or one inode (a hard link)."""
+    a, b = os.fspath(a), os.fspath(b)
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def default_output_path(input_path: str | os.PathLike) -> str:
+    """``<input>_restored.<ext>`` beside the input: the input's extension when it can be written (mp4/mov/mkv, png,
+    jpg), else ``.mp4`` for videos and ``.png`` for other images (decided by the caller for stills)."""
+    base, ext = os.path.splitext(os.fspath(input_path))
+    if ext.lower() not in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS:
+        ext = ".mp4"
+    return f"{base}_restored{ext}"
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -180,11 +333,153 @@ def output_kind(path: str | os.PathLike) -> str:
     raise MediaError(f"unsupported output extension {ext or '(none)'!r} for {os.fspath(path)}; use one of {known}")
 
 
-def write_media(path: str | os.PathLike, frames: np.ndarray, fps: Fraction = DEFAULT_FPS) -> None:
-    """Write ``uint8 [t, h, w, 3]`` frames: H.264 (libx264) for .mp4/.mov/.mkv, PNG or JPEG for one frame.
+def h264_frame_size(height: int, width: int) -> tuple[int, int]:
+    """The size H.264 frames are written at: yuv420p (what common players accept) needs even sides, so an odd side
+    gets one more row/column, a copy of the edge."""
+    return height + height % 2, width + width % 2
 
-    The file appears atomically (see :func:`atomic_output`). H.264 uses 4:2:0 chroma when both sides are even and
-    4:4:4 otherwise (4:2:0 needs even sides), so the exact requested size is always kept.
+
+def _pad_to(frame: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    extra_h, extra_w = size[0] - frame.shape[0], size[1] - frame.shape[1]
+    if extra_h == 0 and extra_w == 0:
+        return frame
+    return np.pad(frame, ((0, extra_h), (0, extra_w), (0, 0)), mode="edge")
+
+
+class MediaWriter:
+    """Writes RGB ``uint8 [h, w, 3]`` frames to ``path`` one at a time; use as a context manager.
+
+    Video (.mp4/.mov/.mkv): H.264 yuv420p (odd sides padded by one edge row/column, see :func:`h264_frame_size`);
+    frames keep the ``pts`` they are given in ``time_base`` (the input's timing), or are spaced ``1/fps`` apart; the
+    audio streams of ``audio_from`` are copied packet by packet, untouched and interleaved by time. Image (.png/.jpg):
+    exactly one frame. The file appears under ``path`` only when the block ends without an exception. ``crf`` is
+    the H.264 quality (0 lossless, default 16).
+    """
+
+    def __init__(self, path: str | os.PathLike, height: int, width: int, fps: Fraction = DEFAULT_FPS, *,
+                 time_base: Optional[Fraction] = None, audio_from: Optional[str] = None, crf: int = DEFAULT_CRF) -> None:
+        if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
+            raise MediaError(f"--crf must be an integer from 0 (lossless) to 51, got {crf!r}")
+        self.crf = crf
+        self.path, self.kind = os.fspath(path), output_kind(path)
+        self.size = (int(height), int(width))
+        self.fps, self.time_base, self.audio_from = Fraction(fps), time_base, audio_from
+        self.frames_written = 0
+        self.coded_size = h264_frame_size(*self.size) if self.kind == "video" else self.size
+        self._stack = contextlib.ExitStack()
+        self._image: Optional[np.ndarray] = None
+        self._audio: list = []  # (output stream, packet iterator, next packet) per copied audio stream
+
+    def __enter__(self) -> "MediaWriter":
+        tmp = self._stack.enter_context(atomic_output(self.path))
+        try:
+            if self.kind == "video":
+                self._open_video(tmp)
+            else:
+                self._tmp = tmp
+        except BaseException:
+            self._stack.__exit__(*_exc_info())
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                self._finish()
+        except BaseException:
+            self._stack.__exit__(*_exc_info())
+            raise
+        return bool(self._stack.__exit__(exc_type, exc, tb))
+
+    # ---- video ----
+    def _open_video(self, tmp: str) -> None:
+        import av
+
+        container = self._stack.enter_context(av.open(tmp, "w"))
+        self._container = container
+        stream = container.add_stream("libx264", rate=self.fps.limit_denominator(1_000_000))
+        stream.height, stream.width = self.coded_size
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(self.crf), "preset": "medium"}
+        if self.time_base is not None:
+            stream.codec_context.time_base = self.time_base
+        self._video = stream
+        if self.audio_from is not None:
+            source = self._stack.enter_context(av.open(self.audio_from))
+            for in_stream in source.streams.audio:
+                out_stream = container.add_stream_from_template(in_stream)
+                self._audio.append([out_stream, in_stream, None])
+            if self._audio:
+                packets = source.demux([entry[1] for entry in self._audio])
+                self._audio_packets = (p for p in packets if p.dts is not None)
+        try:
+            container.start_encoding()
+        except (av.FFmpegError, ValueError) as exc:
+            codecs = ", ".join(entry[1].codec_context.name for entry in self._audio) or "none"
+            raise MediaError(
+                f"cannot write {self.path}: the container refuses a stream (input audio: {codecs}) "
+                f"({_ffmpeg_reason(exc)}); try a .mkv output"
+            ) from None
+
+    def _mux_video(self, packets) -> None:
+        for packet in packets:
+            if packet.pts is not None and packet.time_base is not None:
+                self._mux_audio_until(packet.pts * packet.time_base)
+            self._container.mux(packet)
+
+    def _mux_audio_until(self, seconds: Optional[Fraction]) -> None:
+        """Copy audio packets up to ``seconds`` (all that remain for None), so audio and video stay interleaved."""
+        if not self._audio:
+            return
+        for packet in self._audio_packets:
+            out = next(e[0] for e in self._audio if e[1] is packet.stream)
+            stamp = packet.pts * packet.time_base if packet.pts is not None else None
+            packet.stream = out
+            self._container.mux(packet)
+            if seconds is not None and stamp is not None and stamp >= seconds:
+                return
+
+    def write(self, frame: np.ndarray, pts: Optional[int] = None) -> None:
+        """Append one frame (``uint8 [h, w, 3]`` at the writer's size); ``pts`` in ``time_base`` when one was given."""
+        frame = np.asarray(frame)
+        if frame.dtype != np.uint8 or frame.shape != self.size + (3,):
+            raise ValueError(f"frames must be uint8 {list(self.size + (3,))}, got {frame.dtype} {list(frame.shape)}")
+        if self.kind == "image":
+            if self._image is not None:
+                raise MediaError(f"cannot write more than one frame to the image file {self.path}; use a video "
+                                 f"extension (.mp4)")
+            self._image = frame
+        else:
+            import av
+
+            video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(_pad_to(frame, self.coded_size)),
+                                                     format="rgb24")
+            if pts is not None and self.time_base is not None:
+                video_frame.pts, video_frame.time_base = int(pts), self.time_base
+            self._mux_video(self._video.encode(video_frame))
+        self.frames_written += 1
+
+    def _finish(self) -> None:
+        if self.kind == "image":
+            if self._image is None:
+                raise MediaError(f"no frame was written to {self.path}")
+            _write_image(self._tmp, self._image)
+        else:
+            self._mux_video(self._video.encode(None))
+            self._mux_audio_until(None)
+
+
+def _exc_info():
+    import sys
+
+    return sys.exc_info()
+
+
+def write_media(path: str | os.PathLike, frames: np.ndarray, fps: Fraction = DEFAULT_FPS) -> None:
+    """Write ``uint8 [t, h, w, 3]`` frames: H.264 (libx264, yuv420p) for .mp4/.mov/.mkv, PNG or JPEG for one frame.
+
+    The file appears atomically (see :func:`atomic_output`); odd sides are padded by one edge row/column for H.264
+    (see :func:`h264_frame_size`).
     """
     frames = _check_frames(frames)
     kind = output_kind(path)
@@ -192,11 +487,9 @@ def write_media(path: str | os.PathLike, frames: np.ndarray, fps: Fraction = DEF
         raise MediaError(
             f"cannot write {frames.shape[0]} frames to the image file {os.fspath(path)}; use a video extension (.mp4)"
         )
-    with atomic_output(path) as tmp:
-        if kind == "image":
-            _write_image(tmp, frames[0])
-        else:
-            _write_h264(tmp, frames, fps)
+    with MediaWriter(path, frames.shape[1], frames.shape[2], fps) as writer:
+        for frame in frames:
+            writer.write(frame)
 
 
 def _check_frames(frames: np.ndarray) -> np.ndarray:
@@ -214,29 +507,8 @@ def _write_image(path: str, frame: np.ndarray) -> None:
     with av.open(path, "w", format="image2", options={"update": "1"}) as container:
         stream = container.add_stream(codec)
         stream.width, stream.height, stream.pix_fmt = frame.shape[1], frame.shape[0], pix_fmt
-        _encode_all(container, stream, [frame])
-
-
-def _write_h264(path: str, frames: np.ndarray, fps: Fraction) -> None:
-    import av
-
-    height, width = frames.shape[1:3]
-    even = height % 2 == 0 and width % 2 == 0
-    with av.open(path, "w") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1_000_000))
-        stream.width, stream.height = width, height
-        stream.pix_fmt = "yuv420p" if even else "yuv444p"
-        stream.options = {"crf": "16", "preset": "medium"}
-        _encode_all(container, stream, frames)
-
-
-def _encode_all(container, stream, frames) -> None:
-    import av
-
-    for array in frames:
-        frame = av.VideoFrame.from_ndarray(array, format="rgb24")
-        container.mux(stream.encode(frame))
-    container.mux(stream.encode(None))
+        container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode(None))
 
 
 # ---- geometry -----------------------------------------------------------------------------------------------------
@@ -282,7 +554,12 @@ def plan_geometry(
         out_h, out_w = (int(v) for v in resolution)
     for name, side in (("height", out_h), ("width", out_w)):
         if side < MIN_SIDE:
-            raise MediaError(f"output {name} {side} is under the minimum of {MIN_SIDE} pixels")
+            hint = ""
+            if resolution is None:  # the size follows the input: say how much to scale it up
+                needed = MIN_SIDE / min(in_h, in_w)
+                hint = (f"; the input is {in_w}x{in_h}: use --scale {math.ceil(needed * 100) / 100:g} or more to "
+                        f"upscale it (or --resolution WxH)")
+            raise MediaError(f"output {name} {side} is under the minimum of {MIN_SIDE} pixels{hint}")
         if side > MAX_SIDE:
             raise MediaError(f"output {name} {side} is over the maximum of {MAX_SIDE} pixels")
     cover = max(out_h / in_h, out_w / in_w)

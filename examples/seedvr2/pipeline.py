@@ -20,10 +20,13 @@ The math, as SeedVR2 runs it (facts taken from the reference, code written here)
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from .color_fix import wavelet_color_fix
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, TemporalBlender, clip_noise, temporal_batches
 from .vae.modes import VAE_MODES, make_vae_runner
 
 __all__ = [
@@ -37,6 +40,8 @@ __all__ = [
     "trailing_timesteps",
     "v_lerp_endpoint",
     "euler_v_lerp_sample",
+    "MemoryEstimate",
+    "estimate_restore_bytes",
 ]
 
 SCALING_FACTOR = 0.9152
@@ -107,6 +112,63 @@ def euler_v_lerp_sample(
         s = timesteps[i + 1] / T
         x = (1.0 - s) * x_0 + s * x_T
     raise ValueError("timesteps must not be empty")
+
+
+# ---- memory estimate ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak activation bytes of restoring one temporal batch on one rank, by part."""
+
+    vae: int
+    dit: int
+    frames: int
+
+    @property
+    def total(self) -> int:
+        return self.vae + self.dit + self.frames
+
+
+#: peak live VAE activations, in units of (first-level channels x h x w x element size), by padded batch length:
+#: measured with ``vae.memory.peak_tensor_bytes`` on the demo VAE with the released temporal chunk of 4 frames
+#: (1 frame: 8.1, 5 frames: 32.1, 9 frames and more: 53-55; the full-resolution decoder level dominates, as in the
+#: released VAE, whose levels shrink area 4x while channels grow at most 2x), rounded up.
+_VAE_UNITS_ONE_FRAME, _VAE_UNITS_FIVE, _VAE_UNITS_CHUNKED = 9.0, 34.0, 58.0
+#: DiT activations per token, in units of the model width x element size (attention inputs/outputs, MLP hidden
+#: states, residuals; the window attention itself is local). A coarse upper figure.
+_DIT_UNITS_PER_TOKEN = 16.0
+#: copies of the batch's frames alive at once in float32 (input, padded input, output, colour fix, uint8 out).
+_FRAME_COPIES = 6.0
+
+
+def estimate_restore_bytes(
+    *, frames: int, height: int, width: int, vae_channels: int, dit_width: int, element_bytes: int = 4,
+    vae_parallel: str = "replicated", sp_size: int = 1, tile: Optional[tuple[int, int]] = None,
+    patch: tuple[int, int, int] = (1, 2, 2), spatial_factor: int = 8, temporal_factor: int = 4,
+) -> MemoryEstimate:
+    """Peak activation bytes per rank of restoring ``frames`` frames of ``height x width`` (the working size) with a
+    VAE whose first level has ``vae_channels`` channels (temporal chunks of 4 frames) and a DiT of ``dit_width``.
+
+    An estimate from the shapes only, made before anything is allocated so that an oversized request can be refused
+    with a message instead of dying in the allocator. The VAE part was calibrated on the demo models (see the
+    constants above; ``tests/test_pipeline.py`` checks it bounds the measured peak); it scales with the frame area,
+    which ``"height"`` sharding divides by ``sp_size`` and ``"tiled"`` caps at ``tile`` (with its overlap).
+    """
+    padded = causal_frame_count(frames, temporal_factor)
+    units = _VAE_UNITS_ONE_FRAME if padded == 1 else _VAE_UNITS_FIVE if padded <= 5 else _VAE_UNITS_CHUNKED
+    area = height * width
+    if vae_parallel == "height":
+        area = math.ceil(height / sp_size) * width
+    elif vae_parallel == "tiled" and tile is not None:
+        area = min(height, tile[0]) * min(width, tile[1])
+    vae = units * vae_channels * area * element_bytes
+    latent_frames = 1 + (padded - 1) // temporal_factor
+    tokens = math.ceil(latent_frames / patch[0]) * math.ceil(height / spatial_factor / patch[1]) * math.ceil(
+        width / spatial_factor / patch[2])
+    dit = _DIT_UNITS_PER_TOKEN * math.ceil(tokens / sp_size) * dit_width * element_bytes
+    frame_bytes = _FRAME_COPIES * 3 * padded * height * width * 4
+    return MemoryEstimate(vae=int(vae), dit=int(dit), frames=int(frame_bytes))
 
 
 # ---- the pipeline -------------------------------------------------------------------------------------------------
@@ -312,3 +374,42 @@ class SeedVR2Pipeline:
         if trace is not None:
             trace.update(latent=latent, restored_latent=restored)
         return self.decode(restored, video.shape[1])
+
+    # ---- long clips -------------------------------------------------------------------------------------------
+    def restore_batch(
+        self, video: torch.Tensor, txt: torch.Tensor, start: int, seed: int, color_fix: bool = False
+    ) -> torch.Tensor:
+        """Restore the temporal batch ``video [3, t, h, w]`` that begins at clip frame ``start``, with noise keyed by
+        its position in the clip (:func:`~examples.seedvr2.temporal.clip_noise`), then optionally the wavelet colour
+        fix towards the input. Any rank (any group) restoring this batch gets the same result."""
+        t, h, w = video.shape[1:]
+        f = self.spatial_factor
+        noise = clip_noise(seed, start, t, (h // f, w // f), self.vae.config.latent_channels, self.temporal_factor)
+        restored = self.restore(video, txt, noise=noise)
+        if color_fix:
+            reference = video.to(restored.device).transpose(0, 1)
+            restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
+        return restored
+
+    def restore_stream(
+        self,
+        frames: Iterable[torch.Tensor],
+        txt: torch.Tensor,
+        *,
+        batch_frames: int = DEFAULT_BATCH_FRAMES,
+        overlap: int = DEFAULT_OVERLAP,
+        seed: int = 0,
+        color_fix: bool = False,
+    ) -> Iterator[torch.Tensor]:
+        """Restore a clip of any length from an iterator of frames ``[3, h, w]`` (in [-1, 1]), yielding restored
+        frames ``[3, h, w]`` in order as soon as they are final.
+
+        The clip is cut into temporal batches of ``batch_frames`` (4n + 1) frames sharing ``overlap`` frames, which
+        are cross-faded (see :mod:`examples.seedvr2.temporal`). At most one batch of input, its result and
+        ``overlap`` held frames are alive at a time, so memory does not depend on the clip's length.
+        """
+        blender = TemporalBlender()
+        for batch, clip in temporal_batches(frames, batch_frames, overlap):
+            restored = self.restore_batch(clip.transpose(0, 1), txt, batch.start, seed, color_fix)
+            yield from blender.push(batch, restored.transpose(0, 1), overlap)
+        yield from blender.finish()
