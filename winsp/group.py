@@ -258,9 +258,26 @@ def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), True
 
 
-def shutdown_world() -> None:
-    """Tear down the default process group if one is running."""
+def shutdown_world(timeout_s: float = 60.0) -> None:
+    """Tear down the default process group if one is running, after the ranks meet once.
+
+    Without the meeting a rank that finishes first closes its connections while a peer's transport may still be
+    using them (gloo then aborts that peer's process at exit). The meeting waits at most ``timeout_s`` on gloo
+    (``monitored_barrier``); if a peer never arrives (it failed), the group is torn down anyway.
+    """
+    import datetime
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()
+    except RuntimeError:
+        pass  # a peer is gone: nothing left to wait for
+    finally:
         dist.destroy_process_group()

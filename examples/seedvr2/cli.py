@@ -317,15 +317,14 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         txt = _read_text_embeds(args.text_embeds, dit.config.txt_in_dim) if args.text_embeds else demo_text_embeds()
         return LoadedModels(dit, vae, txt, demo=True)
 
-    from .dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
-    from .vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint
+    from .dit import load_dit_checkpoint
+    from .pipeline import released_models_on_meta
+    from .vae import load_vae_checkpoint
 
     for flag, path in (("--dit-checkpoint", args.dit_checkpoint), ("--vae-checkpoint", args.vae_checkpoint)):
         if not os.path.isfile(path):
             raise InputError(f"{flag}: file not found: {path}")
-    with torch.device("meta"):
-        dit = SeedVR2NaDiT(NaDiTConfig.released(args.model)).to(dtype)  # a bf16 checkpoint stays bf16
-        vae = CausalVideoVAE(VideoVAEConfig.seedvr2()).to(dtype)
+    dit, vae = released_models_on_meta(args.model, dtype)
     for flag, loader, model, path in (("--dit-checkpoint", load_dit_checkpoint, dit, args.dit_checkpoint),
                                       ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint)):
         try:

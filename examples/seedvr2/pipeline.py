@@ -174,6 +174,16 @@ def estimate_restore_bytes(
 # ---- the pipeline -------------------------------------------------------------------------------------------------
 
 
+def released_models_on_meta(model: str, dtype: torch.dtype):
+    """The released ``model``'s DiT (``"3b"`` or ``"7b"``) and the VAE, built on the meta device in ``dtype`` for a
+    strict checkpoint load (a bf16 checkpoint loaded into a bf16 model is never cast up on the way)."""
+    from .dit import NaDiTConfig, SeedVR2NaDiT
+    from .vae import CausalVideoVAE, VideoVAEConfig
+
+    with torch.device("meta"):
+        return SeedVR2NaDiT(NaDiTConfig.released(model)).to(dtype), CausalVideoVAE(VideoVAEConfig.seedvr2()).to(dtype)
+
+
 class SeedVR2Pipeline:
     """SeedVR2's one-step restorer over a DiT (:class:`~examples.seedvr2.dit.SeedVR2NaDiT`) and a VAE
     (:class:`~examples.seedvr2.vae.CausalVideoVAE`), window-parallel over an SP group.
@@ -239,8 +249,8 @@ class SeedVR2Pipeline:
         in ``dtype``, loaded strictly from the two checkpoints (``report`` gets the loaders' one-line cast notes), on
         ``device``. With neither checkpoint: the tiny demo weights of that architecture (:mod:`.demo`). ``kwargs`` go
         to the constructor (``vae_parallel``, ``group``, ...)."""
-        from .dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
-        from .vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint
+        from .dit import load_dit_checkpoint
+        from .vae import load_vae_checkpoint
 
         if (dit_checkpoint is None) != (vae_checkpoint is None):
             raise ValueError("give both dit_checkpoint and vae_checkpoint, or neither for the demo weights")
@@ -249,9 +259,7 @@ class SeedVR2Pipeline:
 
             dit, vae = demo_models(device, dtype, model=model)
             return cls(dit, vae, **kwargs)
-        with torch.device("meta"):
-            dit = SeedVR2NaDiT(NaDiTConfig.released(model)).to(dtype)
-            vae = CausalVideoVAE(VideoVAEConfig.seedvr2()).to(dtype)
+        dit, vae = released_models_on_meta(model, dtype)
         load_dit_checkpoint(dit, dit_checkpoint, report=report)
         load_vae_checkpoint(vae, vae_checkpoint, report=report)
         return cls(dit.to(device).eval(), vae.to(device).eval(), **kwargs)
