@@ -44,7 +44,7 @@ def test_forward_compiled_vs_eager(benchmark, goal_report, models, path):
     model = by_path[path]
     benchmark.group = "SeedVR2 DiT forward, tiny golden model, CPU, SP = 1"
     with torch.no_grad():
-        benchmark.pedantic(model, args=args, rounds=7, iterations=1, warmup_rounds=2)
+        benchmark.pedantic(model, args=args, rounds=15, iterations=1, warmup_rounds=3)
     median = goal_report.median_seconds(benchmark)
     if median is None:
         return
