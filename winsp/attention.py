@@ -124,10 +124,16 @@ def attend(
     softmax_scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`window_attention` with the backend's runner and the segments' device indices already prepared."""
-    q_txt, k_txt, v_txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
+    txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
+    return _run((q_vid, k_vid, v_vid), txt, segments, index, runner, softmax_scale)
+
+
+def _run(qkv_vid, qkv_txt, segments: WindowSegments, index: WindowIndexTensors, runner: Runner,
+         softmax_scale: float | None) -> tuple[Tensor, Tensor]:
+    """Run checked inputs (text as tensors, possibly empty) through ``runner``; an empty rank gets empty outputs."""
     if segments.total_seq == 0:
-        return _empty_outputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt)
-    return runner((q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), segments, index, _scale(q_vid, softmax_scale))
+        return _empty_outputs(*qkv_vid, *qkv_txt)
+    return runner(qkv_vid, qkv_txt, segments, index, _scale(qkv_vid[0], softmax_scale))
 
 
 def window_attention(
@@ -152,10 +158,10 @@ def window_attention(
     ``head_dim ** -0.5``. The backend is resolved and the indices are built on every call; a runtime request does
     both once (see :func:`attend`).
     """
-    _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
+    txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
     name = select_backend(q_vid.device, segments, backend, dtype=q_vid.dtype)
-    return attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments, segments.index_tensors(q_vid.device),
-                  load_backend(name), softmax_scale=softmax_scale)
+    return _run((q_vid, k_vid, v_vid), txt, segments, segments.index_tensors(q_vid.device), load_backend(name),
+                softmax_scale)
 
 
 def reference_window_attention(

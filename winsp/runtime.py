@@ -242,13 +242,9 @@ class WindowRuntime:
         """Hits, misses, bound and size of the runtime's store."""
         return self.store.cache_info()
 
-    def backend_for(
-        self, device: torch.device | str, segments: WindowSegments | None = None, dtype: torch.dtype | None = None
-    ) -> str:
-        """The attention backend this runtime uses on ``device`` (for ``segments`` if given, else in general)."""
+    def backend_for(self, device: torch.device | str) -> str:
+        """The attention backend this runtime uses on ``device`` in general (a request knows its own exactly)."""
         device = torch.device(device)
-        if segments is not None:
-            return select_backend(device, segments, self.attention_backend, dtype=dtype)
         if self.attention_backend != "auto":
             return self.attention_backend
         usable = [b for b in available_backends(device) if b != "batched_sdpa"]

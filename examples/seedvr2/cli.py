@@ -44,8 +44,6 @@ from .media import (
     output_kind,
     parse_resolution,
     plan_geometry,
-    read_media,
-    write_media,
 )
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
