@@ -29,8 +29,10 @@ class DiffusionParallelConfig:
         advanced_uaa: must be False (same as ``ulysses_mode="advanced_uaa"``).
         ulysses_a2a_permute: must be False (there is no head all-to-all to permute).
         attention_backend: ``"auto"`` or a backend name of :mod:`winsp.backends` (checked here, at construction).
-        planner: how windows are placed on ranks: ``"lpt"`` (token-balanced, the default) or another name of
-            :data:`winsp.schedule.PLANNERS`.
+        planner: how rows are placed on ranks: ``"auto"`` (the default: per layout, LPT's whole windows or windows
+            split across ranks, whichever the cost constants of :mod:`winsp.costs` predict is faster), ``"lpt"`` or
+            ``"locality"`` (whole windows always), ``"split"`` (always cut the rows evenly, splitting windows); see
+            :data:`winsp.schedule.PLANNERS`. Every planner gives the same output.
         plan_cache_size: how many request shapes the runtime's store keeps (plans, transitions, indices).
     """
 
@@ -41,7 +43,7 @@ class DiffusionParallelConfig:
     advanced_uaa: bool = False
     ulysses_a2a_permute: bool = False
     attention_backend: str = "auto"
-    planner: str = "lpt"
+    planner: str = "auto"
     plan_cache_size: int = 64
 
     def __post_init__(self) -> None:

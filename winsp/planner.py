@@ -65,55 +65,124 @@ def _check_rank_windows(rank_windows: Sequence[Sequence[int]], num_windows: int,
     return out
 
 
-class Plan:
-    """Which windows of a layout each of ``world_size`` ranks owns, and the rows that follow from it.
+def _check_rank_pieces(rank_pieces, counts: np.ndarray, world_size: int) -> tuple:
+    """Validate a split placement: per rank, ``(window, first row, end row)`` pieces that tile every window once."""
+    out = tuple(tuple((int(w), int(a), int(b)) for w, a, b in pieces) for pieces in rank_pieces)
+    if len(out) != world_size:
+        raise ValueError(f"rank_pieces has {len(out)} lists but the plan is for {world_size} ranks")
+    covered = np.zeros(counts.size, dtype=np.int64)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for rank, pieces in enumerate(out):
+        for w, a, b in pieces:
+            if not (0 <= w < counts.size and 0 <= a < b <= counts[w]):
+                raise ValueError(f"rank_pieces[{rank}] has piece {(w, a, b)}, which is not a non-empty row range of "
+                                 f"one of the {counts.size} windows")
+            covered[w] += b - a
+            spans.setdefault(w, []).append((a, b))
+    for w, ranges in spans.items():
+        ranges.sort()
+        if ranges[0][0] != 0 or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
+            raise ValueError(f"rank_pieces: the pieces of window {w} overlap or leave a gap: {ranges}")
+    if not np.array_equal(covered, counts):
+        missing = int(np.nonzero(covered != counts)[0][0])
+        raise ValueError(f"rank_pieces must cover each window's rows exactly once; window {missing} is not covered")
+    return out
 
-    A rank's local rows are its windows' tokens, window after window in the order ``rank_windows`` lists them
-    (ascending window id for LPT), row-major inside a window.
+
+class Plan:
+    """Which rows of a layout each of ``world_size`` ranks owns: whole windows, or pieces of split windows.
+
+    A rank's local rows are its pieces' tokens, piece after piece in the order ``rank_pieces`` lists them, row-major
+    inside a window. With whole windows (the LPT and locality planners) every piece is a whole window and
+    ``rank_windows`` lists them (ascending window id for LPT). A *split* window has its rows shared by several ranks
+    (``window_holders``); :mod:`winsp.split` computes its attention exactly across them.
+
+    Balance is reported against a perfect split (``N / P``): ``rank_rows`` (tokenwise work), ``rank_attention``
+    (video query x video key pairs, a split window's share counted by rows, which is how its heads are shared out)
+    and ``imbalance`` (the larger of the two ratios). ``window_bound_imbalance`` is the former figure, against the
+    best whole windows could do (``max(largest window, ceil(N / P))``).
 
     Args:
         layout: the windows.
         world_size: the number of ranks.
         key: a hashable identity (the planner's cache key); plans with equal non-empty keys are interchangeable.
         rank_windows: one list of window ids per rank, covering every window exactly once; None runs LPT.
+        rank_pieces: instead of ``rank_windows``, one list of ``(window, first row, end row)`` per rank; the pieces of
+            a window tile its rows exactly once.
     """
 
     def __init__(self, layout: Layout, world_size: int, key: tuple = (), *,
-                 rank_windows: Sequence[Sequence[int]] | None = None) -> None:
+                 rank_windows: Sequence[Sequence[int]] | None = None,
+                 rank_pieces: Sequence[Sequence[tuple[int, int, int]]] | None = None) -> None:
         self.layout = layout
         self.world_size = _check_world_size(world_size)
         self.key = key
-        if rank_windows is None:
-            rank_windows = lpt_assign(layout.token_counts.tolist(), self.world_size)
-        self.rank_windows: tuple[tuple[int, ...], ...] = _check_rank_windows(
-            rank_windows, layout.num_windows, self.world_size)
         counts = layout.token_counts
-        self.rank_token_counts: tuple[int, ...] = tuple(int(counts[list(ws)].sum()) for ws in self.rank_windows)
+        if rank_pieces is not None:
+            if rank_windows is not None:
+                raise ValueError("give rank_windows or rank_pieces, not both")
+            self.rank_pieces = _check_rank_pieces(rank_pieces, counts, self.world_size)
+            self.rank_windows: tuple[tuple[int, ...], ...] = tuple(
+                tuple(w for w, a, b in pieces if a == 0 and b == counts[w]) for pieces in self.rank_pieces)
+        else:
+            if rank_windows is None:
+                rank_windows = lpt_assign(counts.tolist(), self.world_size)
+            self.rank_windows = _check_rank_windows(rank_windows, layout.num_windows, self.world_size)
+            self.rank_pieces = tuple(tuple((w, 0, int(counts[w])) for w in ws) for ws in self.rank_windows)
+        self.rank_token_counts: tuple[int, ...] = tuple(sum(b - a for _, a, b in ps) for ps in self.rank_pieces)
+        self.rank_rows = self.rank_token_counts
+        self.rank_attention: tuple[int, ...] = tuple(
+            int(sum((b - a) * int(counts[w]) for w, a, b in ps)) for ps in self.rank_pieces)
+        n, p = layout.num_tokens, self.world_size
         largest = int(counts.max()) if counts.size else 0
-        self.ideal_lower_bound: int = max(largest, math.ceil(layout.num_tokens / self.world_size))
-        self.imbalance: float = max(self.rank_token_counts) / self.ideal_lower_bound if self.ideal_lower_bound else 1.0
+        self.ideal_lower_bound: int = max(largest, math.ceil(n / p))
+        self.window_bound_imbalance: float = (max(self.rank_token_counts) / self.ideal_lower_bound
+                                              if self.ideal_lower_bound else 1.0)
+        total_pairs = int((counts.astype(np.int64) ** 2).sum())
+        self.row_imbalance: float = max(self.rank_rows) * p / n if n else 1.0
+        self.attention_imbalance: float = max(self.rank_attention) * p / total_pairs if total_pairs else 1.0
+        self.imbalance: float = max(self.row_imbalance, self.attention_imbalance)
+
+    @cached_property
+    def window_holders(self) -> dict[int, tuple[tuple[int, int, int], ...]]:
+        """Split windows only: window id -> its ``(rank, first row, end row)`` pieces in row order."""
+        counts = self.layout.token_counts
+        out: dict[int, list] = {}
+        for rank, pieces in enumerate(self.rank_pieces):
+            for w, a, b in pieces:
+                if b - a != counts[w]:
+                    out.setdefault(w, []).append((rank, a, b))
+        return {w: tuple(sorted(v, key=lambda x: x[1])) for w, v in sorted(out.items())}
+
+    @property
+    def has_split_windows(self) -> bool:
+        """Whether any window's rows are shared by several ranks."""
+        return bool(self.window_holders)
 
     @cached_property
     def window_owner(self) -> np.ndarray:
-        """[n] rank owning each window."""
+        """[n] rank owning each window (for a split window: the rank holding its first row)."""
         owner = np.empty(self.layout.num_windows, dtype=np.int64)
-        for rank, windows in enumerate(self.rank_windows):
-            owner[list(windows)] = rank
+        for rank, pieces in enumerate(self.rank_pieces):
+            for w, a, _ in pieces:
+                if a == 0:
+                    owner[w] = rank
         return owner
 
     @cached_property
     def _rank_positions(self) -> tuple[np.ndarray, ...]:
         lay = self.layout
         out = []
-        for windows in self.rank_windows:
-            w = np.asarray(windows, dtype=np.int64)
-            if w.size == 0:
+        for pieces in self.rank_pieces:
+            if not pieces:
                 out.append(np.empty(0, dtype=np.int64))
                 continue
-            counts = lay.token_counts[w]
-            # positions = concat(range(offsets[w], offsets[w] + counts[w])) without a per-window loop
-            starts = np.repeat(lay.offsets[w] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-            out.append(starts + np.arange(int(counts.sum()), dtype=np.int64))
+            arr = np.asarray(pieces, dtype=np.int64)
+            first = lay.offsets[arr[:, 0]] + arr[:, 1]
+            lengths = arr[:, 2] - arr[:, 1]
+            # positions = concat(range(first[i], first[i] + lengths[i])) without a per-piece loop
+            starts = np.repeat(first - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+            out.append(starts + np.arange(int(lengths.sum()), dtype=np.int64))
         return tuple(out)
 
     def rank_positions(self, rank: int) -> np.ndarray:
@@ -127,7 +196,12 @@ class Plan:
     @cached_property
     def token_owner(self) -> np.ndarray:
         """[N] rank owning each canonical token id."""
-        return self.window_owner[self.layout.window_of_position[self.layout.position_of_token]]
+        if not self.has_split_windows:
+            return self.window_owner[self.layout.window_of_position[self.layout.position_of_token]]
+        owner = np.empty(self.layout.num_tokens, dtype=np.int64)
+        for rank in range(self.world_size):
+            owner[self.rank_token_ids(rank)] = rank
+        return owner
 
     @cached_property
     def token_local_index(self) -> np.ndarray:
@@ -151,4 +225,4 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(windows={self.layout.num_windows}, tokens={self.layout.num_tokens}, "
                 f"world_size={self.world_size}, rank_tokens={list(self.rank_token_counts)}, "
-                f"imbalance={self.imbalance:.3f})")
+                f"split_windows={len(self.window_holders)}, imbalance={self.imbalance:.3f})")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .attention import attend
+from .attention import _scale, attend
 from .backends import Runner, available_backends, check_backend_name, load_backend, select_backend
 from .checks import count_tuple
 from .compile import planning
@@ -37,8 +37,10 @@ from .planner import Plan
 from .redistribute import RankTransitionTensors, Transition, gather_rows, redistribute_rows
 from .schedule import _check_schedule, check_planner, plan_schedule
 from .segments import WindowIndexTensors, WindowSegments
+from .split import SplitAttention, SplitAttentionTensors, refuse_score_mods, split_attention
 from .store import CacheInfo, RuntimeStore
-from .text import TextReduction, TextReductionTensors, reduce_window_text
+from .text import (TextReduction, TextReductionTensors, finish_text_reduction, reduce_window_text,
+                   sum_window_text)
 
 __all__ = ["WindowRuntime", "WindowRequest", "LocalWindows", "LayoutTensors", "PreparedRequest"]
 
@@ -46,7 +48,11 @@ _log = logging.getLogger("winsp")
 
 
 class LocalWindows:
-    """One rank's share of one plan, on the CPU: its windows, rows, positions and attention segments."""
+    """One rank's share of one plan, on the CPU: its windows, rows, positions and attention segments.
+
+    ``windows``, ``segments`` and ``text`` describe the windows this rank holds whole; the rows of split windows'
+    pieces (a plan with split windows) are in ``positions`` too, and :mod:`winsp.split` computes their attention.
+    """
 
     def __init__(self, plan: Plan, rank: int, text_lengths: tuple[int, ...]) -> None:
         self.plan, self.rank = plan, rank
@@ -157,8 +163,11 @@ class WindowRuntime:
         schedule: one :class:`~winsp.geometry.WindowGeometry` per layer.
         group: a :class:`~winsp.group.SPGroup`, a ``torch.distributed`` process group, or None (one rank).
         attention_backend: ``"auto"`` or a backend name of :mod:`winsp.backends`.
-        planner: a name of :data:`winsp.schedule.PLANNERS` (``"lpt"`` by default).
+        planner: a name of :data:`winsp.schedule.PLANNERS` (``"auto"`` by default: whole or split windows per
+            layout, whichever is predicted faster).
         store_size: how many entries the runtime's store keeps (LRU).
+        split_windows: False for a model whose attention takes a ``score_mod`` / ``mask_mod``: ``"auto"`` then keeps
+            whole windows (a split window has no per-local-row tensors for them to index).
     """
 
     def __init__(
@@ -167,10 +176,14 @@ class WindowRuntime:
         *,
         group=None,
         attention_backend: str = "auto",
-        planner: str = "lpt",
+        planner: str = "auto",
         store_size: int = 64,
+        split_windows: bool = True,
     ) -> None:
         self.schedule = _check_schedule(schedule)
+        if not isinstance(split_windows, bool):
+            raise ValueError(f"split_windows must be True or False, got {split_windows!r}")
+        self.split_windows = split_windows
         self.group = group if isinstance(group, SPGroup) else SPGroup(group)
         self.attention_backend = check_backend_name(attention_backend)
         self.planner = check_planner(planner)
@@ -270,12 +283,17 @@ class WindowRuntime:
     def plans(self, grids: Sequence[Sequence[int]]) -> tuple[Plan, ...]:
         """One plan per layer for a packed batch of ``grids`` (from the store; :func:`winsp.plan_schedule`)."""
         grids = check_grids(grids)
-        return self.store.get(("plans", grids),
-                              lambda: tuple(plan_schedule(grids, self.schedule, self.world_size, self.planner)))
+        return self.store.get(("plans", grids), lambda: tuple(plan_schedule(
+            grids, self.schedule, self.world_size, self.planner, split_windows=self.split_windows)))
 
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
         return self.store.get(key, lambda: Transition(src, dst).for_rank(self.rank).to(device))
+
+    def _split(self, plan: Plan, text_lengths: tuple[int, ...], heads: int,
+               device: torch.device) -> SplitAttentionTensors:
+        key = ("split", plan.key or id(plan), self.rank, heads, text_lengths, str(device))
+        return self.store.get(key, lambda: SplitAttention.build(plan, self.rank, heads, text_lengths).to(device))
 
     def _layout(self, plan: Plan, text_lengths: tuple[int, ...], device: torch.device) -> LayoutTensors:
         def build() -> LayoutTensors:
@@ -531,8 +549,30 @@ class WindowRequest:
         elif self.num_text_rows:
             raise ValueError(f"the request has text lengths {self.text_lengths} but attention got no text tensors")
         _, runner = self._runner(self._slot, q_vid.dtype)
+        if lay.plan.has_split_windows:
+            return self._attention_split(lay, runner, (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), softmax_scale,
+                                         has_text and text_output)
         vid_out, window_text = attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, lay.segments, lay.index, runner,
                                       softmax_scale=softmax_scale)
         if not (has_text and text_output):
             return vid_out, None
         return vid_out, reduce_window_text(window_text, lay.text, self.group)
+
+    def _attention_split(self, lay: LayoutTensors, runner: Runner, qkv: tuple, qkv_txt: tuple,
+                         softmax_scale: float | None, text_output: bool, score_mod=None,
+                         mask_mod=None) -> tuple[Tensor, Tensor | None]:
+        """:meth:`attention` on a layout with split windows: whole windows as usual, split ones head-parallel."""
+        refuse_score_mods(lay.plan, score_mod, mask_mod)
+        q = qkv[0]
+        split = self.runtime._split(lay.plan, self.text_lengths, q.shape[1], self.device)
+        vid_whole, window_text = attend(*(t.index_select(0, split.whole_rows) for t in qkv), *qkv_txt,
+                                        lay.segments, lay.index, runner, softmax_scale=softmax_scale)
+        txt = tuple(t if t is not None else q.new_zeros((0,) + tuple(q.shape[1:])) for t in qkv_txt)
+        vid_split, txt_split = split_attention(*(t.index_select(0, split.split_rows) for t in qkv), *txt, split,
+                                               self.group, _scale(q, softmax_scale))
+        vid_out = torch.cat([vid_whole, vid_split]).index_select(0, split.restore)
+        if not text_output:
+            return vid_out, None
+        acc = sum_window_text(window_text, lay.text, self.group)
+        acc = acc.view(-1, q.shape[-1]).index_add(0, split.text_index, txt_split.to(acc.dtype)).view_as(acc)
+        return vid_out, finish_text_reduction(acc, lay.text, self.group, q.dtype)

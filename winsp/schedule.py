@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .balance import choose_placement, split_placement
 from .geometry import WindowGeometry
 from .layout import build_layout, check_grids
 from .locality import locality_placement
@@ -17,10 +18,10 @@ from .planner import PLANNER_VERSION, Plan, _check_world_size
 
 __all__ = ["PLANNERS", "PLANNER_VERSIONS", "plan_schedule", "check_planner", "schedule_key"]
 
-#: Planner names in the order they are documented; ``"lpt"`` is the default.
-PLANNERS: tuple[str, ...] = ("lpt", "locality")
+#: Planner names in the order they are documented; ``"auto"`` is the default.
+PLANNERS: tuple[str, ...] = ("auto", "lpt", "locality", "split")
 #: The version of each planner's rule, part of every plan key (bump when a rule's output changes).
-PLANNER_VERSIONS: dict[str, int] = {"lpt": PLANNER_VERSION, "locality": 2}
+PLANNER_VERSIONS: dict[str, int] = {"auto": 1, "lpt": PLANNER_VERSION, "locality": 2, "split": 1}
 
 
 def check_planner(planner: object) -> str:
@@ -41,29 +42,39 @@ def _check_schedule(schedule: Sequence[WindowGeometry]) -> tuple[WindowGeometry,
 
 
 def schedule_key(grids: Sequence[Sequence[int]], schedule: Sequence[WindowGeometry], world_size: int,
-                 planner: str = "lpt") -> tuple:
-    """The identity of ``plan_schedule(grids, schedule, world_size, planner)``'s result (a cache key)."""
+                 planner: str = "auto", *, split_windows: bool = True) -> tuple:
+    """The identity of ``plan_schedule(grids, schedule, world_size, planner, split_windows=...)``'s result."""
     return (check_grids(grids), tuple((g.fingerprint, g.version) for g in _check_schedule(schedule)),
-            _check_world_size(world_size), check_planner(planner), PLANNER_VERSIONS[planner])
+            _check_world_size(world_size), check_planner(planner), PLANNER_VERSIONS[planner], bool(split_windows))
 
 
 def plan_schedule(
     grids: Sequence[Sequence[int]],
     schedule: Sequence[WindowGeometry],
     world_size: int,
-    planner: str = "lpt",
+    planner: str = "auto",
+    *,
+    split_windows: bool = True,
 ) -> list[Plan]:
     """One plan per layer of ``schedule`` for a packed batch of ``grids`` on ``world_size`` ranks.
 
-    Layers with equal geometry (equal fingerprints) get the same :class:`Plan` object. ``"lpt"`` places each
-    layout's windows independently by the LPT rule (:func:`winsp.lpt_assign`). ``"locality"`` places all the
-    schedule's layouts together so that few rows change rank between consecutive layers
-    (:func:`winsp.locality.locality_placement`); its plans therefore depend on the whole schedule, and their keys say so.
+    Layers with equal geometry (equal fingerprints) get the same :class:`Plan` object. ``"auto"`` (the default)
+    chooses per layout between LPT's whole windows and the split placement, whichever the cost constants predict is
+    faster (:func:`winsp.balance.choose_placement`). ``"lpt"`` places each layout's windows whole and independently by
+    the LPT rule (:func:`winsp.lpt_assign`). ``"locality"`` places all the schedule's whole windows together so that
+    few rows change rank between consecutive layers (:func:`winsp.locality.locality_placement`); its plans depend on
+    the whole schedule, and their keys say so. ``"split"`` always cuts the rows into equal contiguous runs
+    (:func:`winsp.balance.split_placement`), splitting the windows that straddle a cut. ``split_windows=False`` (a
+    model whose attention takes a ``score_mod`` / ``mask_mod``) keeps ``"auto"`` on whole windows and refuses
+    ``"split"``.
     """
     grids = check_grids(grids)
     schedule = _check_schedule(schedule)
     world_size = _check_world_size(world_size)
     planner = check_planner(planner)
+    if planner == "split" and not split_windows:
+        raise ValueError('planner "split" splits windows, but split_windows=False (the model declares a score_mod or '
+                         'mask_mod): use planner "auto", "lpt" or "locality"')
     version = PLANNER_VERSIONS[planner]
     distinct: dict[str, WindowGeometry] = {}
     for geom in schedule:
@@ -72,13 +83,19 @@ def plan_schedule(
     if planner == "locality":
         placements = _locality(layouts, schedule, world_size)
         context: tuple = (tuple(g.fingerprint for g in schedule),)  # the placement depends on the neighbours
+    elif planner == "auto":
+        placements = {fp: choose_placement(lay, world_size, allow_split=split_windows) for fp, lay in layouts.items()}
+        context = (bool(split_windows),)
+    elif planner == "split":
+        placements = {fp: {"rank_pieces": split_placement(lay, world_size)} for fp, lay in layouts.items()}
+        context = ()
     else:
-        placements = {fp: None for fp in layouts}
+        placements = {fp: {"rank_windows": None} for fp in layouts}
         context = ()
     by_geometry: dict[str, Plan] = {}
     for fp, geom in distinct.items():
         key = (grids, geom.fingerprint, geom.version, world_size, planner, version) + context
-        by_geometry[fp] = Plan(layouts[fp], world_size, key=key, rank_windows=placements[fp])
+        by_geometry[fp] = Plan(layouts[fp], world_size, key=key, **placements[fp])
     return [by_geometry[g.fingerprint] for g in schedule]
 
 
@@ -91,4 +108,4 @@ def _locality(layouts: dict, schedule: tuple[WindowGeometry, ...], world_size: i
         if i != j:
             transitions[(i, j)] = transitions.get((i, j), 0) + 1
     placed = locality_placement(list(layouts.values()), transitions, world_size)
-    return dict(zip(layouts, placed))
+    return {fp: {"rank_windows": rw} for fp, rw in zip(layouts, placed)}

@@ -24,7 +24,8 @@ import torch
 
 from .group import SPGroup
 
-__all__ = ["TextReduction", "TextReductionTensors", "reduce_window_text"]
+__all__ = ["TextReduction", "TextReductionTensors", "reduce_window_text", "sum_window_text",
+           "finish_text_reduction"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +70,13 @@ def reduce_window_text(
     ``window_text`` [R, ...] holds this rank's window copies, window-major (R may be 0 on a rank without windows).
     Returns [num_text_rows, ...] in the input dtype. Differentiable, and traceable by torch.compile.
     """
+    return finish_text_reduction(sum_window_text(window_text, reduction, group), reduction, group,
+                                 window_text.dtype)
+
+
+def sum_window_text(window_text: torch.Tensor, reduction: TextReduction | TextReductionTensors,
+                    group: SPGroup) -> torch.Tensor:
+    """This rank's sum of its window copies per packed text row (accumulated in float32 for half precision)."""
     if not isinstance(reduction, TextReductionTensors):
         reduction = reduction.to(window_text.device)
     if window_text.shape[0] != reduction.row_target.shape[0]:
@@ -78,7 +86,14 @@ def reduce_window_text(
         )
     acc_dtype = _accumulate_dtype(window_text.dtype)
     acc = window_text.new_zeros((reduction.num_text_rows,) + tuple(window_text.shape[1:]), dtype=acc_dtype)
-    acc = acc.index_add(0, reduction.row_target, window_text.to(acc_dtype))
+    return acc.index_add(0, reduction.row_target, window_text.to(acc_dtype))
+
+
+def finish_text_reduction(acc: torch.Tensor, reduction: TextReduction | TextReductionTensors, group: SPGroup,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """The one SUM all-reduce of the per-rank sums, divided by each sample's global window count, in ``dtype``."""
+    if not isinstance(reduction, TextReductionTensors):
+        reduction = reduction.to(acc.device)
     acc = group.all_reduce_sum(acc)
     shape = (-1,) + (1,) * (acc.dim() - 1)
-    return (acc / reduction.row_divisor.to(acc_dtype).view(shape)).to(window_text.dtype)
+    return (acc / reduction.row_divisor.to(acc.dtype).view(shape)).to(dtype)

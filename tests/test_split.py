@@ -1,0 +1,169 @@
+"""Split windows: plans that share a window's rows between ranks, and their exact head-parallel attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import winsp
+from winsp.balance import choose_placement, split_placement
+from winsp.layout import build_layout
+from winsp.redistribute import Transition
+from winsp.split import head_bounds
+from winsp.testing import run_ranks
+
+GEOMETRIES = [winsp.FixedWindows((2, 5, 6)), winsp.FixedWindows((2, 5, 6), (1, 2, 3))]
+# a packed batch with samples of very different sizes, and one with fewer rows than some worlds have ranks
+BATCHES = {
+    "packed": ([(3, 10, 12), (1, 3, 2), (2, 7, 9)], [5, 3, 8]),
+    "tiny": ([(1, 1, 3)], [2]),
+    "few": ([(3, 16, 24), (1, 4, 6)], [7, 3]),  # SeedVR2 windows of a 9x256x384 clip: 3 windows, auto splits them
+}
+SEEDVR2 = [winsp.make_geometry("regular", (4, 3, 3)), winsp.make_geometry("shifted", (4, 3, 3))]
+
+
+def _layout(grids, geometry=GEOMETRIES[0]):
+    return build_layout(grids, geometry)
+
+
+# ---- plans --------------------------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(grid=st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12)), p=st.integers(1, 9),
+       shifted=st.booleans())
+def test_split_placement_is_contiguous_and_balanced(grid, p, shifted):
+    lay = _layout([grid], GEOMETRIES[int(shifted)])
+    plan = winsp.Plan(lay, p, rank_pieces=split_placement(lay, p))
+    positions = np.concatenate([plan.rank_positions(r) for r in range(p)])
+    assert np.array_equal(positions, np.arange(lay.num_tokens))  # rank after rank, in window order
+    n = lay.num_tokens
+    assert sum(plan.rank_rows) == n
+    if n >= 8 * p:  # rows per rank dominate the rounding: within the snap of equal work
+        assert plan.row_imbalance <= 1.2
+
+
+def test_plan_reports_rows_attention_and_both_bounds():
+    lay = build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3)))  # 4 windows of 9 tokens
+    lpt = winsp.Plan(lay, 3)
+    assert lpt.rank_rows == (18, 9, 9) and lpt.rank_attention == (162, 81, 81)
+    assert lpt.imbalance == pytest.approx(18 / 12) and lpt.window_bound_imbalance == pytest.approx(18 / 12)
+    split = winsp.Plan(lay, 3, rank_pieces=[[(0, 0, 9), (1, 0, 3)], [(1, 3, 9), (2, 0, 6)], [(2, 6, 9), (3, 0, 9)]])
+    assert split.rank_rows == (12, 12, 12) and split.imbalance == 1.0
+    assert split.window_holders == {1: ((0, 0, 3), (1, 3, 9)), 2: ((1, 0, 6), (2, 6, 9))}
+    assert split.rank_windows == ((0,), (), (3,))
+    assert list(split.window_owner) == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("pieces, match", [
+    ([[(0, 0, 9), (1, 0, 9), (2, 0, 9)], [(3, 0, 8)]], "not covered"),
+    ([[(0, 0, 9), (1, 0, 9), (2, 0, 9)], [(3, 0, 9), (3, 2, 4)]], "overlap"),
+    ([[(0, 0, 9), (1, 0, 9), (2, 0, 10)], [(3, 0, 9)]], "non-empty row range"),
+    ([[(0, 0, 9)]], "2 ranks"),
+])
+def test_bad_pieces_are_refused(pieces, match):
+    with pytest.raises(ValueError, match=match):
+        winsp.Plan(build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3))), 2, rank_pieces=pieces)
+
+
+def test_head_bounds_tile_the_heads_in_proportion():
+    for rows, heads, cuts in [(10, 4, [0, 3, 10]), (7, 3, [0, 1, 2, 7]), (5, 8, [0, 5])]:
+        spans = [head_bounds(a, b, rows, heads) for a, b in zip(cuts, cuts[1:])]
+        assert spans[0][0] == 0 and spans[-1][1] == heads
+        assert all(x[1] == y[0] and x[0] <= x[1] for x, y in zip(spans, spans[1:]))
+        for (h0, h1), a, b in zip(spans, cuts, cuts[1:]):
+            assert abs((h1 - h0) - heads * (b - a) / rows) <= 1
+
+
+def test_auto_splits_only_where_whole_windows_cannot_balance():
+    few = build_layout([(3, 16, 24)], winsp.make_geometry("regular", (4, 3, 3)))  # 9x256x384: 3 windows
+    assert "rank_pieces" in choose_placement(few, 2)
+    assert "rank_windows" in choose_placement(few, 2, allow_split=False)
+    many = build_layout([(12, 45, 80)], winsp.make_geometry("regular", (4, 3, 3)))  # 720p x 45: 27 windows
+    plan = winsp.Plan(many, 2, **choose_placement(many, 2))
+    assert not plan.has_split_windows and plan.imbalance < 1.05
+
+
+def test_split_planner_refuses_a_model_with_score_mods():
+    with pytest.raises(ValueError, match="split_windows=False"):
+        winsp.plan_schedule([(1, 6, 6)], GEOMETRIES, 2, "split", split_windows=False)
+
+
+def test_transitions_between_split_and_whole_layouts_move_each_row_once():
+    grids = BATCHES["packed"][0]
+    split = winsp.plan_schedule(grids, GEOMETRIES, 3, "split")
+    whole = winsp.plan_schedule(grids, GEOMETRIES, 3, "lpt")
+    assert split[0].has_split_windows
+    for a, b in [(split[0], whole[1]), (whole[0], split[1]), (split[0], split[1])]:
+        t = Transition(a, b)
+        assert t.count_matrix.sum() == a.layout.num_tokens
+        assert list(t.count_matrix.sum(axis=1)) == list(a.rank_rows)
+
+
+# ---- exact attention on ranks ---------------------------------------------------------------------------------
+
+HEADS, HEAD_DIM = 3, 4
+
+
+def _inputs(grids, text_lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(math.prod(grid) for grid in grids)
+    x = torch.randn(n, HEADS * HEAD_DIM, dtype=torch.float64, generator=g)
+    txt = torch.randn(sum(text_lengths), HEADS * HEAD_DIM, dtype=torch.float64, generator=g)
+    w = torch.randn(4, HEADS * HEAD_DIM, HEADS * HEAD_DIM, dtype=torch.float64, generator=g) / 4
+    return x, txt, w
+
+
+def _forward(runtime, grids, text_lengths, x, txt, w, layers=(0, 1, 0)):
+    """Three attention layers over two layouts (split -> whole / split -> split and back), text included."""
+    req = runtime.request(grids=grids, text_lengths=text_lengths, dtype=torch.float64)
+    h = req.scatter(x, layers[0])
+    shape = (-1, HEADS, HEAD_DIM)
+    for i, layer in enumerate(layers):
+        h = req.to_layer(h, layer)
+        q, k, v = (torch.tanh(h @ w[j]).view(shape) for j in range(3))
+        qt, kt, vt = (torch.tanh(txt @ w[j]).view(shape) for j in range(3))
+        out, txt_out = req.attention(q, k, v, qt, kt, vt)
+        h = h + out.reshape(h.shape) @ w[3]
+        txt = txt + txt_out.reshape(txt.shape)
+    return req.gather(h), txt
+
+
+def _schedule(batch):
+    return SEEDVR2 if batch == "few" else GEOMETRIES
+
+
+def _rank_main(rank, world_size, planner, batch):
+    grids, text_lengths = BATCHES[batch]
+    x, txt, w = _inputs(grids, text_lengths)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    runtime = winsp.WindowRuntime(_schedule(batch), group=winsp.SPGroup.world(), planner=planner)
+    out, txt_out = _forward(runtime, grids, text_lengths, x, txt, w)
+    out.square().sum().backward()
+    grad_w = w.grad.clone()
+    runtime.group.all_reduce_sum_(grad_w)  # partial sums over the group
+    split = [runtime.plans(grids)[i].has_split_windows for i in range(2)]
+    return out.detach(), txt_out.detach(), grad_w, split
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, planner, batch", [
+    (2, "split", "packed"), (3, "split", "packed"), (4, "split", "tiny"), (2, "auto", "few"),
+])
+def test_split_windows_equal_one_rank(world_size, planner, batch):
+    grids, text_lengths = BATCHES[batch]
+    x, txt, w = _inputs(grids, text_lengths)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    ref_out, ref_txt = _forward(winsp.WindowRuntime(_schedule(batch)), grids, text_lengths, x, txt, w)
+    ref_out.square().sum().backward()
+    results = run_ranks(_rank_main, world_size, planner, batch, timeout=120)
+    for rank, (out, txt_out, grad_w, split) in enumerate(results):
+        assert any(split), split
+        torch.testing.assert_close(out, ref_out.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(txt_out, ref_txt.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad_w, w.grad, rtol=1e-10, atol=1e-10)
