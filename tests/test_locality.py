@@ -25,7 +25,7 @@ def _moved(plans) -> int:
 
 
 def _balance_limit(plan_locality: Plan, plan_lpt: Plan) -> float:
-    return max(1.05, plan_lpt.imbalance + 0.01)
+    return max(1.05, plan_lpt.window_bound_imbalance + 0.01)
 
 
 def _check_valid(plans, grids, world_size):
@@ -37,7 +37,7 @@ def _check_valid(plans, grids, world_size):
 
 
 def test_planner_registry():
-    assert PLANNERS == ("lpt", "locality")
+    assert PLANNERS == ("auto", "lpt", "locality", "split")
     assert PLANNER_VERSIONS["lpt"] == winsp.PLANNER_VERSION and PLANNER_VERSIONS["locality"] != PLANNER_VERSIONS["lpt"]
     assert check_planner("locality") == "locality"
     with pytest.raises(ValueError, match="unknown planner 'nearest'.*locality"):
@@ -94,7 +94,7 @@ def test_large_grids_move_at_most_half_of_lpt_within_the_balance_promise(grid, w
     _check_valid(loc, [grid], world_size)
     assert _moved(loc) <= 0.5 * _moved(lpt), (_moved(loc), _moved(lpt))
     for a, b in zip(loc, lpt):
-        assert a.imbalance <= _balance_limit(a, b), (a.imbalance, b.imbalance)
+        assert a.window_bound_imbalance <= _balance_limit(a, b), (a, b)
 
 
 def test_4k_121_frames_at_8_ranks_moves_at_most_a_quarter():
@@ -105,7 +105,7 @@ def test_4k_121_frames_at_8_ranks_moves_at_most_a_quarter():
     plans = [Plan(lay, 8, rank_windows=rw) for lay, rw in zip(layouts, placed)]
     moved = cut_weight(overlap_edges(*layouts), plans[0].window_owner, plans[1].window_owner)
     assert moved <= 0.25 * layouts[0].num_tokens, moved / layouts[0].num_tokens
-    assert max(p.imbalance for p in plans) <= 1.05
+    assert max(p.window_bound_imbalance for p in plans) <= 1.05
 
 
 GRIDS = st.lists(st.tuples(st.integers(1, 9), st.integers(1, 30), st.integers(1, 40)), min_size=1, max_size=3)
@@ -127,7 +127,7 @@ def test_any_batch_any_degree(grids, schedule, world_size):
     _check_valid(loc, grids, world_size)
     assert _moved(loc) <= _moved(lpt)
     for a, b in zip(loc, lpt):
-        assert a.imbalance <= _balance_limit(a, b) + 1e-12, (a, b)
+        assert a.window_bound_imbalance <= _balance_limit(a, b) + 1e-12, (a, b)
 
 
 def test_more_ranks_than_windows_and_one_rank():
@@ -150,6 +150,12 @@ def test_locality_placement_rejects_bad_transitions():
 
 # ---- exactness: the SeedVR2 DiT under planner="locality" equals lpt and the golden ------------------------------
 
+def _grids(model, batch) -> list:
+    """Post-patch grids of a DiT batch."""
+    pt, ph, pw = model.config.patch_size
+    return [(-(-t // pt), -(-h // ph), -(-w // pw)) for t, h, w in batch["vid_shape"].tolist()]
+
+
 def _dit_rank_main(rank: int, world_size: int) -> dict:
     from tests.test_dit import run
     from tests.test_dit_parallel import PACKED, _batch, _golden_model
@@ -157,13 +163,15 @@ def _dit_rank_main(rank: int, world_size: int) -> dict:
     model, inputs, expected = _golden_model()
     packed = _batch(model, PACKED, seed=1)
     out = {}
-    for planner in ("lpt", "locality"):
+    for planner in ("lpt", "locality", "split"):
         runtime = model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size, planner=planner))
         golden = run(model, inputs)
         out[planner] = {"golden": golden, "packed": run(model, packed)}
         req = runtime.request(grids=[(5, 32, 56)], text_lengths=[17])
         out[planner]["placement"] = [req.plan(i).rank_windows for i in range(2)]
         out[planner]["keyed"] = planner in req.plan(0).key
+        out[planner]["split"] = [runtime.plans(_grids(model, batch))[i].has_split_windows
+                                 for batch in (inputs, packed) for i in range(2)]
     out["golden_err"] = (out["locality"]["golden"] - expected).abs().max().item()
     return out
 
@@ -177,9 +185,11 @@ def _check_dit_exactness(world_size: int) -> None:
         # the two planners really place windows differently on this input (else the test would prove nothing)
         assert res["locality"]["placement"] != res["lpt"]["placement"], rank
         assert res["golden_err"] <= 1e-4, (rank, res["golden_err"])
+        assert any(res["split"]["split"]), rank  # the split planner really splits windows here
         for what in ("golden", "packed"):
-            diff = (res["locality"][what] - res["lpt"][what]).abs().max().item()
-            assert diff <= 1e-4, (rank, what, diff)
+            for planner in ("locality", "split"):
+                diff = (res[planner][what] - res["lpt"][what]).abs().max().item()
+                assert diff <= 1e-4, (rank, planner, what, diff)
             assert torch.allclose(res["locality"][what], results[0]["locality"][what], atol=1e-6, rtol=0), rank
 
 

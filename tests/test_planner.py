@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import winsp
 from winsp.planner import PLANNER_VERSION, Plan, lpt_assign
-from winsp.schedule import plan_schedule
+from winsp.schedule import PLANNER_VERSIONS, plan_schedule
 from winsp.layout import build_layout
 
 
@@ -48,7 +48,9 @@ def test_plan_data_for_the_720p_grid():
     plan = Plan(build_layout([(12, 45, 80)], geom), 8)
     assert sum(plan.rank_token_counts) == 12 * 45 * 80
     assert plan.ideal_lower_bound == max(int(plan.layout.token_counts.max()), math.ceil(12 * 45 * 80 / 8))
-    assert plan.imbalance == max(plan.rank_token_counts) / plan.ideal_lower_bound
+    assert plan.window_bound_imbalance == max(plan.rank_token_counts) / plan.ideal_lower_bound
+    assert plan.imbalance == max(plan.row_imbalance, plan.attention_imbalance)
+    assert plan.row_imbalance == max(plan.rank_rows) * 8 / (12 * 45 * 80)
     ids = np.concatenate([plan.rank_token_ids(r) for r in range(8)])
     assert np.array_equal(np.sort(ids), np.arange(12 * 45 * 80))
     for r in range(8):
@@ -88,7 +90,8 @@ def test_plan_key_covers_degree_grid_geometry_and_versions():
 
     variants.append(_plan([(12, 45, 80)], V2((4, 3, 3)), 4))
     assert len({v.key for v in variants} | {base.key}) == 7
-    assert base.key[-2:] == ("lpt", PLANNER_VERSION)
+    assert base.key[-3:] == ("auto", PLANNER_VERSIONS["auto"], True)
+    assert plan_schedule([(12, 45, 80)], [regular], 4, "lpt")[0].key[-2:] == ("lpt", PLANNER_VERSION)
     assert variants[0].world_size == 8 and len(variants[0].rank_windows) == 8
 
 
