@@ -95,7 +95,7 @@ def test_the_sp_group_size_must_equal_the_degree():
 def test_subgroups_of_the_world_run_independent_requests():
     results = run_ranks(_subgroup_runtime, 4, timeout=120)
     for rank, (path, size, sub_rank, ok) in enumerate(results):
-        assert path.startswith("window-aligned SP, Plan A (lpt), 2 ranks")
+        assert path.startswith("window-aligned SP, Plan A (auto), 2 ranks")
         assert size == 2 and sub_rank == rank % 2 and ok
 
 

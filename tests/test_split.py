@@ -126,7 +126,7 @@ def _forward(runtime, grids, text_lengths, x, txt, w, layers=(0, 1, 0)):
         h = req.to_layer(h, layer)
         q, k, v = (torch.tanh(h @ w[j]).view(shape) for j in range(3))
         qt, kt, vt = (torch.tanh(txt @ w[j]).view(shape) for j in range(3))
-        out, txt_out = req.attention(q, k, v, qt, kt, vt)
+        out, txt_out = req.attention(q, k, v, qt, kt, vt, layer=layer)
         h = h + out.reshape(h.shape) @ w[3]
         txt = txt + txt_out.reshape(txt.shape)
     return req.gather(h), txt
@@ -167,3 +167,30 @@ def test_split_windows_equal_one_rank(world_size, planner, batch):
         torch.testing.assert_close(out, ref_out.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(txt_out, ref_txt.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad_w, w.grad, rtol=1e-10, atol=1e-10)
+
+
+def _score_mod_rank(rank, world_size):
+    grids, text_lengths = BATCHES["few"]
+    runtime = winsp.WindowRuntime(SEEDVR2, group=winsp.SPGroup.world())
+    out = {"auto_splits": runtime.plans(grids)[0].has_split_windows}
+    req = runtime.request(grids=grids, text_lengths=text_lengths)
+    q = torch.randn(req.layout(0).num_rows, HEADS, HEAD_DIM)
+    t = torch.randn(sum(text_lengths), HEADS, HEAD_DIM)
+    req.scatter(torch.zeros(sum(math.prod(g) for g in grids)), 0)
+    try:
+        req.attention(q, q, q, t, t, t, layer=0, score_mod=lambda s, h, qr, kr: s)
+        out["error"] = None
+    except ValueError as err:
+        out["error"] = str(err)
+    # a request that declares score mods gets whole windows from the default planner
+    whole = runtime.request(grids=grids, text_lengths=text_lengths, score_mods=True)
+    out["declared_splits"] = any(whole.plan(i).has_split_windows for i in range(2))
+    return out
+
+
+@pytest.mark.multirank
+def test_score_mods_are_refused_on_split_layouts_and_avoided_when_declared():
+    for res in run_ranks(_score_mod_rank, 2, timeout=60):
+        assert res["auto_splits"]
+        assert res["error"] is not None and "split_windows=False" in res["error"]
+        assert not res["declared_splits"]

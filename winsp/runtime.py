@@ -284,7 +284,7 @@ class WindowRuntime:
         return usable[0] if usable else "grouped_sdpa"
 
     def describe(self, device: torch.device | str = "cpu", backend: str | None = None) -> str:
-        """A one-line report of the execution path, e.g. ``window-aligned SP, Plan A (lpt), 4 ranks, grouped SDPA``."""
+        """A one-line report of the execution path, e.g. ``window-aligned SP, Plan A (auto), 4 ranks, grouped SDPA``."""
         backend = (backend or self.backend_for(device)).replace("_", " ").replace("sdpa", "SDPA")
         if self.world_size == 1:
             return f"window attention, single rank (no communication), {backend}"
