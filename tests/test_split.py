@@ -50,9 +50,9 @@ def test_plan_reports_rows_attention_and_both_bounds():
     lay = build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3)))  # 4 windows of 9 tokens
     lpt = winsp.Plan(lay, 3)
     assert lpt.rank_rows == (18, 9, 9) and lpt.rank_attention == (162, 81, 81)
-    assert lpt.imbalance == pytest.approx(18 / 12) and lpt.window_bound_imbalance == pytest.approx(18 / 12)
+    assert lpt.imbalance == pytest.approx(18 / 12) == lpt.row_imbalance == lpt.window_bound_imbalance
     split = winsp.Plan(lay, 3, rank_pieces=[[(0, 0, 9), (1, 0, 3)], [(1, 3, 9), (2, 0, 6)], [(2, 6, 9), (3, 0, 9)]])
-    assert split.rank_rows == (12, 12, 12) and split.imbalance == 1.0
+    assert split.rank_rows == (12, 12, 12) and split.imbalance == 1.0 == split.row_imbalance
     assert split.window_holders == {1: ((0, 0, 3), (1, 3, 9)), 2: ((1, 0, 6), (2, 6, 9))}
     assert split.rank_windows == ((0,), (), (3,))
     assert list(split.window_owner) == [0, 0, 1, 2]

@@ -9,7 +9,8 @@ the ranks holding it (:mod:`winsp.split`), which moves ``4 w (W - w) / W`` rows'
 ``w`` of its ``W`` rows: at most what Ulysses moves inside that small group.
 
 :func:`choose_placement` is the default planner's rule, per layout: the LPT placement of whole windows, or the split
-placement when the cost constants (:mod:`winsp.costs`) predict it is faster, exchange included. Everything is numpy
+placement when the cost constants (:mod:`winsp.costs`) predict it is faster, exchange included, or when whole
+windows would leave a rank more than ``BALANCE_CAP`` (5 %) over a perfect split. Everything is numpy
 on the CPU and deterministic, so every rank chooses the same with no communication.
 """
 
@@ -21,9 +22,12 @@ from .costs import DEFAULT_COSTS, CostConstants
 from .layout import Layout
 from .planner import Plan, _check_world_size, lpt_assign
 
-__all__ = ["SNAP", "split_placement", "choose_placement", "predicted_compute", "exchange_rows",
+__all__ = ["BALANCE_CAP", "SNAP", "split_placement", "choose_placement", "predicted_compute", "exchange_rows",
            "predicted_exchange"]
 
+#: Whole windows that leave a rank more than this over a perfect split of the work are split even where the cost
+#: constants call it a tie or a small loss (a 5 % imbalance against one exchange's latency on small inputs).
+BALANCE_CAP = 1.05
 #: A cut within this share of a rank's work from a window edge moves onto the edge (keeps the window whole).
 SNAP = 0.02
 
@@ -104,15 +108,21 @@ def choose_placement(layout: Layout, world_size: int, costs: CostConstants = DEF
                      allow_split: bool = True) -> dict:
     """The default planner's choice for one layout: ``{"rank_windows": ...}`` or ``{"rank_pieces": ...}``.
 
-    Whole windows by LPT, unless splitting is allowed and the split placement's predicted compute plus exchange is
-    lower than LPT's predicted compute.
+    Whole windows by LPT, unless splitting is allowed and either the split placement's predicted compute plus
+    exchange is lower than LPT's predicted compute, or LPT leaves a rank more than :data:`BALANCE_CAP` over a
+    perfect split and the split placement does better.
     """
     p = _check_world_size(world_size)
     whole = {"rank_windows": lpt_assign(layout.token_counts.tolist(), p)}
     if not allow_split or p == 1:
         return whole
     split = {"rank_pieces": split_placement(layout, p, costs)}
-    t_whole = predicted_compute(Plan(layout, p, **whole), costs)
-    split_plan = Plan(layout, p, **split)
+    whole_plan, split_plan = Plan(layout, p, **whole), Plan(layout, p, **split)
+    t_whole = predicted_compute(whole_plan, costs)
     t_split = predicted_compute(split_plan, costs) + predicted_exchange(split_plan, costs)
-    return split if t_split < t_whole else whole
+    if t_split < t_whole:
+        return split
+    # the balance promise: no rank more than BALANCE_CAP over a perfect split where splitting can avoid it
+    if whole_plan.imbalance > BALANCE_CAP and split_plan.imbalance < whole_plan.imbalance:
+        return split
+    return whole
