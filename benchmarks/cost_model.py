@@ -43,6 +43,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 import winsp  # noqa: E402
+from winsp.costs import (ATTENTION_EFFICIENCY, ELEMENTWISE_PER_GEMM, GEMM_EFFICIENCY, NVLINK_BYTES_PER_S,  # noqa: E402
+                         NVLINK_LATENCY_S, PEAK_BF16_FLOPS)
 from winsp.layout import build_layout  # noqa: E402
 from winsp.locality import locality_placement, overlap_edges  # noqa: E402
 
@@ -93,11 +95,11 @@ class Device:
     """Compute side of one GPU (published figures and assumed efficiencies)."""
 
     name: str = "H100/H200 SXM"
-    peak_flops: float = 989e12  # dense bf16, published
+    peak_flops: float = PEAK_BF16_FLOPS  # dense bf16, published (winsp.costs: the default planner weighs the same)
     hbm_bytes_per_s: float = 4.8e12  # H200 (H100: 3.35e12), published
-    gemm_efficiency: float = 0.6  # assumed: large bf16 GEMMs reach 60 % of peak
-    attention_efficiency: float = 0.4  # assumed: FlashAttention-class kernels on ~1-4K-token windows
-    elementwise_per_gemm: float = 53 / 45  # published eager SeedVR2 profile: 53 % elementwise vs 45 % GEMMs
+    gemm_efficiency: float = GEMM_EFFICIENCY  # assumed: large bf16 GEMMs reach 60 % of peak
+    attention_efficiency: float = ATTENTION_EFFICIENCY  # assumed: FlashAttention-class kernels on ~1-4K-token windows
+    elementwise_per_gemm: float = ELEMENTWISE_PER_GEMM  # published eager SeedVR2 profile: 53 % elementwise vs 45 % GEMMs
 
     def layer_compute(self, model: ModelSpec, rows: float, attention_flops: float) -> float:
         gemm = rows * model.linear_flops_per_token / (self.peak_flops * self.gemm_efficiency)
@@ -123,7 +125,7 @@ class Network:
         return self.latency + 2 * (p - 1) / p * nbytes / self.bytes_per_s if p > 1 else 0.0
 
 
-NVLINK_NODE = Network("one 8-GPU NVLink node", bytes_per_s=450e9, latency=20e-6)
+NVLINK_NODE = Network("one 8-GPU NVLink node", bytes_per_s=NVLINK_BYTES_PER_S, latency=NVLINK_LATENCY_S)
 MULTI_NODE = Network("nodes, 50 GB/s per GPU", bytes_per_s=50e9, latency=40e-6)
 H200 = Device()
 

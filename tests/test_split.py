@@ -144,8 +144,8 @@ def _rank_main(rank, world_size, planner, batch):
     runtime = winsp.WindowRuntime(_schedule(batch), group=winsp.SPGroup.world(), planner=planner)
     out, txt_out = _forward(runtime, grids, text_lengths, x, txt, w)
     out.square().sum().backward()
+    winsp.sync_gradients([w], runtime)  # the gradient convention: every rank's share, averaged over the group
     grad_w = w.grad.clone()
-    runtime.group.all_reduce_sum_(grad_w)  # partial sums over the group
     split = [runtime.plans(grids)[i].has_split_windows for i in range(2)]
     return out.detach(), txt_out.detach(), grad_w, split
 
