@@ -20,13 +20,13 @@ from winsp.testing import run_ranks
 SHAPES, TEXT, STEPS = [(2, 12, 16), (1, 8, 8)], [5, 3], [700.0, 120.0]
 
 
-def _train(world_size: int) -> dict:
+def _train(world_size: int, planner: str = "auto") -> dict:
     meta, state, _, _ = read_golden()
     torch.manual_seed(0)
     model = SeedVR2NaDiT(NaDiTConfig.from_metadata(meta))
     load_dit_checkpoint(model, state)
     model = model.double().train()
-    runtime = model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    runtime = model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size, planner=planner))
     b = random_batch(model.config, SHAPES, TEXT, STEPS, seed=5)
     vid = b["vid"].double().requires_grad_(True)
     txt = b["txt"].double().requires_grad_(True)
@@ -35,12 +35,14 @@ def _train(world_size: int) -> dict:
     (out * weight).sum().backward()  # every rank computes the same loss from the gathered output
     winsp.sync_gradients(model)  # the group of the runtime build_runtime attached
     winsp.sync_gradients([vid, txt], model)
+    grids = [(t // p[0], h // p[1], w // p[2]) for p in [model.config.patch_size] for t, h, w in SHAPES]
     return dict(out=out.detach(), vid=vid.grad, txt=txt.grad,
+                split=any(plan.has_split_windows for plan in runtime.plans(grids)),
                 params={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def _rank_main(rank, world_size):
-    return _train(world_size)
+def _rank_main(rank, world_size, planner="auto"):
+    return _train(world_size, planner)
 
 
 @pytest.fixture(scope="module")
@@ -57,19 +59,21 @@ def test_the_dit_has_every_kind_of_parameter(one_rank):
 
 
 def test_sp4_has_a_rank_without_windows():
-    """So the SP = 4 case below also covers a rank that owns no window in some layer."""
+    """So the SP = 4 lpt case below also covers a rank that owns no window in some layer (the default splits)."""
     meta = read_golden()[0]
     model = SeedVR2NaDiT(NaDiTConfig.from_metadata(meta))
     patch = model.config.patch_size
     grids = [(t // patch[0], h // patch[1], w // patch[2]) for t, h, w in SHAPES]
-    plans = winsp.plan_schedule(grids, model.window_schedule(), 4)
+    plans = winsp.plan_schedule(grids, model.window_schedule(), 4, "lpt")
     assert any(0 in plan.rank_token_counts for plan in plans)
+    assert all(plan.has_split_windows for plan in winsp.plan_schedule(grids, model.window_schedule(), 4))
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_dit_training_gradients_equal_one_rank(world_size, one_rank):
-    for rank, r in enumerate(run_ranks(_rank_main, world_size, timeout=300)):
+@pytest.mark.parametrize("world_size, planner", [(2, "auto"), (3, "auto"), (4, "auto"), (4, "lpt")])
+def test_dit_training_gradients_equal_one_rank(world_size, planner, one_rank):
+    for rank, r in enumerate(run_ranks(_rank_main, world_size, planner, timeout=300)):
+        assert r["split"] == (planner == "auto"), rank  # the default splits windows on this batch; lpt never
         for key in ("out", "vid", "txt"):
             err = (r[key] - one_rank[key]).abs().max().item()
             assert err <= 1e-9 * max(1.0, one_rank[key].abs().max().item()), (rank, key, err)
