@@ -17,7 +17,7 @@ rank's share. :func:`winsp.sync_gradients` sums parameter gradients over the gro
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -171,6 +171,7 @@ class PreparedRequest:
     steps: dict
     runners: dict
     hook_data: dict
+    splits: dict = field(default_factory=dict)  # (slot, heads) -> SplitAttentionTensors, for layouts that split
 
 
 class WindowRuntime:
@@ -671,7 +672,10 @@ class WindowRequest:
                          softmax_scale: float | None, text_output: bool) -> tuple[Tensor, Tensor | None]:
         """:meth:`attention` on a layout with split windows: whole windows as usual, split ones head-parallel."""
         q = qkv[0]
-        split = self.runtime._split(lay.plan, self.text_lengths, q.shape[1], self.device)
+        split = self.prepared.splits.get((self._slot, q.shape[1]))
+        if split is None:  # first call at this head count: prepared once, then a plain look-up like the runners
+            split = self.prepared.splits[(self._slot, q.shape[1])] = self.runtime._split(
+                lay.plan, self.text_lengths, q.shape[1], self.device)
         vid_whole, window_text = attend(*(t.index_select(0, split.whole_rows) for t in qkv), *qkv_txt,
                                         lay.segments, lay.index, runner, softmax_scale=softmax_scale)
         txt = tuple(t if t is not None else q.new_zeros((0,) + tuple(q.shape[1:])) for t in qkv_txt)
