@@ -14,6 +14,7 @@ import torch
 import winsp
 from winsp.hierarchy import GridStep, Stage, _relabel, grid_sources, stage_grids
 from winsp.schedule import plan_schedule
+from winsp.group import new_subgroup
 from winsp.testing import run_ranks
 
 ORDER = ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # torchvision's x0, x1, x2, x3
@@ -40,8 +41,8 @@ def _dense_merge(x: torch.Tensor, grids) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _down_up(rank: int, world_size: int) -> dict:
-    runtime = winsp.StagedRuntime.from_config(winsp.DiffusionParallelConfig(ulysses_degree=world_size), _stages())
+def _down_up(sp: int, group=None) -> dict:
+    runtime = winsp.StagedRuntime.from_config(winsp.DiffusionParallelConfig(ulysses_degree=sp), _stages(), group=group)
     torch.manual_seed(0)
     n = sum(t * h * w for t, h, w in GRIDS)
     x = torch.randn(n, C, dtype=torch.float64, requires_grad=True)
@@ -66,13 +67,19 @@ def _down_up(rank: int, world_size: int) -> dict:
             "layer": request.layer, "stage": request.stage}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_merge_split_and_skip_equal_dense_code(world_size):
-    results = [_down_up(0, 1)] if world_size == 1 else run_ranks(_down_up, world_size, timeout=180)
-    for r in results:
-        assert r["stage1"] < 1e-12 and r["out"] < 1e-12 and r["grad"] < 1e-12, r
-        assert (r["layer"], r["stage"]) == (3, 2)
-    assert sum(r["padding"] for r in results) == 4 * 9 * 6 - 3 * 7 * 5 + 2 * 6 * 6 - 2 * 4 * 6  # padded rows exist
+def _sp2_and_sp3(rank: int, world_size: int) -> dict:
+    groups = {2: new_subgroup([0, 1]), 3: new_subgroup([0, 1, 2])}  # every rank makes every subgroup, in order
+    return {sp: _down_up(sp, group) for sp, group in groups.items() if rank < sp}
+
+
+def test_merge_split_and_skip_equal_dense_code():
+    """One world of 3 ranks: SP = 2 on ranks {0, 1}, then SP = 3 (one spawn for both: the machine is small)."""
+    per_rank = run_ranks(_sp2_and_sp3, 3, timeout=240)
+    for sp, results in ((1, [_down_up(1)]), (2, [r[2] for r in per_rank[:2]]), (3, [r[3] for r in per_rank])):
+        for r in results:
+            assert r["stage1"] < 1e-12 and r["out"] < 1e-12 and r["grad"] < 1e-12, (sp, r)
+            assert (r["layer"], r["stage"]) == (3, 2)
+        assert sum(r["padding"] for r in results) == 4 * 9 * 6 - 3 * 7 * 5 + 2 * 6 * 6 - 2 * 4 * 6  # padding rows
 
 
 def test_stage_grids_merge_ceil_split_crop_and_pad():

@@ -47,9 +47,10 @@ def _stage_outputs(model: torch.nn.Module, parallel: bool) -> dict:
     return seen
 
 
-def compare_with_torchvision(rank: int, world_size: int, shape=(2, 3, 4, 32, 32), train: bool = False,
-                             seed: int = 0) -> dict | None:
-    """Rank 0: the relative max differences (``logits``, each stage, ``params`` (worst), ``input``); others: None."""
+def compare_with_torchvision(rank: int, sp: int, shape=(2, 3, 4, 32, 32), train: bool = False, seed: int = 0,
+                             group=None) -> dict | None:
+    """On SP rank 0 of ``sp`` ranks (the world, or ``group``): the relative max differences (``logits``, each stage,
+    the worst ``param_grad``, ``input_grad``); on the other ranks: None. Fits ``run_ranks(fn, sp, ...)``."""
     import_torchvision()
     from torchvision.models.video import swin3d_t
 
@@ -59,7 +60,8 @@ def compare_with_torchvision(rank: int, world_size: int, shape=(2, 3, 4, 32, 32)
         for module in reference.modules():
             if type(module).__name__ == "StochasticDepth":
                 module.p = 0.5
-    model = parallelize(copy.deepcopy(reference), winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    model = parallelize(copy.deepcopy(reference), winsp.DiffusionParallelConfig(ulysses_degree=sp),
+                        group=group)
     x = torch.randn(shape, dtype=torch.float64)
     target = torch.randn(shape[0], 400, dtype=torch.float64)
 
