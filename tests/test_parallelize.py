@@ -84,3 +84,11 @@ def test_current_request_only_inside_the_region():
     model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64))
     assert isinstance(seen[0], winsp.StagedRequest)
     assert winsp.context.current_request_or_none() is None
+
+
+def test_the_swin3d_adapter_is_at_most_40_lines():
+    from examples.adapter_lines import model_specific_lines
+
+    from pathlib import Path
+
+    assert model_specific_lines(str(Path(__file__).parents[1] / "examples" / "swin3d" / "adapter.py")) <= 40
