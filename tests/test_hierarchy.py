@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import winsp
-from winsp.hierarchy import GridStep, Stage, _relabel, grid_sources, stage_grids
+from winsp.hierarchy import GridStep, Stage, _place_stage, _relabel, _rows_moved, grid_sources, stage_grids
 from winsp.schedule import plan_schedule
 from winsp.group import new_subgroup
 from winsp.testing import run_ranks
@@ -41,8 +41,9 @@ def _dense_merge(x: torch.Tensor, grids) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _down_up(sp: int, group=None) -> dict:
-    runtime = winsp.StagedRuntime.from_config(winsp.DiffusionParallelConfig(ulysses_degree=sp), _stages(), group=group)
+def _down_up(sp: int, group=None, planner: str = "lpt") -> dict:
+    config = winsp.DiffusionParallelConfig(ulysses_degree=sp, planner=planner)
+    runtime = winsp.StagedRuntime.from_config(config, _stages(), group=group)
     torch.manual_seed(0)
     n = sum(t * h * w for t, h, w in GRIDS)
     x = torch.randn(n, C, dtype=torch.float64, requires_grad=True)
@@ -69,13 +70,16 @@ def _down_up(sp: int, group=None) -> dict:
 
 def _sp2_and_sp3(rank: int, world_size: int) -> dict:
     groups = {2: new_subgroup([0, 1]), 3: new_subgroup([0, 1, 2])}  # every rank makes every subgroup, in order
-    return {sp: _down_up(sp, group) for sp, group in groups.items() if rank < sp}
+    out = {sp: _down_up(sp, group) for sp, group in groups.items() if rank < sp}
+    out["locality"] = _down_up(3, groups[3], "locality")
+    return out
 
 
 def test_merge_split_and_skip_equal_dense_code():
     """One world of 3 ranks: SP = 2 on ranks {0, 1}, then SP = 3 (one spawn for both: the machine is small)."""
     per_rank = run_ranks(_sp2_and_sp3, 3, timeout=240)
-    for sp, results in ((1, [_down_up(1)]), (2, [r[2] for r in per_rank[:2]]), (3, [r[3] for r in per_rank])):
+    for sp, results in ((1, [_down_up(1)]), (2, [r[2] for r in per_rank[:2]]), (3, [r[3] for r in per_rank]),
+                        ("3, locality", [r["locality"] for r in per_rank])):
         for r in results:
             assert r["stage1"] < 1e-12 and r["out"] < 1e-12 and r["grad"] < 1e-12, (sp, r)
             assert (r["layer"], r["stage"]) == (3, 2)
@@ -111,6 +115,22 @@ def test_grid_change_moves_only_rows_whose_output_is_elsewhere_and_relabel_helps
     step = GridStep.build(single, plan_schedule(laid[1], stages[1].layers, 1)[0], sources, None, 1, 0,
                           torch.device("cpu"))
     assert not step.network_exchange_required and step.rows_moved == 0
+
+
+def test_locality_places_a_stage_where_its_input_rows_are():
+    stages = [Stage([winsp.SwinWindows((2, 7, 7)), winsp.SwinWindows((2, 7, 7), (1, 3, 3))]),
+              Stage([winsp.SwinWindows((2, 7, 7)), winsp.SwinWindows((2, 7, 7), (1, 3, 3))], merge=(1, 2, 2))]
+    grids = [(8, 56, 56)]
+    model, laid = stage_grids(stages, grids)
+    sources, _ = grid_sources(stages[1], model[0], laid[0], model[1], laid[1])
+    for world in (2, 4):
+        prev = plan_schedule(laid[0], stages[0].layers, world, "locality")[-1]
+        alone = plan_schedule(laid[1], stages[1].layers, world, "locality")
+        placed = _place_stage(prev, alone, sources, "locality")
+        assert _rows_moved(prev, placed, sources) <= _rows_moved(prev, alone, sources)
+        assert max(p.imbalance for p in placed) <= 1.05 + 1e-9
+        moved = GridStep.build(prev, placed[0], sources, None, 1, 0, torch.device("cpu")).rows_moved
+        assert moved < 0.15 * prev.layout.num_tokens, moved  # an all-gather would move N * (P - 1)
 
 
 def test_to_grid_and_to_layer_refuse_wrong_stages():
