@@ -92,3 +92,17 @@ def test_the_swin3d_adapter_is_at_most_40_lines():
     from pathlib import Path
 
     assert model_specific_lines(str(Path(__file__).parents[1] / "examples" / "swin3d" / "adapter.py")) <= 40
+
+
+def test_a_region_that_raises_leaves_no_request_behind():
+    model = parallelize(_tiny().eval())
+
+    def fail(module, args):
+        raise RuntimeError("boom inside the region")
+
+    handle = model.features[0][1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64))
+    assert winsp.context.current_request_or_none() is None
+    handle.remove()
+    assert model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64)).shape == (1, 5)
