@@ -186,10 +186,10 @@ def grid_sources(stage: Stage, src_model, src_laid, dst_model, dst_laid) -> tupl
     parent = coords // factor
     ok = dst_inside & (parent < src_model_rows).all(axis=1)
     ids = np.where(ok, _ids(sample, parent, src_laid), -1)
-    lookup = {tuple(o): i for i, o in enumerate(stage.order)}
+    lookup = np.empty(int(factor.prod()), dtype=np.int64)  # raveled child offset -> its place in stage.order
+    lookup[(order[:, 0] * factor[1] + order[:, 1]) * factor[2] + order[:, 2]] = np.arange(order.shape[0])
     rem = coords % factor
-    chunk = np.fromiter((lookup[tuple(r)] for r in rem), dtype=np.int64, count=rem.shape[0]) if rem.size else \
-        np.zeros(0, dtype=np.int64)
+    chunk = lookup[(rem[:, 0] * factor[1] + rem[:, 1]) * factor[2] + rem[:, 2]]
     return ids[:, None], np.where(ok, chunk, 0)
 
 
@@ -458,10 +458,10 @@ class StagedRuntime(WindowRuntime):
 
         def build() -> StageRows:
             model, laid = request.stage_model_grids[stage], request.stage_laid_grids[stage]
-            logical = logical_ids(model, laid)[lay.local.token_ids]
+            keep = logical_ids(model, laid)
+            logical = keep[lay.local.token_ids]
             grid = np.asarray(laid, dtype=np.int64)[lay.local.row_sample].reshape(-1, 3)
             total = sum(t * h * w for t, h, w in model)
-            keep = logical_ids(model, laid)
             device = request.device
             return StageRows(
                 valid=torch.from_numpy(logical >= 0).to(device),
