@@ -52,18 +52,18 @@ def _down_up(sp: int, group=None, planner: str = "lpt") -> dict:
     w_merged = torch.randn(_dense_merge(x, GRIDS).shape, dtype=torch.float64)
     w_out = torch.randn(n, C, dtype=torch.float64)
     request = runtime.request(GRIDS)
-    rows = request.to_layer(request.scatter(x) * 2, 1)
+    rows0 = request.scatter(x) * 2                  # layer 0's layout
+    rows = request.to_layer(rows0, 1)               # stage 0's last layer: the skip of an unchanged U-net
     padding = int((~request.valid_rows).sum())
-    skip = rows
     merged = request.to_grid(rows, 1)
     stage1 = request.gather(merged)
-    up = request.to_grid(merged, 2)
-    out = request.gather(up + request.to_layer(skip, 3, source=1))
+    up = request.to_grid(merged, 2)                 # lands where that skip is: `up + rows` needs no move
+    out = request.gather(request.to_layer(up + rows, 3) + request.to_layer(rows0, 3, source=0))
     loss = (stage1 * w_merged).sum() + (out * w_out).sum()
     loss.backward()
     winsp.sync_gradients([x], runtime)
     expected_x = x.detach().clone().requires_grad_(True)
-    want_stage1, want_out = _dense_merge(expected_x * 2, GRIDS), expected_x * 4
+    want_stage1, want_out = _dense_merge(expected_x * 2, GRIDS), expected_x * 6
     ((want_stage1 * w_merged).sum() + (want_out * w_out).sum()).backward()
     return {"stage1": (stage1 - want_stage1).abs().max().item(), "out": (out - want_out).abs().max().item(),
             "grad": (x.grad - expected_x.grad).abs().max().item(), "padding": padding,

@@ -13,7 +13,9 @@ Padding: a stage's grid is laid out as ``layers[0].padded_grid(grid)`` (Swin pad
 are ordinary local rows for the runtime; ``request.valid_rows`` tells them apart, ``scatter`` fills them with zeros,
 ``gather`` drops them and ``to_grid`` never reads them (missing children of a merge are zeros, as Swin's ``F.pad``).
 
-Skip connections: a tensor kept from an earlier layer of the same grid comes into the current layout with
+Skip connections: a split cropped ``like`` stage s lands in the layout of stage s's last layer, where a skip kept
+from the end of stage s (a U-net level's output) already lies, so unchanged model code adding it right after the
+split is right. A tensor kept from any other layer of the same grid comes into the current layout with
 ``request.to_layer(skip, layer, source=earlier_layer)``.
 """
 
@@ -396,6 +398,15 @@ class StagedRuntime(WindowRuntime):
         return cls(stages, group=flat.group, attention_backend=flat.attention_backend, planner=flat.planner,
                    store_size=flat.store.maxsize)
 
+    def landing_layer(self, stage: int) -> int:
+        """The layer whose layout :meth:`StagedRequest.to_grid` into ``stage`` lands in: the stage's first layer, or,
+        for a split cropped ``like`` stage s, stage s's *last* layer, where a skip connection kept from the end of
+        stage s already lies (so unchanged code adding it right after the split is right)."""
+        st = self.stages[stage]
+        if st.like is not None:
+            return self.first_layer[st.like] + len(self.stages[st.like].layers) - 1
+        return self.first_layer[stage]
+
     def stage_grids(self, grids: Sequence[Sequence[int]]) -> tuple[tuple, tuple]:
         """(model grids, laid-out grids) of each stage (:func:`stage_grids`)."""
         grids = check_grids(grids)
@@ -440,8 +451,7 @@ class StagedRuntime(WindowRuntime):
 
     def _grid_step(self, request: "StagedRequest", src_slot: int, stage: int) -> GridStep:
         src = request.prepared.layouts[src_slot].plan
-        dst_layer = self.first_layer[stage]
-        dst = request.prepared.plans[dst_layer]
+        dst = request.prepared.plans[self.landing_layer(stage)]
         key = ("grid-step", src.key or id(src), dst.key or id(dst), stage, self.rank, str(request.device))
 
         def build() -> GridStep:
@@ -561,7 +571,8 @@ class StagedRequest(WindowRequest):
         return redistribute_rows(x, self.runtime._step(src, dst, self.device), self.group)
 
     def to_grid(self, x: Tensor, stage: int) -> Tensor:
-        """The grid change into ``stage`` (the next one): local rows of its first layer's layout.
+        """The grid change into ``stage`` (the next one): local rows of its first layer's layout (of stage s's last
+        layer for a split cropped ``like`` s: see :meth:`StagedRuntime.landing_layer`).
 
         A merge returns ``[L, K * C, ...]`` (children's channels side by side in the stage's ``order``, zeros for
         children outside the grid); a split takes ``[L, C, ...]`` with ``C = K * C'`` and returns ``[L, C', ...]``.
@@ -575,7 +586,7 @@ class StagedRequest(WindowRequest):
         if here != stage - 1:
             raise ValueError(f"to_grid: rows are in stage {here}; stage {stage} follows stage {stage - 1}")
         out = self.runtime._grid_step(self, self._slot, stage)(x, self.group)
-        self._enter(self.runtime.first_layer[stage])
+        self._enter(self.runtime.landing_layer(stage))
         self.transitions_done += 1
         return out
 
