@@ -367,7 +367,10 @@ def _place_stage(prev: Plan, plans: list[Plan], sources: np.ndarray, planner: st
                 placement = affinity_placement(lay, weights, p)
                 if placement is None:
                     return relabelled
-            chained[id(plan)] = Plan(plan.layout, p, key=plan.key + ("affinity",), rank_windows=placement)
+            # the placement follows from the plan it was placed after: that plan's key makes this key unique
+            anchor = out[-1] if out else prev
+            chained[id(plan)] = Plan(plan.layout, p, key=plan.key + (("affinity", anchor.key),),
+                                     rank_windows=placement)
         out.append(chained[id(plan)])
     return min((relabelled, out), key=lambda ps: _rows_moved(prev, ps, sources))
 
