@@ -128,3 +128,14 @@ def test_check_parallel_on_a_small_video_swin_in_training():
     and the input gradient equal the original's (float64, 1e-9 relative)."""
     report = check_parallel(_tiny_with_stages, _parallel_tiny, _clip, world_sizes=(3,), train=True, timeout=300)
     assert report.ok and report.max_error("param") > 0 and len(report.items) > 20
+
+
+def test_two_attention_layers_under_one_parent_need_an_entry_glob():
+    model = nn.Module()
+    model.blk = nn.Module()
+    model.blk.a1, model.blk.a2 = nn.Linear(2, 2), nn.Linear(2, 2)
+    geometry = winsp.SwinWindows((1, 2, 2))
+    plan = winsp.ParallelPlan(region=winsp.Region("blk", "blk"), stages=[winsp.Stage([geometry, geometry])],
+                              attention="blk.a*", make_attention=lambda original, layer: original)
+    with pytest.raises(ValueError, match=r"share the entry module\(s\) \['blk'\]"):
+        winsp.parallelize(model, plan)
