@@ -123,6 +123,7 @@ def _clip():
     return torch.randn(2, 3, 6, 28, 36, dtype=torch.float64).requires_grad_()  # grids 3 x 7 x 9: padded windows
 
 
+@pytest.mark.slow  # the default run checks swin3d_t (tests/test_swin3d.py) and check_parallel on a U-net
 def test_check_parallel_on_a_small_video_swin_in_training():
     """winsp.testing.check_parallel at SP = 3 in train mode: logits, both stages' outputs, every parameter gradient
     and the input gradient equal the original's (float64, 1e-9 relative)."""
