@@ -7,6 +7,7 @@ only. Compiled output and gradients equal eager.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,3 +72,22 @@ def test_inductor_fullgraph_block_with_score_and_mask_mod_equals_eager():
     for name, g in grads.items():
         want = eager_grads[name.removeprefix("_orig_mod.")]
         assert (g - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), name
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_flex_backend_on_cpu_for_inference():
+    """torch compiles FlexAttention on CPU for inference only: the whole biased model, flex backend, no_grad."""
+    from examples.toy_biased_windows import BiasedWindows, PlainBiasedWindows
+
+    torch.manual_seed(0)
+    plain = PlainBiasedWindows()
+    model = BiasedWindows()
+    model.load_state_dict(plain.state_dict())
+    model.build_runtime(winsp.DiffusionParallelConfig(attention_backend="flex"))
+    gen = torch.Generator().manual_seed(1)
+    grids, lengths = [(3, 6, 8), (2, 5, 4)], [3, 2]
+    vid, txt = torch.randn(184, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="inductor")
+        assert (compiled(vid, txt, grids, lengths) - plain(vid, txt, grids, lengths)).abs().max() <= 1e-5
