@@ -238,10 +238,13 @@ class WindowAttention(nn.Module):
         k_txt: Tensor | None,
         v_txt: Tensor | None,
         segments: WindowSegments,
+        *,
+        score_mod=None,
+        mask_mod=None,
     ) -> tuple[Tensor, Tensor]:
         return window_attention(
             q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments,
-            backend=self.backend, softmax_scale=self.softmax_scale,
+            backend=self.backend, softmax_scale=self.softmax_scale, score_mod=score_mod, mask_mod=mask_mod,
         )
 
     def extra_repr(self) -> str:
