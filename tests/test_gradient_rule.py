@@ -153,11 +153,12 @@ def _inputs(chain: Chain, data_seed: int = 0):
     return vid, txt, timestep
 
 
-def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0,
+def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0, sp_sync: bool = True,
               sync=lambda model, inputs: None) -> dict[str, torch.Tensor]:
     """Forward + backward of the chain's loss (the same on every rank), synced; every gradient by name.
 
-    ``sync(model, inputs)`` runs after ``winsp.sync_gradients`` (another averaging, e.g. over a DP group).
+    ``sync(model, inputs)`` runs after ``winsp.sync_gradients`` (or instead of it with ``sp_sync=False``): another
+    averaging, e.g. over a DP group.
     """
     model = ChainModel(chain)
     schedule = model.window_schedule()
@@ -170,8 +171,9 @@ def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0,
     if chain.text_loss:
         loss = loss + (txt_out * torch.randn(txt_out.shape, generator=g, dtype=txt_out.dtype)).sum()
     loss.backward()
-    winsp.sync_gradients(model)  # the runtime attached to the model gives the group
-    winsp.sync_gradients([vid, txt, timestep], model)
+    if sp_sync:
+        winsp.sync_gradients(model)  # the runtime attached to the model gives the group
+        winsp.sync_gradients([vid, txt, timestep], model)
     sync(model, [vid, txt, timestep])
     grads = {f"param:{n}": p.grad for n, p in model.named_parameters()}
     grads.update({"input:vid": vid.grad, "input:txt": txt.grad, "input:timestep": timestep.grad,
@@ -273,17 +275,10 @@ def _sp_times_dp(rank: int, sp_groups, dp_groups) -> dict[str, float]:
     errors = {f"sp_then_dp {n}": e for n, e in relative_errors(
         {k: v for k, v in sp_then_dp.items() if k in params}, params).items()}
     # one average over the whole world (what DDP over all ranks does), no SP sync at all
-    model = ChainModel(chain)
-    object.__setattr__(model, "_winsp_runtime", winsp.WindowRuntime(model.window_schedule(), group=sp))
-    inputs = _inputs(chain, replica)
-    out, txt_out = model(*inputs)
-    g = torch.Generator().manual_seed(chain.seed + 2)
-    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
-    loss = loss + (txt_out * torch.randn(txt_out.shape, generator=g, dtype=txt_out.dtype)).sum()
-    loss.backward()
-    winsp.sync_gradients(model.parameters(), SPGroup.world())
-    got = {f"param:{n}": p.grad for n, p in model.named_parameters()}
-    errors.update({f"world {n}": e for n, e in relative_errors(got, params).items()})
+    world_only = gradients(chain, sp, data_seed=replica, sp_sync=False,
+                           sync=lambda model, inputs: winsp.sync_gradients(model.parameters(), SPGroup.world()))
+    errors.update({f"world {n}": e for n, e in relative_errors(
+        {k: v for k, v in world_only.items() if k in params}, params).items()})
     return errors
 
 
