@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import winsp
-from tests.helpers import layer_attention
 from winsp.testing import check_parallel
 
 DIM, HEADS, GRID, TEXT, WINDOW, LAYERS = 16, 2, (2, 8, 8), 5, (2, 4, 4), 4
@@ -120,7 +119,7 @@ class TinyDiT(winsp.WindowParallel, nn.Module):
                 else:  # right: one draw per sample, picked by each row's sample
                     keep = sample_keep(self.drop, len(request.grids))
                     keep = None if keep is None else keep.index_select(0, request.row_sample)
-            x, txt = block(x, txt, functools.partial(layer_attention, request, request.layer), keep)
+            x, txt = block(x, txt, functools.partial(request.attention, layer=request.layer), keep)
         return request.gather(x), txt
 
 

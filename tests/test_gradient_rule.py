@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import winsp
-from tests.helpers import layer_attention
 from winsp.group import SPGroup, new_subgroup
 from winsp.testing import run_ranks
 
@@ -74,7 +73,7 @@ class RuleBlock(nn.Module):
             t = t * (1 + mt[:, :DIM]) + mt[:, DIM:]
         qv, kv, vv = self.qkv_vid(v).unflatten(-1, (3, HEADS, -1)).unbind(-3)
         qt, kt, vt = self.qkv_txt(t).unflatten(-1, (3, HEADS, -1)).unbind(-3)
-        attn_vid, attn_txt = layer_attention(request, layer, qv, kv, vv, qt, kt, vt)
+        attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt, layer=layer)
         vid = vid + self.out_vid(attn_vid.flatten(1))
         txt = txt + self.out_txt(attn_txt.flatten(1))
         return vid + self.mlp_vid(vid), txt + self.mlp_txt(txt)
