@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import winsp
-from tests.helpers import layer_attention
 from winsp.group import SPGroup, new_subgroup
 from winsp.testing import run_ranks
 
@@ -73,7 +73,7 @@ class RuleBlock(nn.Module):
             t = t * (1 + mt[:, :DIM]) + mt[:, DIM:]
         qv, kv, vv = self.qkv_vid(v).unflatten(-1, (3, HEADS, -1)).unbind(-3)
         qt, kt, vt = self.qkv_txt(t).unflatten(-1, (3, HEADS, -1)).unbind(-3)
-        attn_vid, attn_txt = layer_attention(request, layer, qv, kv, vv, qt, kt, vt)
+        attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt, layer=layer)
         vid = vid + self.out_vid(attn_vid.flatten(1))
         txt = txt + self.out_txt(attn_txt.flatten(1))
         return vid + self.mlp_vid(vid), txt + self.mlp_txt(txt)
@@ -152,11 +152,12 @@ def _inputs(chain: Chain, data_seed: int = 0):
     return vid, txt, timestep
 
 
-def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0,
+def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0, sp_sync: bool = True,
               sync=lambda model, inputs: None) -> dict[str, torch.Tensor]:
     """Forward + backward of the chain's loss (the same on every rank), synced; every gradient by name.
 
-    ``sync(model, inputs)`` runs after ``winsp.sync_gradients`` (another averaging, e.g. over a DP group).
+    ``sync(model, inputs)`` runs after ``winsp.sync_gradients`` (or instead of it with ``sp_sync=False``): another
+    averaging, e.g. over a DP group.
     """
     model = ChainModel(chain)
     schedule = model.window_schedule()
@@ -169,8 +170,9 @@ def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0,
     if chain.text_loss:
         loss = loss + (txt_out * torch.randn(txt_out.shape, generator=g, dtype=txt_out.dtype)).sum()
     loss.backward()
-    winsp.sync_gradients(model)  # the runtime attached to the model gives the group
-    winsp.sync_gradients([vid, txt, timestep], model)
+    if sp_sync:
+        winsp.sync_gradients(model)  # the runtime attached to the model gives the group
+        winsp.sync_gradients([vid, txt, timestep], model)
     sync(model, [vid, txt, timestep])
     grads = {f"param:{n}": p.grad for n, p in model.named_parameters()}
     grads.update({"input:vid": vid.grad, "input:txt": txt.grad, "input:timestep": timestep.grad,
@@ -228,9 +230,10 @@ NO_WINDOWS = Chain(TINY, (2,), (("scatter",), ("block", False, True, (2, 4, 4), 
 EXAMPLES_PER_GROUP = 6
 
 
-def _check_group(sp: SPGroup, failures: list) -> int:
-    """Run the explicit chains and the hypothesis examples on one SP group; returns how many chains ran."""
-    ran = []
+def _check_group(sp: SPGroup, failures: list) -> tuple[int, float]:
+    """Run the explicit chains and the hypothesis examples on one SP group; returns how many chains ran and the
+    largest relative error seen (summed over the group's ranks)."""
+    ran, largest = [], [0.0]
 
     @settings(max_examples=EXAMPLES_PER_GROUP, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
@@ -245,13 +248,14 @@ def _check_group(sp: SPGroup, failures: list) -> int:
         mine = torch.where(torch.isfinite(mine), mine, torch.full_like(mine, 1e300))
         worst = sp.all_reduce_sum_(mine.clone())  # every rank of the group takes the same branch (and shrinks alike)
         ran.append(chain)
+        largest[0] = max(largest[0], worst.max().item())
         bad = [(names[i], worst[i].item()) for i in range(len(names)) if worst[i] > 1e-9]
         if bad:
             failures.append((sp.size, chain, bad))
         assert not bad, f"SP={sp.size}: gradients differ from one rank: {bad}"
 
     check()
-    return len(ran)
+    return len(ran), largest[0]
 
 
 def _sp_times_dp(rank: int, sp_groups, dp_groups) -> dict[str, float]:
@@ -270,25 +274,58 @@ def _sp_times_dp(rank: int, sp_groups, dp_groups) -> dict[str, float]:
     errors = {f"sp_then_dp {n}": e for n, e in relative_errors(
         {k: v for k, v in sp_then_dp.items() if k in params}, params).items()}
     # one average over the whole world (what DDP over all ranks does), no SP sync at all
-    model = ChainModel(chain)
-    object.__setattr__(model, "_winsp_runtime", winsp.WindowRuntime(model.window_schedule(), group=sp))
-    inputs = _inputs(chain, replica)
-    out, txt_out = model(*inputs)
-    g = torch.Generator().manual_seed(chain.seed + 2)
-    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
-    loss = loss + (txt_out * torch.randn(txt_out.shape, generator=g, dtype=txt_out.dtype)).sum()
-    loss.backward()
-    winsp.sync_gradients(model.parameters(), SPGroup.world())
-    got = {f"param:{n}": p.grad for n, p in model.named_parameters()}
-    errors.update({f"world {n}": e for n, e in relative_errors(got, params).items()})
+    world_only = gradients(chain, sp, data_seed=replica, sp_sync=False,
+                           sync=lambda model, inputs: winsp.sync_gradients(model.parameters(), SPGroup.world()))
+    errors.update({f"world {n}": e for n, e in relative_errors(
+        {k: v for k, v in world_only.items() if k in params}, params).items()})
     return errors
+
+
+def _gather_eager_and_compiled(rank: int) -> dict:
+    """``winsp::all_gather_rows`` with uneven rows (one rank has none), eager and compiled (aot_eager, fullgraph)."""
+    sp, sizes = SPGroup.world(), [3, 0, 2, 1]
+    weight = torch.randn(sum(sizes), 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = {}
+    for mode in ("eager", "compiled"):
+        x = (torch.arange(2 * sizes[rank], dtype=torch.float64).reshape(-1, 2) + 10 * rank).requires_grad_(True)
+
+        def gather(t):
+            return sp.all_gather_rows(t, sizes)
+
+        fn = torch.compile(gather, backend="aot_eager", fullgraph=True) if mode == "compiled" else gather
+        y = fn(x)
+        (y * weight).sum().backward()
+        out[mode] = (y.detach(), x.grad)
+    return out
+
+
+def _spatial_gradients(group: SPGroup) -> dict[str, torch.Tensor]:
+    """Height bands (winsp.spatial, as the VAE's): halo, convolution, group norm over all bands, gather; synced."""
+    from winsp.spatial import band_sizes, distributed_group_norm, gather_bands, halo_exchange, take_band
+
+    torch.manual_seed(5)
+    conv, norm = nn.Conv2d(4, 4, 3).double(), nn.GroupNorm(2, 4).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(1, 4, 9, 5, dtype=torch.float64, requires_grad=True)
+    sizes = band_sizes(9, group.size)
+    band = halo_exchange(take_band(x, 2, sizes, group.rank), 2, 1, 1, group, sizes)
+    y = F.conv2d(band, conv.weight, conv.bias, padding=(0, 1))
+    y = distributed_group_norm(y, 2, norm.weight, norm.bias, 1e-5, group)
+    out = gather_bands(y, 2, group, sizes)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=out.dtype)).sum().backward()
+    tensors = [conv.weight, conv.bias, norm.weight, norm.bias, x]
+    winsp.sync_gradients(tensors, group)
+    return dict(zip(["conv.weight", "conv.bias", "norm.weight", "norm.bias", "x"], [t.grad for t in tensors]))
 
 
 def _rank_main(rank: int, world_size: int):
     groups = {2: new_subgroup([0, 1]), 3: new_subgroup([0, 1, 2])}  # every rank makes every subgroup, in order
     sp_groups = [groups[2], new_subgroup([2, 3])]
     dp_groups = [new_subgroup([0, 2]), new_subgroup([1, 3])]
-    out = {"sp_x_dp": _sp_times_dp(rank, sp_groups, dp_groups)}
+    out = {"sp_x_dp": _sp_times_dp(rank, sp_groups, dp_groups), "gather": _gather_eager_and_compiled(rank),
+           "spatial": relative_errors(_spatial_gradients(SPGroup.world()), _spatial_gradients(SPGroup(None)))}
     try:  # inside a multi-rank world, no group and no runtime attached is refused, not treated as one rank
         winsp.sync_gradients(nn.Linear(2, 2))
         out["unattached"] = None
@@ -301,13 +338,38 @@ def _rank_main(rank: int, world_size: int):
         plans = winsp.plan_schedule(TINY, [winsp.FixedWindows((2, 4, 4))], size)
         no_windows = 0 in plans[0].rank_token_counts
         failures: list = []
-        out[size] = dict(ran=_check_group(sp, failures), no_windows=no_windows, failures=failures)
+        if size == 3:
+            out["head"] = _head_gradients(sp)
+        ran, largest = _check_group(sp, failures)
+        out[size] = dict(ran=ran, largest=largest, no_windows=no_windows, failures=failures)
     return out
 
 
 @pytest.fixture(scope="module")
 def world():
     return run_ranks(_rank_main, 4, timeout=300)
+
+
+@pytest.mark.multirank
+def test_all_gather_rows_backward_is_a_reduce_scatter_eager_and_compiled(world):
+    sizes, weight = [3, 0, 2, 1], torch.randn(6, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    everything = torch.cat([torch.arange(2 * n, dtype=torch.float64).reshape(-1, 2) + 10 * r
+                            for r, n in enumerate(sizes)])
+    for rank, result in enumerate(world):
+        start = sum(sizes[:rank])
+        for mode in ("eager", "compiled"):
+            y, grad = result["gather"][mode]
+            assert torch.equal(y, everything), (rank, mode)
+            # 4 ranks each hold a copy whose gradient is ``weight``: this rank's rows get the sum of their blocks
+            assert torch.equal(grad, 4 * weight[start:start + sizes[rank]]), (rank, mode)
+
+
+@pytest.mark.multirank
+def test_height_sharded_spatial_ops_follow_the_same_rule(world):
+    """winsp.spatial (halo exchange, group norm statistics over all bands, gather): averaged = one rank's."""
+    for rank, result in enumerate(world):
+        assert len(result["spatial"]) == 5
+        assert max(result["spatial"].values()) <= 1e-9, (rank, result["spatial"])
 
 
 @pytest.mark.multirank
@@ -346,12 +408,13 @@ def test_random_chains_match_one_rank(world, size):
     result = world[0][size]
     assert result["no_windows"]  # the tiny chain leaves ranks without windows
     assert result["ran"] >= EXAMPLES_PER_GROUP  # explicit chains + generated ones
-    assert not result["failures"]
+    assert not result["failures"] and result["largest"] <= 1e-9
 
 
-def _head_worker(rank: int, world_size: int):
+def _head_gradients(group: SPGroup) -> dict[str, torch.Tensor]:
+    """HEAD_AFTER_GATHER's parameter gradients after backward, before any sync."""
     model = ChainModel(HEAD_AFTER_GATHER)
-    model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=group.size), group=group)
     vid, txt, timestep = _inputs(HEAD_AFTER_GATHER)
     out, txt_out = model(vid, txt, timestep)
     (out.sum() + txt_out.sum()).backward()
@@ -359,11 +422,11 @@ def _head_worker(rank: int, world_size: int):
 
 
 @pytest.mark.multirank
-def test_before_sync_every_rank_holds_its_own_whole_contribution():
+def test_before_sync_every_rank_holds_its_own_whole_contribution(world):
     """The head after the final gather gets the whole gradient on every rank (each rank's copy is its own), so the
     average over ranks is the one-rank gradient; parameters inside windows hold shares that average to it."""
-    single = _head_worker(0, 1)
-    ranks = run_ranks(_head_worker, 3, timeout=120)
+    single = _head_gradients(SPGroup(None))
+    ranks = [world[rank]["head"] for rank in range(3)]
     head = "steps.4.weight"
     for r in ranks:
         assert (r[head] - single[head]).abs().max() <= 1e-12 * single[head].abs().max()
