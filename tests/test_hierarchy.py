@@ -131,7 +131,7 @@ def test_locality_places_a_stage_where_its_input_rows_are():
         alone = plan_schedule(laid[1], stages[1].layers, world, "locality")
         placed = _place_stage(prev, alone, sources, "locality")
         assert _rows_moved(prev, placed, sources) <= _rows_moved(prev, alone, sources)
-        assert max(p.imbalance for p in placed) <= 1.05 + 1e-9
+        assert max(p.window_bound_imbalance for p in placed) <= 1.05 + 1e-9
         moved = GridStep.build(prev, placed[0], sources, None, 1, 0, torch.device("cpu")).rows_moved
         assert moved < 0.15 * prev.layout.num_tokens, moved  # an all-gather would move N * (P - 1)
 

@@ -286,11 +286,11 @@ def _relabel(prev: Plan, stage_plans: list[Plan], sources: np.ndarray) -> list[P
     out = []
     for plan in stage_plans:
         if id(plan) not in relabelled:
-            windows = [()] * p
-            for new, ws in enumerate(plan.rank_windows):
-                windows[perm[new]] = ws
+            pieces = [()] * p
+            for new, ps in enumerate(plan.rank_pieces):  # whole windows or pieces of split windows alike
+                pieces[perm[new]] = ps
             relabelled[id(plan)] = Plan(plan.layout, p, key=plan.key + (("ranks", tuple(perm)),),
-                                        rank_windows=windows)
+                                        rank_pieces=pieces)
         out.append(relabelled[id(plan)])
     return out
 
@@ -319,7 +319,7 @@ def affinity_placement(layout: Layout, weights: np.ndarray, world_size: int) -> 
         rank = int(np.argmax(np.where(fits, weights[w], -1))) if fits.any() else int(np.argmin(load))
         placed[rank].append(int(w))
         load[rank] += counts[w]
-    lpt = Plan(layout, world_size).imbalance
+    lpt = Plan(layout, world_size).window_bound_imbalance
     if load.max() / ideal > max(1 + SLACK_LIMIT, lpt + 0.01):
         return None
     return [sorted(ws) for ws in placed]
@@ -378,12 +378,20 @@ def _place_stage(prev: Plan, plans: list[Plan], sources: np.ndarray, planner: st
 
 def staged_plans(stages: Sequence[Stage], grids: Sequence[Sequence[int]], world_size: int,
                  planner: str = "lpt") -> tuple[Plan, ...]:
-    """One plan per layer over all ``stages`` (what :meth:`StagedRuntime.plans` returns; pure, no process group)."""
+    """One plan per layer over all ``stages`` (what :meth:`StagedRuntime.plans` returns; pure, no process group).
+
+    Staged models keep whole windows: the default ``"auto"`` plans as ``"lpt"`` here (their adopted attention modules
+    commonly take a ``score_mod``, e.g. Swin's relative position bias, which a split window cannot run), and
+    ``"split"`` is refused.
+    """
     stages = _check_stages(stages)
+    if planner == "split":
+        raise ValueError('planner "split" is for flat window runtimes; a staged model keeps whole windows: use "auto", '
+                         '"lpt" or "locality"')
     model, laid = stage_grids(stages, grids)
     out: list[Plan] = []
     for s, st in enumerate(stages):
-        plans = plan_schedule(laid[s], st.layers, world_size, planner)
+        plans = plan_schedule(laid[s], st.layers, world_size, planner, split_windows=False)
         if s and st.changes_grid and world_size > 1:
             sources, _ = grid_sources(st, model[s - 1], laid[s - 1], model[s], laid[s])
             plans = _place_stage(out[-1], plans, sources, planner)
@@ -462,8 +470,11 @@ class StagedRuntime(WindowRuntime):
 
         return self.store.get(("grid-sources", check_grids(grids), stage), build)
 
-    def plans(self, grids: Sequence[Sequence[int]]) -> tuple[Plan, ...]:
-        """One plan per layer over all stages; each stage's ranks relabelled to keep grid-change rows in place."""
+    def plans(self, grids: Sequence[Sequence[int]], *, split_windows: bool | None = None) -> tuple[Plan, ...]:
+        """One plan per layer over all stages; each stage's ranks relabelled to keep grid-change rows in place.
+
+        Whole windows always (``split_windows`` is accepted for the base class's callers and ignored).
+        """
         grids = check_grids(grids)
 
         return self.store.get(("staged-plans", grids),
