@@ -136,7 +136,7 @@ class PlainContext:
             self._tables["txt"] = rope.tables(self.txt_position[:, None].expand(-1, 3), self.model.config.head_dim)
         return self._tables["txt"]
 
-    def attention(self, q_v, k_v, v_v, q_t, k_t, v_t, *, text_output: bool = True):
+    def attention(self, q_v, k_v, v_v, q_t, k_t, v_t, *, layer: int, text_output: bool = True):
         perm, inverse, groups, _, windows_per_sample = self._layout()
         q_w, k_w, v_w = q_v[perm], k_v[perm], v_v[perm]
         heads, dim = q_v.shape[1:]

@@ -21,9 +21,9 @@ class ToyWindowedBlock(nn.Module):
     ``shared=True`` uses the video stream's weights for the text stream too (as MM-DiTs with shared projections do).
     """
 
-    def __init__(self, dim: int, heads: int, shared: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, layer: int, shared: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.layer = heads, layer
         self.norm_vid, self.norm_txt = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv_vid, self.out_vid = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         if shared:
@@ -42,7 +42,7 @@ class ToyWindowedBlock(nn.Module):
             t = t * (1 + scale[1])
         qv, kv, vv = heads(self.qkv_vid(v))
         qt, kt, vt = heads(self.qkv_txt(t))
-        attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt)  # no communication but the text mean
+        attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt, layer=self.layer)  # no communication but the text mean
         vid = vid + self.out_vid(attn_vid.flatten(1))
         txt = txt + self.out_txt(attn_txt.flatten(1))
         return vid + self.mlp(vid), txt
@@ -57,7 +57,7 @@ class ToyWindowedDiT(winsp.WindowParallel, nn.Module):
 
     def __init__(self, dim: int = 16, heads: int = 2, layers: int = 4, window=(2, 4, 4), shared_layers: int = 0) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(ToyWindowedBlock(dim, heads, shared=i >= layers - shared_layers)
+        self.blocks = nn.ModuleList(ToyWindowedBlock(dim, heads, i, shared=i >= layers - shared_layers)
                                     for i in range(layers))
         self.time_embed = nn.Sequential(nn.Linear(1, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.window = tuple(window)

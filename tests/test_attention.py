@@ -364,7 +364,7 @@ def test_input_validation():
 
 # --------------------------------------------------------------------------- backend selection
 def test_available_backends_on_cpu():
-    assert available_backends("cpu") == ["batched_sdpa", "grouped_sdpa"]
+    assert available_backends("cpu") == ["flex", "batched_sdpa", "grouped_sdpa"]
 
 
 def test_auto_selection_on_cpu():

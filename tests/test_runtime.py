@@ -65,9 +65,9 @@ def test_schedule_and_request_validation():
         req.to_layer(x, 5)
     q = torch.zeros(128, 1, 4)
     with pytest.raises(ValueError, match="text"):
-        req.attention(q, q, q)
+        req.attention(q, q, q, layer=0)
     with pytest.raises(ValueError, match="video rows"):
-        req.attention(q[:5], q[:5], q[:5], torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4))
+        req.attention(q[:5], q[:5], q[:5], torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), layer=0)
 
 
 def _degree_mismatch(rank, world_size):
@@ -119,8 +119,8 @@ def test_attention_can_skip_the_text_output():
     req = rt.request([(2, 8, 8)], [3])
     q = req.scatter(torch.randn(128, 2, 4))
     t = torch.randn(3, 2, 4)
-    vid_a, txt_a = req.attention(q, q, q, t, t, t)
-    vid_b, txt_b = req.attention(q, q, q, t, t, t, text_output=False)
+    vid_a, txt_a = req.attention(q, q, q, t, t, t, layer=0)
+    vid_b, txt_b = req.attention(q, q, q, t, t, t, layer=0, text_output=False)
     assert txt_a.shape == (3, 2, 4) and txt_b is None
     assert torch.equal(vid_a, vid_b)
 
@@ -149,12 +149,12 @@ def test_nn_modules_compose_the_request_steps():
     req = rt.request([grid], [4])
     local = ScatterWindows()(x.flatten(1), req).unflatten(1, (2, 8))
     local = EnsureLayout(1)(local, req)
-    vid, txt = ReplicatedTextWindowAttention()(req, local, local, local, t, t, t)
+    vid, txt = ReplicatedTextWindowAttention(1)(req, local, local, local, t, t, t)
     out = GatherWindows()(vid.flatten(1), req)
 
     ref = rt.request([grid], [4])
     ref_local = ref.to_layer(ref.scatter(x), 1)
-    ref_vid, ref_txt = ref.attention(ref_local, ref_local, ref_local, t, t, t)
+    ref_vid, ref_txt = ref.attention(ref_local, ref_local, ref_local, t, t, t, layer=1)
     assert torch.allclose(out, ref.gather(ref_vid).flatten(1), rtol=0, atol=1e-12)
     assert torch.allclose(txt, ref_txt, rtol=0, atol=1e-12)
     assert "layer=1" in repr(EnsureLayout(1))
@@ -168,10 +168,10 @@ def test_attention_refuses_text_rows_that_text_lengths_do_not_describe():
     q = req.scatter(torch.randn(128, 2, 4))
     t = torch.randn(7, 2, 4)
     with pytest.raises(ValueError, match=r"q_txt has 7 rows but the request's text_lengths \(5,\) describe 5"):
-        req.attention(q, q, q, t, t, t)
+        req.attention(q, q, q, t, t, t, layer=0)
     short = torch.randn(4, 2, 4)
     with pytest.raises(ValueError, match="q_txt has 4 rows"):
-        req.attention(q, q, q, short, short, short)
+        req.attention(q, q, q, short, short, short, layer=0)
 
 
 @pytest.mark.parametrize("lengths, match", [

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .backends import BACKENDS, Runner, available_backends, check_backend_name, load_backend, select_backend
+from .backends import BACKENDS, Runner, available_backends, bind_backend, check_backend_name, select_backend
+from .score_mods import ScoreMods, attention_with_mods, check_score_mods
 from .segments import WindowIndexTensors, WindowSegments
 
 __all__ = [
@@ -122,18 +123,19 @@ def attend(
     runner: Runner,
     *,
     softmax_scale: float | None = None,
+    mods: ScoreMods | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`window_attention` with the backend's runner and the segments' device indices already prepared."""
     txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
-    return _run((q_vid, k_vid, v_vid), txt, segments, index, runner, softmax_scale)
+    return _run((q_vid, k_vid, v_vid), txt, segments, index, runner, softmax_scale, mods)
 
 
 def _run(qkv_vid, qkv_txt, segments: WindowSegments, index: WindowIndexTensors, runner: Runner,
-         softmax_scale: float | None) -> tuple[Tensor, Tensor]:
+         softmax_scale: float | None, mods: ScoreMods | None) -> tuple[Tensor, Tensor]:
     """Run checked inputs (text as tensors, possibly empty) through ``runner``; an empty rank gets empty outputs."""
     if segments.total_seq == 0:
         return _empty_outputs(*qkv_vid, *qkv_txt)
-    return runner(qkv_vid, qkv_txt, segments, index, _scale(qkv_vid[0], softmax_scale))
+    return runner(qkv_vid, qkv_txt, segments, index, _scale(qkv_vid[0], softmax_scale), mods)
 
 
 def window_attention(
@@ -147,6 +149,8 @@ def window_attention(
     *,
     backend: str = "auto",
     softmax_scale: float | None = None,
+    score_mod=None,
+    mask_mod=None,
 ) -> tuple[Tensor, Tensor]:
     """Attention inside every local window over ``[window video rows, window's sample text rows]``.
 
@@ -155,13 +159,16 @@ def window_attention(
     (or None / zero rows without text). Returns ``(vid_out [Lv, heads, head_dim], txt_out
     [sum(txt_lengths), heads, head_dim])`` with ``txt_out`` window-major: window 0's copy of its sample's
     text outputs, then window 1's, ... The output dtype is the input dtype. ``softmax_scale`` defaults to
-    ``head_dim ** -0.5``. The backend is resolved and the indices are built on every call; a runtime request does
-    both once (see :func:`attend`).
+    ``head_dim ** -0.5``. ``score_mod`` / ``mask_mod`` modify the video x video scores (see :mod:`winsp.score_mods`;
+    rows are indices into ``q_vid``). The backend is resolved and the indices are built on every call; a runtime
+    request does both once (see :func:`attend`).
     """
     txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
-    name = select_backend(q_vid.device, segments, backend, dtype=q_vid.dtype)
-    return _run((q_vid, k_vid, v_vid), txt, segments, segments.index_tensors(q_vid.device), load_backend(name),
-                softmax_scale)
+    mods = check_score_mods(score_mod, mask_mod)
+    name = select_backend(q_vid.device, segments, backend, dtype=q_vid.dtype, modded=bool(mods))
+    index = segments.index_tensors(q_vid.device)
+    return _run((q_vid, k_vid, v_vid), txt, segments, index, bind_backend(name, segments, index), softmax_scale,
+                mods)
 
 
 def reference_window_attention(
@@ -174,13 +181,18 @@ def reference_window_attention(
     segments: WindowSegments,
     *,
     softmax_scale: float | None = None,
+    score_mod=None,
+    mask_mod=None,
 ) -> tuple[Tensor, Tensor]:
-    """The oracle: one ``scaled_dot_product_attention`` call per window, with plain slicing and no index.
+    """The oracle: one ``scaled_dot_product_attention`` call per window, with plain slicing and no index (with mods:
+    one dense score matrix per window, modified pair by pair through the same row indices).
 
     Same contract as :func:`window_attention`; slow, and meant for tests.
     """
     q_txt, k_txt, v_txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
     scale = _scale(q_vid, softmax_scale)
+    mods = check_score_mods(score_mod, mask_mod)
+    num_vid = q_vid.shape[0]
     vid_outs, txt_outs = [], []
     vid_row = 0
     for vid_len, txt_len, txt_start in zip(segments.vid_counts, segments.txt_lengths, segments.txt_starts):
@@ -193,7 +205,13 @@ def reference_window_attention(
             torch.cat([vid[vid_rows], txt[txt_rows]]).transpose(0, 1)
             for vid, txt in ((q_vid, q_txt), (k_vid, k_txt), (v_vid, v_txt))
         )
-        out = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1)
+        if mods:
+            rows = torch.cat([torch.arange(vid_rows.start, vid_rows.stop),
+                              num_vid + torch.arange(txt_rows.start, txt_rows.stop)]).to(q_vid.device)
+            out = attention_with_mods(*(t.transpose(0, 1)[None] for t in (q, k, v)), rows[None], num_vid, scale,
+                                      mods)[0]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1)
         vid_outs.append(out[:vid_len])
         txt_outs.append(out[vid_len:])
         vid_row += vid_len

@@ -84,14 +84,23 @@ class EnsureLayout(nn.Module):
 
 
 class ReplicatedTextWindowAttention(nn.Module):
-    """Window attention over [window video, replicated text] followed by the global text mean."""
+    """Layer ``layer``'s window attention over [window video, replicated text] followed by the global text mean.
 
-    def __init__(self, *, softmax_scale: float | None = None) -> None:
+    It knows its layer, so rows left in another layer's layout are refused. ``score_mod`` / ``mask_mod`` given to the
+    forward modify the video x video scores (:mod:`winsp.score_mods`).
+    """
+
+    def __init__(self, layer: int, *, softmax_scale: float | None = None) -> None:
         super().__init__()
-        self.softmax_scale = softmax_scale
+        self.layer, self.softmax_scale = layer, softmax_scale
 
-    def forward(self, request: WindowRequest, q_vid, k_vid, v_vid, q_txt=None, k_txt=None, v_txt=None):
-        return request.attention(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, softmax_scale=self.softmax_scale)
+    def forward(self, request: WindowRequest, q_vid, k_vid, v_vid, q_txt=None, k_txt=None, v_txt=None, *,
+                score_mod=None, mask_mod=None):
+        return request.attention(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, layer=self.layer, score_mod=score_mod,
+                                 mask_mod=mask_mod, softmax_scale=self.softmax_scale)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, softmax_scale={self.softmax_scale}"
 
 
 class GatherWindows(nn.Module):

@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .attention import attend
-from .backends import Runner, available_backends, check_backend_name, load_backend, select_backend
+from .backends import REGISTRY, Runner, available_backends, bind_backend, check_backend_name, explain_backend
 from .checks import count_tuple
 from .compile import planning
 from .config import DiffusionParallelConfig
@@ -34,6 +34,7 @@ from .geometry import WindowGeometry
 from .group import SPGroup
 from .layout import check_grids
 from .planner import Plan
+from .score_mods import check_score_mods
 from .redistribute import RankTransitionTensors, Transition, gather_rows, redistribute_rows
 from .schedule import _check_schedule, check_planner, plan_schedule
 from .segments import WindowIndexTensors, WindowSegments
@@ -79,6 +80,17 @@ class LocalWindows:
         return self.plan.layout.token_ids[self.positions]
 
     @cached_property
+    def window_ids(self) -> np.ndarray:
+        """[L] id of each local row's window in the plan's layout (the geometry's window order, sample by sample)."""
+        return self.plan.layout.window_of_position[self.positions]
+
+    @cached_property
+    def local_window(self) -> np.ndarray:
+        """[L] index of each local row's window among this rank's windows (``self.windows``, local order)."""
+        counts = self.plan.layout.token_counts[self.windows]
+        return np.repeat(np.arange(len(self.windows), dtype=np.int64), counts)
+
+    @cached_property
     def row_sample(self) -> np.ndarray:
         """[L] sample index of each local row."""
         lay = self.plan.layout
@@ -119,6 +131,8 @@ class LayoutTensors:
     window_coords: Tensor
     window_shape: Tensor
     grid_coords: Tensor
+    window_ids: Tensor
+    local_window: Tensor
     gather_order: Tensor
 
     @property
@@ -139,8 +153,9 @@ class PreparedRequest:
     """A store entry: the plans of one request shape and, for this rank and device, every prepared tensor.
 
     ``slot_of_layer[i]`` is the index in ``layouts`` of layer i's plan (layers with equal geometry share a slot);
-    ``steps[(a, b)]`` moves rows from slot a's layout to slot b's; ``runners[(slot, dtype)]`` is the attention
-    backend chosen for that layout and dtype.
+    ``steps[(a, b)]`` moves rows from slot a's layout to slot b's; ``runners[(slot, dtype, modded)]`` is the attention
+    backend chosen for that layout, dtype and whether the call modifies scores, as ``(name, runner, why)``;
+    ``hook_data[(slot, name)]`` is what layout hook ``name`` built for that layout.
     """
 
     plans: tuple[Plan, ...]
@@ -148,6 +163,7 @@ class PreparedRequest:
     layouts: tuple[LayoutTensors, ...]
     steps: dict
     runners: dict
+    hook_data: dict
 
 
 class WindowRuntime:
@@ -175,6 +191,8 @@ class WindowRuntime:
         self.attention_backend = check_backend_name(attention_backend)
         self.planner = check_planner(planner)
         self.store = RuntimeStore(store_size)
+        self.layout_hooks: dict[str, Callable[[LocalWindows, torch.device], Any]] = {}
+        self._modded_seen = False  # an attention call passed a score_mod / mask_mod: prepare that backend too
         self._last: tuple[torch.device, torch.dtype | None, str] | None = None
 
     @classmethod
@@ -247,7 +265,8 @@ class WindowRuntime:
         device = torch.device(device)
         if self.attention_backend != "auto":
             return self.attention_backend
-        usable = [b for b in available_backends(device) if b != "batched_sdpa"]
+        usable = [b for b in available_backends(device)
+                  if b != "batched_sdpa" and REGISTRY[b].auto_rule(device, False) is None]
         return usable[0] if usable else "grouped_sdpa"
 
     def describe(self, device: torch.device | str = "cpu", backend: str | None = None) -> str:
@@ -267,6 +286,27 @@ class WindowRuntime:
 
     # ---- planning (eager, cached in the store) ----------------------------------------------------------
 
+    def register_layout_hook(self, name: str, fn: Callable[[LocalWindows, torch.device], Any]) -> None:
+        """Have every request build ``fn(local, device)`` once per layout, in the planning phase.
+
+        ``local`` is this rank's :class:`LocalWindows` of a layout (its windows, rows, positions, window ids,
+        ``window_coords``, ...); whatever ``fn`` returns (typically index tensors on ``device``, e.g. a relative
+        position bias index per local row) is kept in the runtime's store with the layout and read in the forward
+        with :meth:`WindowRequest.layout_data`, so blocks build nothing on first use and compile with
+        ``fullgraph=True``. Registering a name again replaces its function (entries built by the old one are not
+        reused).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a layout hook needs a non-empty string name, got {name!r}")
+        if not callable(fn):
+            raise ValueError(f"layout hook {name!r}: fn must be callable fn(local, device), got {type(fn).__name__}")
+        self.layout_hooks[name] = fn
+
+    def _hook_data(self, name: str, layout: LayoutTensors, text_lengths: tuple[int, ...], device: torch.device):
+        fn = self.layout_hooks[name]
+        key = ("hook", name, id(fn), layout.plan.key or id(layout.plan), self.rank, text_lengths, str(device))
+        return self.store.get(key, lambda: fn(layout.local, device))
+
     def plans(self, grids: Sequence[Sequence[int]]) -> tuple[Plan, ...]:
         """One plan per layer for a packed batch of ``grids`` (from the store; :func:`winsp.plan_schedule`)."""
         grids = check_grids(grids)
@@ -285,6 +325,7 @@ class WindowRuntime:
                 token_ids=_tensor(local.token_ids, device), row_sample=_tensor(local.row_sample, device),
                 window_coords=_tensor(local.window_coords, device), window_shape=_tensor(local.window_shape, device),
                 grid_coords=_tensor(local.grid_coords, device),
+                window_ids=_tensor(local.window_ids, device), local_window=_tensor(local.local_window, device),
                 gather_order=_tensor(plan.gather_order, device),
             )
 
@@ -305,7 +346,7 @@ class WindowRuntime:
                 if a != b and (a, b) not in steps:
                     steps[(a, b)] = self._step(distinct[a], distinct[b], device)
             return PreparedRequest(plans=plans, slot_of_layer=tuple(slot_of_layer), layouts=layouts,
-                                   steps=steps, runners={})
+                                   steps=steps, runners={}, hook_data={})
 
         return self.store.get(("request", grids, text_lengths, self.rank, str(device)), build)
 
@@ -317,11 +358,15 @@ class WindowRuntime:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        score_mods: bool | None = None,
     ) -> "WindowRequest":
         """Start one forward over a packed batch with these post-patch grids (and text lengths, one per sample).
 
-        Everything the forward needs is prepared here (or found in the store). Give ``dtype`` (the attention inputs'
-        dtype) so the attention backend is chosen here too; without it, it is chosen on the first attention call.
+        Everything the forward needs is prepared here (or found in the store), including what every registered
+        layout hook builds. Give ``dtype`` (the attention inputs' dtype) so the attention backend is chosen here too;
+        without it, it is chosen on the first attention call (which a ``fullgraph=True`` compile cannot trace).
+        ``score_mods`` says whether attention calls will pass a ``score_mod`` / ``mask_mod`` (their backend is then
+        chosen here as well); None: as this runtime's earlier requests did.
         """
         grids = check_grids(grids)
         text_lengths = _check_text_lengths(text_lengths, len(grids))
@@ -329,11 +374,17 @@ class WindowRuntime:
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
         prepared = self._prepare(grids, text_lengths, device)
+        for name in self.layout_hooks:
+            for slot, layout in enumerate(prepared.layouts):
+                prepared.hook_data[(slot, name)] = self._hook_data(name, layout, text_lengths, device)
         request = WindowRequest(self, prepared, grids, text_lengths, device)
+        if score_mods is not None and not isinstance(score_mods, bool):
+            raise ValueError(f"score_mods must be True, False or None, got {score_mods!r}")
+        modded = self._modded_seen if score_mods is None else score_mods
         if dtype is not None:
             for slot in range(len(prepared.layouts)):
-                request._runner(slot, dtype)
-        self._last = (device, dtype, request.backend(dtype))
+                request._runner(slot, dtype, modded)
+        self._last = (device, dtype, request.backend(dtype, modded=modded))
         return request
 
 
@@ -393,6 +444,19 @@ class WindowRequest:
         self.layer, self._slot, self._now = layer, slot, self.prepared.layouts[slot]
         return slot
 
+    def _layer_layout(self, layer: object) -> LayoutTensors:
+        """The current layout, checked to be ``layer``'s (the rows of a layer must be in that layer's layout)."""
+        layer = self._check_layer(layer)
+        now = self._current_layout()
+        if self.prepared.slot_of_layer[layer] != self._slot:
+            schedule = self.runtime.schedule
+            raise ValueError(
+                f"rank {self.group.rank}: layer {layer} attends in the windows of {schedule[layer]!r}, but the rows "
+                f"are in layer {self.layer}'s layout ({schedule[self.layer]!r}); call request.to_layer(x, {layer}) "
+                f"before layer {layer}'s attention"
+            )
+        return now
+
     def plan(self, layer: int) -> Plan:
         """The plan of layer ``layer``'s layout (layers with equal geometry share one plan object)."""
         return self.prepared.plans[self._check_layer(layer)]
@@ -432,19 +496,47 @@ class WindowRequest:
         """[L_local] sample index of each local row in the current layout."""
         return self._current_layout().row_sample
 
-    def _runner(self, slot: int, dtype: torch.dtype | None) -> tuple[str, Runner]:
-        key = (slot, dtype)
+    @property
+    def window_ids(self) -> Tensor:
+        """[L_local] id of each local row's window in the current layout (the geometry's window order per sample)."""
+        return self._current_layout().window_ids
+
+    @property
+    def local_window(self) -> Tensor:
+        """[L_local] index of each local row's window among this rank's windows (local rows are window-major)."""
+        return self._current_layout().local_window
+
+    def layout_data(self, name: str, layer: int | None = None) -> Any:
+        """What layout hook ``name`` (:meth:`WindowRuntime.register_layout_hook`) built for the current layer's layout
+        (or ``layer``'s)."""
+        slot = self._slot if layer is None else self.prepared.slot_of_layer[self._check_layer(layer)]
+        if slot is None:
+            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        if (slot, name) not in self.prepared.hook_data:
+            raise ValueError(f"no layout hook named {name!r} was registered before this request was made; "
+                             f"registered: {sorted(self.runtime.layout_hooks)}")
+        return self.prepared.hook_data[(slot, name)]
+
+    def _runner(self, slot: int, dtype: torch.dtype | None, modded: bool = False) -> tuple[str, Runner, tuple]:
+        key = (slot, dtype, modded)
         found = self.prepared.runners.get(key)
         if found is None:
-            segments = self.prepared.layouts[slot].segments
-            name = select_backend(self.device, segments, self.runtime.attention_backend, dtype=dtype)
-            found = self.prepared.runners[key] = (name, load_backend(name))
+            lay = self.prepared.layouts[slot]
+            name, why = explain_backend(self.device, lay.segments, self.runtime.attention_backend, dtype=dtype,
+                                        modded=modded)
+            found = self.prepared.runners[key] = (name, bind_backend(name, lay.segments, lay.index), why)
         return found
 
-    def backend(self, dtype: torch.dtype | None = None) -> str:
-        """The attention backend of this request's layouts for ``dtype`` (names joined by '+' where they differ)."""
-        names = dict.fromkeys(self._runner(slot, dtype)[0] for slot in range(len(self.prepared.layouts)))
+    def backend(self, dtype: torch.dtype | None = None, *, modded: bool = False) -> str:
+        """The attention backend of this request's layouts for ``dtype`` and calls with (``modded``) or without score
+        mods (names joined by '+' where they differ)."""
+        names = dict.fromkeys(self._runner(slot, dtype, modded)[0] for slot in range(len(self.prepared.layouts)))
         return "+".join(names)
+
+    def backend_reasons(self, dtype: torch.dtype | None = None, *, modded: bool = False) -> tuple[str, ...]:
+        """Why ``"auto"`` passed over the backends before the one :meth:`backend` names (empty for an explicit one)."""
+        return tuple(dict.fromkeys(r for slot in range(len(self.prepared.layouts))
+                                   for r in self._runner(slot, dtype, modded)[2]))
 
     @property
     def execution_path(self) -> str:
@@ -504,17 +596,23 @@ class WindowRequest:
         k_txt: Tensor | None = None,
         v_txt: Tensor | None = None,
         *,
+        layer: int,
+        score_mod=None,
+        mask_mod=None,
         softmax_scale: float | None = None,
         text_output: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
-        """Window attention on local rows over [window video, sample text], then the text reduction.
+        """Window attention of layer ``layer`` on local rows over [window video, sample text], then the text reduction.
 
         Video tensors are [L_local, heads, head_dim]; text tensors [sum(text_lengths), heads, head_dim] replicated
         (or None). Returns (video output [L_local, heads, head_dim], text output [L_txt, heads, head_dim] or None).
-        ``text_output=False`` (a layer whose text output is never read, e.g. a model's last block) skips the text
-        reduction and its all-reduce; every rank must pass the same value.
+        The rows must be in ``layer``'s layout (``to_layer(x, layer)`` first), else a ValueError names both layouts.
+        ``score_mod(score, head, q_row, k_row)`` / ``mask_mod(head, q_row, k_row)`` modify video x video scores, rows
+        being local row indices (:mod:`winsp.score_mods`). ``text_output=False`` (a layer whose text output is never
+        read, e.g. a model's last block) skips the text reduction and its all-reduce; every rank must pass the same
+        value.
         """
-        lay = self._current_layout()
+        lay = self._layer_layout(layer)
         if q_vid.shape[0] != lay.num_rows:
             raise ValueError(
                 f"rank {self.group.rank}: attention got {q_vid.shape[0]} video rows, layer {self.layer}'s layout "
@@ -530,9 +628,12 @@ class WindowRequest:
                     )
         elif self.num_text_rows:
             raise ValueError(f"the request has text lengths {self.text_lengths} but attention got no text tensors")
-        _, runner = self._runner(self._slot, q_vid.dtype)
+        mods = check_score_mods(score_mod, mask_mod)
+        if mods:
+            self.runtime._modded_seen = True
+        runner = self._runner(self._slot, q_vid.dtype, bool(mods))[1]
         vid_out, window_text = attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, lay.segments, lay.index, runner,
-                                      softmax_scale=softmax_scale)
+                                      softmax_scale=softmax_scale, mods=mods)
         if not (has_text and text_output):
             return vid_out, None
         return vid_out, reduce_window_text(window_text, lay.text, self.group)

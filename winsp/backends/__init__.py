@@ -11,14 +11,15 @@ import torch
 
 from ..segments import WindowSegments
 from .base import Backend, Runner
-from . import batched_sdpa, flash_varlen, grouped_sdpa, torch_varlen
+from . import batched_sdpa, flash_varlen, flex, grouped_sdpa, torch_varlen
 
 __all__ = ["Backend", "Runner", "REGISTRY", "BACKENDS", "check_backend_name", "available_backends",
-           "select_backend", "load_backend"]
+           "select_backend", "explain_backend", "load_backend", "bind_backend"]
 
 #: Every backend by name, in ``"auto"`` preference order.
 REGISTRY: dict[str, Backend] = {
-    b.name: b for b in (flash_varlen.BACKEND, torch_varlen.BACKEND, batched_sdpa.BACKEND, grouped_sdpa.BACKEND)
+    b.name: b for b in (flash_varlen.BACKEND, torch_varlen.BACKEND, flex.BACKEND, batched_sdpa.BACKEND,
+                        grouped_sdpa.BACKEND)
 }
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 
@@ -40,30 +41,56 @@ def available_backends(device: torch.device | str) -> list[str]:
     return [name for name, b in REGISTRY.items() if b.unavailable_reason(device, None, None) is None]
 
 
-def select_backend(
+def bind_backend(name: str, segments: WindowSegments, index) -> Runner:
+    """The runner of backend ``name`` bound to one rank's ``segments`` and their device ``index`` tensors."""
+    return REGISTRY[check_backend_name(name)].bind(segments, index)
+
+
+def explain_backend(
     device: torch.device | str,
-    segments: WindowSegments,
+    segments: WindowSegments | None,
     requested: str = "auto",
     *,
     dtype: torch.dtype | None = None,
-) -> str:
-    """Resolve ``requested`` to a concrete backend for ``segments`` on ``device``.
+    modded: bool = False,
+) -> tuple[str, tuple[str, ...]]:
+    """Resolve ``requested`` to a backend; returns ``(name, why the backends before it were passed over)``.
 
-    ``"auto"`` takes the first backend of :data:`BACKENDS` that can run (flash_varlen, torch_varlen: CUDA with
-    float16/bfloat16; batched_sdpa: one segment length; grouped_sdpa: always). An explicit backend that cannot run
-    raises ValueError naming it and the reason. ``dtype`` None skips the dtype check.
+    ``"auto"`` takes the first backend of :data:`BACKENDS` that can run these ``segments`` with ``dtype`` on
+    ``device`` and, for a call with a ``score_mod`` / ``mask_mod`` (``modded``), can apply it (flash_varlen,
+    torch_varlen: CUDA with float16/bfloat16, no mods; flex: CUDA, calls with mods; batched_sdpa: one segment length;
+    grouped_sdpa: always). An explicit backend that cannot run raises ValueError naming it and the reason.
+    ``dtype`` None skips the dtype check.
     """
     device = torch.device(device)
     check_backend_name(requested)
-    if requested == "auto":
-        for name, backend in REGISTRY.items():
-            if backend.unavailable_reason(device, segments, dtype) is None:
-                return name
-        raise AssertionError("grouped_sdpa always runs")  # pragma: no cover
-    reason = REGISTRY[requested].unavailable_reason(device, segments, dtype)
-    if reason is not None:
-        raise ValueError(f"attention backend {requested!r} cannot run: {reason}")
-    return requested
+    if requested != "auto":
+        backend = REGISTRY[requested]
+        reason = backend.unavailable_reason(device, segments, dtype)
+        if reason is None and modded and not backend.takes_score_mods:
+            reason = "it cannot take a score_mod or mask_mod"
+        if reason is not None:
+            raise ValueError(f"attention backend {requested!r} cannot run: {reason}")
+        return requested, ()
+    skipped = []
+    for name, backend in REGISTRY.items():
+        reason = backend.auto_rule(device, modded) or backend.unavailable_reason(device, segments, dtype)
+        if reason is None:
+            return name, tuple(skipped)
+        skipped.append(f"{name}: {reason}")
+    raise AssertionError("grouped_sdpa always runs")  # pragma: no cover
+
+
+def select_backend(
+    device: torch.device | str,
+    segments: WindowSegments | None,
+    requested: str = "auto",
+    *,
+    dtype: torch.dtype | None = None,
+    modded: bool = False,
+) -> str:
+    """The backend :func:`explain_backend` resolves ``requested`` to."""
+    return explain_backend(device, segments, requested, dtype=dtype, modded=modded)[0]
 
 
 def load_backend(name: str) -> Runner:

@@ -19,9 +19,9 @@ def _unavailable(device, segments, dtype):
     return None
 
 
-def _run(qkv_vid, qkv_txt, segments, idx, scale):
-    if not segments.is_uniform:  # one segment length but mixed video/text splits: one gathered group
-        return grouped_sdpa._run(qkv_vid, qkv_txt, segments, idx, scale)
+def _run(qkv_vid, qkv_txt, segments, idx, scale, mods=None):
+    if mods or not segments.is_uniform:  # mixed video/text splits, or modified scores: the grouped path, one group
+        return grouped_sdpa._run(qkv_vid, qkv_txt, segments, idx, scale, mods)
     count, vid_len, txt_len = segments.num_windows, segments.vid_counts[0], segments.txt_lengths[0]
     heads_dim = qkv_vid[0].shape[1:]
 

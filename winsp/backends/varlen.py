@@ -43,7 +43,9 @@ def varlen_unavailable_reason(device, segments, dtype, importer: Callable[[], Op
 def varlen_runner(call: Callable) -> Runner:
     """A runner that packs all windows into one sequence and calls ``call(q, k, v, cu_seqlens, max_seqlen, scale)``."""
 
-    def run(qkv_vid, qkv_txt, segments, idx, scale):
+    def run(qkv_vid, qkv_txt, segments, idx, scale, mods=None):
+        if mods:
+            raise ValueError("a packed varlen kernel cannot take a score_mod or mask_mod; use another backend")
         q, k, v = (pack(vid, txt, idx.pack_index, segments).contiguous() for vid, txt in zip(qkv_vid, qkv_txt))
         packed_out = call(q, k, v, idx.packed_cu_seqlens, segments.max_seqlen, scale)
         return unpack(packed_out, idx.unpack_index, segments)
@@ -63,4 +65,6 @@ def varlen_backend(name: str, importer: Callable[[], Optional[Callable]], where:
         unavailable_reason=lambda device, segments, dtype: varlen_unavailable_reason(
             device, segments, dtype, importer, where),
         load=lambda: varlen_runner(call(importer())),
+        takes_score_mods=False,
+        auto_rule=lambda device, modded: "it cannot take a score_mod or mask_mod" if modded else None,
     )

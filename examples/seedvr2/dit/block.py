@@ -45,15 +45,16 @@ class BlockContext(Protocol):
     def rope_txt(self, rope: RotaryEmbedding3d) -> tuple[Tensor, Tensor]:
         """``cos``/``sin`` for the text rows."""
 
-    def attention(self, q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, *, text_output: bool = True):
-        """Window attention plus the text reduction (the winsp request's ``attention``)."""
+    def attention(self, q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, *, layer: int, text_output: bool = True):
+        """Window attention of ``layer`` plus the text reduction (the winsp request's ``attention``)."""
 
 
 class WindowMMAttention(nn.Module):
     """QKV projection, per-head q/k norm, window-local RoPE, window attention and output projection, per stream."""
 
-    def __init__(self, cfg: NaDiTConfig, sharing: StreamSharing) -> None:
+    def __init__(self, cfg: NaDiTConfig, sharing: StreamSharing, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         inner = cfg.heads * cfg.head_dim
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
         dim = cfg.vid_dim
@@ -82,7 +83,7 @@ class WindowMMAttention(nn.Module):
         if self.rope is not None and self.rope.rotates_text:
             cos, sin = ctx.rope_txt(self.rope)
             q_t, k_t = apply_rope(q_t, cos, sin), apply_rope(k_t, cos, sin)
-        vid_out, txt_out = ctx.attention(q_v, k_v, v_v, q_t, k_t, v_t, text_output=need_txt_out)
+        vid_out, txt_out = ctx.attention(q_v, k_v, v_v, q_t, k_t, v_t, layer=self.layer, text_output=need_txt_out)
         vid_out = self.proj_out.for_vid()(vid_out.flatten(1))
         if not need_txt_out:
             return vid_out, None
@@ -101,7 +102,7 @@ class NaDiTBlock(nn.Module):
         self.video_only = self.is_last and cfg.last_layer_video_only
         # attn_norm / mlp_norm of the reference have no parameters (elementwise_affine=False): one module serves both
         self.norm = make_norm(cfg.norm, cfg.vid_dim, cfg.norm_eps, False)
-        self.attn = WindowMMAttention(cfg, sharing)
+        self.attn = WindowMMAttention(cfg, sharing, layer)
         hidden = cfg.mlp_hidden_dim
         self.mlp = StreamPair(lambda: make_mlp(cfg.mlp_type, cfg.vid_dim, hidden), shared=sharing.mlp,
                               video_only=self.video_only)

@@ -100,8 +100,8 @@ class ForwardContext:
     def rope_txt(self, rope: RotaryEmbedding3d) -> tuple[Tensor, Tensor]:
         return self.rope_txt_tables
 
-    def attention(self, q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, *, text_output: bool = True):
-        return self.request.attention(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, text_output=text_output)
+    def attention(self, q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, *, layer: int, text_output: bool = True):
+        return self.request.attention(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, layer=layer, text_output=text_output)
 
 
 class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
