@@ -1,0 +1,104 @@
+"""examples.swinv2: HF transformers' Swinv2Model, parallelized, equals the untouched model (float64).
+
+One rank against HF's own forward first (the block rewrite: cosine attention, cpb score_mod, padding, shifted
+windows), then 2 and 3 gloo ranks: outputs, hidden states of every stage, and after ``winsp.sync_gradients`` every
+parameter gradient and the pixel_values gradient, at 32x32 (grid a window multiple) and 36x36 (padding at every
+stage, odd grids for patch merging), batch 2, eval and train (per-sample drop path).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import winsp  # noqa: E402
+from examples.swinv2 import parallelize, stage_schedule, unparallelize  # noqa: E402
+from examples.swinv2.hf_import import import_swinv2  # noqa: E402
+from examples.swinv2.parity import compare_with_original, tiny_config  # noqa: E402
+from winsp.testing import run_ranks  # noqa: E402
+
+OUTPUT_TOL, GRAD_TOL = 1e-9, 1e-9
+
+
+def _check(results: dict) -> None:
+    assert set(results) == {(32, False), (32, True), (36, False), (36, True)}
+    for case, r in results.items():
+        assert r["grad_presence_mismatch"] == [], case
+        for key in ("last_hidden_state", "pooler_output", "hidden_states"):
+            assert r[key] <= OUTPUT_TOL, (case, key, r[key])
+        assert r["parameter_grad"] <= GRAD_TOL, (case, r["worst_parameter"], r["parameter_grad"])
+        assert r["pixel_grad"] <= GRAD_TOL, (case, r["pixel_grad"])
+
+
+def test_one_rank_equals_hf():
+    _check(compare_with_original(0, 1))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_equal_hf(world_size):
+    results = run_ranks(compare_with_original, world_size, timeout=300)
+    for r in results:
+        _check(r)
+
+
+@pytest.mark.multirank
+@pytest.mark.large_world
+def test_four_ranks_equal_hf():
+    for r in run_ranks(compare_with_original, 4, timeout=600):
+        _check(r)
+
+
+def test_schedule_follows_hf_clamping_and_shift_rule():
+    _, model_cls = import_swinv2()
+    model = model_cls(tiny_config())  # stage grids 8, 4, 2 with window 4: shift only where the grid exceeds it
+    schedules = [stage_schedule(stage) for stage in model.encoder.layers]
+    assert [[(g.window_size, g.shift) for g in s] for s in schedules] == [
+        [((1, 4, 4), (0, 0, 0)), ((1, 4, 4), (0, 2, 2))],
+        [((1, 4, 4), (0, 0, 0)), ((1, 4, 4), (0, 0, 0))],
+        [((1, 2, 2), (0, 0, 0)), ((1, 2, 2), (0, 0, 0))],
+    ]
+
+
+def test_train_mode_really_drops_paths():
+    """The train cases above compare something drop path changed (else they would repeat the eval case)."""
+    _, model_cls = import_swinv2()
+    torch.manual_seed(0)
+    model = model_cls(tiny_config(drop_path_rate=0.3)).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    torch.manual_seed(1)
+    train = model.train()(x).last_hidden_state
+    assert (train - model.eval()(x).last_hidden_state).abs().max() > 1e-3
+
+
+def test_state_dict_and_unparallelize():
+    _, model_cls = import_swinv2()
+    torch.manual_seed(0)
+    model = model_cls(tiny_config()).double().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(1, 3, 36, 36, dtype=torch.float64)
+    expected = model(x).last_hidden_state
+    parallelize(model)
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert model._winsp_runtime is not None
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize(model)
+    torch.testing.assert_close(model(x).last_hidden_state, expected, rtol=0, atol=1e-12)
+    unparallelize(model)
+    assert model._winsp_runtime is None and all("forward" not in s.__dict__ for s in model.encoder.layers)
+
+
+def test_refuses_what_it_cannot_reproduce():
+    _, model_cls = import_swinv2()
+    with pytest.raises(ValueError, match="hidden_dropout_prob"):
+        parallelize(model_cls(tiny_config(hidden_dropout_prob=0.1)))
+    with pytest.raises(ValueError, match="Swinv2Model"):
+        parallelize(torch.nn.Linear(2, 2))
+    model = parallelize(model_cls(tiny_config()))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(torch.randn(1, 3, 32, 32), output_attentions=True)
