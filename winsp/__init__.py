@@ -28,10 +28,29 @@ from .runtime import WindowRequest, WindowRuntime
 from .gradients import sync_gradients
 from .nn import WindowParallel
 from .mesh import TemporalMesh, build_temporal_mesh, interleaved_schedule, ordered_results
+from .context import active_request, current_request
+from .swin import SwinWindows
+from .hierarchy import Stage, StagedRequest, StagedRuntime
+from .drop_path import SampleDropPath
+from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, parallelize, unparallelize
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "unparallelize",
+    "parallelize",
+    "current_request",
+    "adopt",
+    "active_request",
+    "TokenIO",
+    "SwinWindows",
+    "StagedRuntime",
+    "StagedRequest",
+    "Stage",
+    "SampleDropPath",
+    "Region",
+    "ParallelPlan",
+    "ChannelsLast",
     "DiffusionParallelConfig",
     "FixedWindows",
     "Layout",

@@ -81,6 +81,15 @@ class WindowGeometry(ABC):
     def slices(self, grid: Grid) -> list[WindowSlices]:
         """Ordered half-open (t, h, w) slices of the non-empty windows of ``grid``."""
 
+    def padded_grid(self, grid: Grid) -> Grid:
+        """The grid the windows are laid on for a model grid ``grid``: ``grid`` itself unless the model pads.
+
+        A geometry that pads (:class:`winsp.SwinWindows` with ``pad=True``: torchvision's Swin pads the grid to whole
+        windows) returns the larger grid; :class:`winsp.StagedRuntime` then keeps padding rows, which the request
+        marks as such (``request.valid_rows``) and which never appear in a gathered output.
+        """
+        return check_grid(grid)
+
     def params(self) -> dict:
         """The parameters that determine the windows (for the fingerprint)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]

@@ -343,7 +343,7 @@ class WindowRuntime:
             layouts = tuple(self._layout(p, text_lengths, device) for p in distinct)
             steps = {}
             for a, b in zip(slot_of_layer, slot_of_layer[1:]):
-                if a != b and (a, b) not in steps:
+                if a != b and (a, b) not in steps and distinct[a].layout.grids == distinct[b].layout.grids:
                     steps[(a, b)] = self._step(distinct[a], distinct[b], device)
             return PreparedRequest(plans=plans, slot_of_layer=tuple(slot_of_layer), layouts=layouts,
                                    steps=steps, runners={}, hook_data={})
@@ -582,6 +582,12 @@ class WindowRequest:
         """
         lay = self._current_layout()
         return gather_rows(x, lay.plan, self.group, lay.gather_order)
+
+    def active(self):
+        """``with request.active():`` makes this request the one :func:`winsp.current_request` returns."""
+        from .context import active_request
+
+        return active_request(self)
 
     def reduce_text(self, window_text: Tensor) -> Tensor:
         """Mean over all windows (all ranks) of window-major per-window text outputs; identical on every rank."""

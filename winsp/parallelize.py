@@ -1,0 +1,331 @@
+"""``winsp.parallelize``: make an existing window-attention model window-parallel without editing its code.
+
+A :class:`ParallelPlan` is plain data about the model: which module call is the window-parallel *region* (its input
+tokens are scattered to the ranks' windows, its output gathered back), which modules are attention layers (swapped
+for winsp modules that reuse their parameters, so ``state_dict`` keys and checkpoints are unchanged), the window
+geometry of every layer grouped in :class:`~winsp.hierarchy.Stage` s, the modules that change the grid between
+stages (patch merging), and any other module to swap (a per-sample drop path). :func:`parallelize` applies it in
+place with forward hooks and module swaps; :func:`unparallelize` takes it all back.
+
+Inside the region every unchanged module runs on this rank's local rows ``[L, C]`` (tokenwise code such as norms,
+MLPs and residuals needs nothing); the swapped modules reach the request through :func:`winsp.current_request`.
+Before each attention layer's *entry* module (by default the attention's parent, i.e. the block, so the residual
+stream moves with it) the rows move into that layer's layout.
+
+The runtime is attached to the root module as ``model._winsp_runtime`` (not a parameter or buffer), where
+``winsp.sync_gradients(model)`` finds the SP group.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import context
+from .config import DiffusionParallelConfig
+from .geometry import Grid
+from .hierarchy import Stage, StagedRuntime, _check_stages
+
+__all__ = [
+    "ParallelPlan",
+    "Region",
+    "TokenIO",
+    "ChannelsLast",
+    "parallelize",
+    "unparallelize",
+    "adopt",
+    "is_parallelized",
+]
+
+
+class TokenIO:
+    """How a region's input holds its tokens and how its output is rebuilt from the gathered rows.
+
+    Subclass it for a model whose region takes tokens some other way (``[B, L, C]`` plus a grid argument, a
+    dataclass output, ...). Every method sees the region start's ``(args, kwargs)`` or the region end's output.
+    """
+
+    def read(self, args: tuple, kwargs: dict) -> tuple[Tensor, list[Grid]]:
+        """(canonical rows ``[N, ...]``: every sample's tokens row-major in (t, h, w), samples concatenated; grids)."""
+        raise NotImplementedError
+
+    def with_rows(self, args: tuple, kwargs: dict, rows: Tensor) -> tuple[tuple, dict]:
+        """The start module's ``(args, kwargs)`` with the local rows in place of the tokens."""
+        raise NotImplementedError
+
+    def output_rows(self, output: Any) -> Tensor:
+        """The local rows inside the end module's output."""
+        raise NotImplementedError
+
+    def with_output(self, output: Any, rows: Tensor, grids: Sequence[Grid]) -> Any:
+        """The end module's output rebuilt from the gathered canonical rows of ``grids``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ChannelsLast(TokenIO):
+    """Tokens as the first positional argument ``[B, T, H, W, C]`` (``spatial_dims=3``) or ``[B, H, W, C]`` (2).
+
+    Every sample of the batch has the same grid; the region's output is the same layout on the last stage's grid.
+    """
+
+    spatial_dims: int = 3
+
+    def __post_init__(self) -> None:
+        if self.spatial_dims not in (2, 3):
+            raise ValueError(f"ChannelsLast.spatial_dims must be 2 or 3, got {self.spatial_dims!r}")
+
+    def read(self, args, kwargs):
+        if not args or not isinstance(args[0], Tensor) or args[0].dim() != self.spatial_dims + 2:
+            want = "[B, T, H, W, C]" if self.spatial_dims == 3 else "[B, H, W, C]"
+            got = tuple(args[0].shape) if args and isinstance(args[0], Tensor) else type(args[0]).__name__ if args \
+                else "no positional argument"
+            raise ValueError(f"the region's first input must be a {want} tensor, got {got}")
+        x = args[0]
+        grid = tuple(x.shape[1:-1]) if self.spatial_dims == 3 else (1,) + tuple(x.shape[1:-1])
+        return x.reshape(-1, x.shape[-1]), [grid] * x.shape[0]
+
+    def with_rows(self, args, kwargs, rows):
+        return (rows,) + tuple(args[1:]), kwargs
+
+    def output_rows(self, output):
+        if not isinstance(output, Tensor):
+            raise ValueError(f"ChannelsLast: the region's end module must return a tensor, got {type(output).__name__}")
+        return output
+
+    def with_output(self, output, rows, grids):
+        if len(set(grids)) != 1:
+            raise ValueError(f"ChannelsLast: samples end on different grids {sorted(set(grids))}")
+        grid = grids[0] if self.spatial_dims == 3 else grids[0][1:]
+        return rows.reshape((len(grids),) + tuple(grid) + tuple(rows.shape[1:]))
+
+
+@dataclass(frozen=True)
+class Region:
+    """The window-parallel part of a forward: from the call of module ``start`` to the return of module ``end``.
+
+    ``start``'s input tokens are scattered (``tokens`` reads them and the grids), ``end``'s output is gathered and
+    rebuilt (the gather is the only all-gather of the forward; ``start == end`` is the usual case: a model's
+    ``features`` / ``encoder`` container).
+    """
+
+    start: str
+    end: str
+    tokens: TokenIO = field(default_factory=ChannelsLast)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What :func:`parallelize` does to a model (module paths are ``named_modules`` names; ``*`` globs, fnmatch).
+
+    Args:
+        region: the window-parallel region.
+        stages: the window geometry of every attention layer, per stage (one stage for a model on one grid).
+        attention: glob of the attention modules, matched in ``named_modules`` order, which must be forward order:
+            the i-th match is layer i.
+        make_attention: ``(original, layer) -> module`` reusing the original's parameters (see :func:`adopt`).
+        layer_entry: ``"parent"`` (rows move into layer i's layout when the attention's parent module is called:
+            the block, whose residual then moves too), or a glob matching one entry module per layer.
+        grid_changes: glob of the modules that change the grid (patch merging), in forward order: the i-th one leads
+            into the i-th stage that merges or splits.
+        make_grid_change: ``(original, stage) -> module`` (calls ``current_request().to_grid(x, stage)``).
+        swaps: ``(glob, factory)`` pairs: every module matching the glob is replaced by ``factory(original)``
+            (e.g. a drop path that must draw per sample: :class:`winsp.SampleDropPath`).
+    """
+
+    region: Region
+    stages: tuple[Stage, ...]
+    attention: str
+    make_attention: Callable[[nn.Module, int], nn.Module]
+    layer_entry: str = "parent"
+    grid_changes: Optional[str] = None
+    make_grid_change: Optional[Callable[[nn.Module, int], nn.Module]] = None
+    swaps: tuple[tuple[str, Callable[[nn.Module], nn.Module]], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.region, Region):
+            raise ValueError(f"ParallelPlan.region must be a winsp.Region, got {type(self.region).__name__}")
+        object.__setattr__(self, "stages", _check_stages(self.stages))
+        if (self.grid_changes is None) != (self.make_grid_change is None):
+            raise ValueError("ParallelPlan: give grid_changes and make_grid_change together")
+        object.__setattr__(self, "swaps", tuple(tuple(s) for s in self.swaps))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(st.layers) for st in self.stages)
+
+
+def adopt(module: nn.Module, original: nn.Module) -> nn.Module:
+    """Register ``original``'s parameters, buffers (same persistence) and submodules on ``module`` under the same
+    names, so a swapped-in module shares the original's tensors and keeps its ``state_dict`` keys; returns ``module``.
+    """
+    for name, param in original.named_parameters(recurse=False):
+        module.register_parameter(name, param)
+    for name, buf in original.named_buffers(recurse=False):
+        module.register_buffer(name, buf, persistent=name not in original._non_persistent_buffers_set)
+    for name, child in original.named_children():
+        module.add_module(name, child)
+    module.train(original.training)
+    return module
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether :func:`parallelize` was applied to ``model`` (and not undone)."""
+    return getattr(model, "_winsp_parallel", None) is not None
+
+
+@dataclass(eq=False)
+class _Applied:
+    plan: ParallelPlan
+    swapped: list  # (parent, name, original) in application order
+    handles: list
+    tokens: list  # ContextVar tokens of regions in progress
+
+
+def _matches(model: nn.Module, pattern: str, what: str) -> list[tuple[str, nn.Module]]:
+    found = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
+    if not found:
+        raise ValueError(f"ParallelPlan.{what}={pattern!r} matches no module of {type(model).__name__}")
+    return found
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent_path, _, name = path.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), name
+
+
+def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: str) -> None:
+    parent, name = _parent(model, path)
+    original = getattr(parent, name)
+    before = {k: v for k, v in original.state_dict(keep_vars=True).items()}
+    after = {k: v for k, v in new.state_dict(keep_vars=True).items()}
+    if before.keys() != after.keys() or any(before[k] is not after[k] for k in before):
+        differ = sorted(set(before) ^ set(after)) or sorted(k for k in before if before[k] is not after[k])
+        raise ValueError(f"{what} for {path!r} must reuse the original module's parameters and buffers under the "
+                         f"same names (state_dict keys unchanged; winsp.adopt(new, original) does it); these "
+                         f"differ: {differ}")
+    parent._modules[name] = new
+    applied.swapped.append((parent, name, original))
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[DiffusionParallelConfig] = None, *,
+                group=None) -> nn.Module:
+    """Make ``model`` window-parallel in place as ``plan`` says, on the SP group ``config`` asks for; returns it.
+
+    ``config`` None runs one rank. Under ``torch.distributed`` pass ``DiffusionParallelConfig(ulysses_degree=N)``
+    (the world, or ``group=`` a subgroup of N ranks). Every rank must call the model with identical inputs; the
+    region's output is complete on every rank. Gradients follow winsp's convention: call
+    ``winsp.sync_gradients(model)`` after ``backward``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"parallelize: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise ValueError(f"parallelize: plan must be a winsp.ParallelPlan, got {type(plan).__name__}")
+    if is_parallelized(model):
+        raise ValueError("parallelize: this model is parallelized already; call winsp.unparallelize(model) first")
+    modules = dict(model.named_modules())
+    for end in ("start", "end"):
+        path = getattr(plan.region, end)
+        if path not in modules:
+            raise ValueError(f"Region.{end}={path!r} is not a module path of {type(model).__name__}")
+    attention = _matches(model, plan.attention, "attention")
+    if len(attention) != plan.num_layers:
+        raise ValueError(f"ParallelPlan.attention={plan.attention!r} matches {len(attention)} modules but the stages "
+                         f"list {plan.num_layers} layers ({[len(s.layers) for s in plan.stages]} per stage)")
+    if plan.layer_entry == "parent":
+        entries = [_parent(model, path)[0] for path, _ in attention]
+    else:
+        entries = [m for _, m in _matches(model, plan.layer_entry, "layer_entry")]
+        if len(entries) != len(attention):
+            raise ValueError(f"ParallelPlan.layer_entry={plan.layer_entry!r} matches {len(entries)} modules, one per "
+                             f"attention layer ({len(attention)}) is needed")
+    changing = [s for s, st in enumerate(plan.stages) if st.changes_grid]
+    grid_changes = _matches(model, plan.grid_changes, "grid_changes") if plan.grid_changes else []
+    if len(grid_changes) != len(changing):
+        raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
+                         f"change the grid (stages {changing})")
+    swaps = [(path, factory) for pattern, factory in plan.swaps for path, _ in _matches(model, pattern, "swaps")]
+
+    runtime = StagedRuntime.from_config(config, plan.stages, group=group)
+    applied = _Applied(plan=plan, swapped=[], handles=[], tokens=[])
+    try:
+        for layer, (path, original) in enumerate(attention):
+            _swap(model, path, plan.make_attention(original, layer), applied, "make_attention")
+        for stage, (path, original) in zip(changing, grid_changes):
+            _swap(model, path, plan.make_grid_change(original, stage), applied, "make_grid_change")
+        for path, factory in swaps:
+            _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
+        for layer, entry in enumerate(entries):
+            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer)))
+        io = plan.region.tokens
+        applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
+            _region_start(runtime, io, applied), with_kwargs=True))
+        applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
+            _region_end(io, applied), with_kwargs=True, always_call=True))
+    except BaseException:
+        _undo(applied)
+        raise
+    model._winsp_runtime = runtime
+    model._winsp_parallel = applied
+    return model
+
+
+def unparallelize(model: nn.Module) -> nn.Module:
+    """Undo :func:`parallelize`: the original modules back in place, hooks removed, the runtime detached."""
+    applied = getattr(model, "_winsp_parallel", None)
+    if applied is None:
+        raise ValueError("unparallelize: this model was not parallelized by winsp.parallelize")
+    _undo(applied)
+    del model._winsp_parallel
+    del model._winsp_runtime
+    return model
+
+
+def _undo(applied: _Applied) -> None:
+    for handle in reversed(applied.handles):
+        handle.remove()
+    for parent, name, original in reversed(applied.swapped):
+        parent._modules[name] = original
+    applied.handles.clear()
+    applied.swapped.clear()
+
+
+def _layer_entry(layer: int):
+    def hook(module: nn.Module, args: tuple):
+        if not args or not isinstance(args[0], Tensor):
+            raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
+                             f"first positional argument")
+        return (context.current_request().to_layer(args[0], layer),) + tuple(args[1:])
+
+    return hook
+
+
+def _region_start(runtime: StagedRuntime, io: TokenIO, applied: _Applied):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        rows, grids = io.read(args, kwargs)
+        request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
+        applied.tokens.append(context._enter(request))
+        return io.with_rows(args, kwargs, request.scatter(rows))
+
+    return hook
+
+
+def _region_end(io: TokenIO, applied: _Applied):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if not applied.tokens:
+            return None
+        token = applied.tokens.pop()
+        try:
+            if output is None:  # the region raised; the hook only restores the context
+                return None
+            request = context.current_request()
+            rows = request.gather(io.output_rows(output))
+            return io.with_output(output, rows, request.stage_model_grids[request.stage])
+        finally:
+            context._leave(token)
+
+    return hook
