@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import winsp  # noqa: E402
-from examples.swinv2 import parallelize, stage_schedule, unparallelize  # noqa: E402
+from examples.swinv2 import parallelize, plan  # noqa: E402
 from examples.swinv2.hf_import import import_swinv2  # noqa: E402
 from examples.swinv2.parity import compare_with_original, tiny_config  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
@@ -28,6 +28,7 @@ def _check(results: dict) -> None:
     assert set(results) == {(32, False), (32, True), (36, False), (36, True)}
     for case, r in results.items():
         assert r["grad_presence_mismatch"] == [], case
+        assert r["stages_compared"] == 3, case
         for key in ("last_hidden_state", "pooler_output", "hidden_states"):
             assert r[key] <= OUTPUT_TOL, (case, key, r[key])
         assert r["parameter_grad"] <= GRAD_TOL, (case, r["worst_parameter"], r["parameter_grad"])
@@ -53,15 +54,19 @@ def test_four_ranks_equal_hf():
         _check(r)
 
 
-def test_schedule_follows_hf_clamping_and_shift_rule():
+def test_plan_follows_hf_clamping_shift_and_merge_order():
     _, model_cls = import_swinv2()
     model = model_cls(tiny_config())  # stage grids 8, 4, 2 with window 4: shift only where the grid exceeds it
-    schedules = [stage_schedule(stage) for stage in model.encoder.layers]
-    assert [[(g.window_size, g.shift) for g in s] for s in schedules] == [
+    stages = plan(model).stages
+    assert [[(g.window_size, g.shift) for g in st.layers] for st in stages] == [
         [((1, 4, 4), (0, 0, 0)), ((1, 4, 4), (0, 2, 2))],
         [((1, 4, 4), (0, 0, 0)), ((1, 4, 4), (0, 0, 0))],
         [((1, 2, 2), (0, 0, 0)), ((1, 2, 2), (0, 0, 0))],
     ]
+    assert [st.merge for st in stages] == [(1, 1, 1), (1, 2, 2), (1, 2, 2)]
+    assert stages[1].order == ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # HF: h offset varies first
+    assert stages[1].layers[0].padded_grid((1, 5, 3)) == (1, 8, 4)  # whole windows, HF's maybe_pad
+    assert stages[2].layers[0].padded_grid((1, 1, 1)) == (1, 2, 2)  # HF's window, never re-clamped to the grid
 
 
 def test_train_mode_really_drops_paths():
@@ -79,18 +84,21 @@ def test_state_dict_and_unparallelize():
     _, model_cls = import_swinv2()
     torch.manual_seed(0)
     model = model_cls(tiny_config()).double().eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = dict(model.state_dict(keep_vars=True))
     x = torch.randn(1, 3, 36, 36, dtype=torch.float64)
-    expected = model(x).last_hidden_state
+    expected = model(x)
     parallelize(model)
-    assert model.state_dict().keys() == before.keys()
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    after = dict(model.state_dict(keep_vars=True))
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)  # the same tensors
     assert model._winsp_runtime is not None
-    with pytest.raises(ValueError, match="already parallelized"):
+    with pytest.raises(ValueError, match="parallelized already"):
         parallelize(model)
-    torch.testing.assert_close(model(x).last_hidden_state, expected, rtol=0, atol=1e-12)
-    unparallelize(model)
-    assert model._winsp_runtime is None and all("forward" not in s.__dict__ for s in model.encoder.layers)
+    out = model(x)
+    torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.pooler_output, expected.pooler_output, rtol=0, atol=1e-12)
+    winsp.unparallelize(model)
+    assert type(model.encoder.layers[0].blocks[0]).__name__ == "Swinv2Layer"
+    torch.testing.assert_close(model(x).last_hidden_state, expected.last_hidden_state, rtol=0, atol=0)
 
 
 def test_refuses_what_it_cannot_reproduce():
@@ -100,5 +108,6 @@ def test_refuses_what_it_cannot_reproduce():
     with pytest.raises(ValueError, match="Swinv2Model"):
         parallelize(torch.nn.Linear(2, 2))
     model = parallelize(model_cls(tiny_config()))
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(torch.randn(1, 3, 32, 32), output_attentions=True)
+    for flag in ("output_hidden_states", "output_attentions"):
+        with pytest.raises(ValueError, match=flag):
+            model(torch.randn(1, 3, 32, 32), **{flag: True})

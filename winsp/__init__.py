@@ -33,6 +33,7 @@ from .swin import SwinWindows
 from .hierarchy import Stage, StagedRequest, StagedRuntime
 from .drop_path import SampleDropPath
 from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, parallelize, unparallelize
+from .token_io import FlatTokens
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "Region",
     "ParallelPlan",
     "ChannelsLast",
+    "FlatTokens",
     "DiffusionParallelConfig",
     "FixedWindows",
     "Layout",

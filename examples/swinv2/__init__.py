@@ -1,5 +1,5 @@
 """Hugging Face transformers' Swin V2 (``Swinv2Model``) run window-parallel by winsp: ``parallelize(model, config)``."""
 
-from .adapter import parallelize, stage_schedule, unparallelize
+from .adapter import PaddedWindows, parallelize, plan
 
-__all__ = ["parallelize", "unparallelize", "stage_schedule"]
+__all__ = ["parallelize", "plan", "PaddedWindows"]

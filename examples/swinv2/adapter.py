@@ -1,80 +1,70 @@
-"""``parallelize(model, config)``: run a Hugging Face ``Swinv2Model`` window-parallel, in place.
+"""``parallelize(model, config)``: run a Hugging Face ``Swinv2Model`` window-parallel, in place, via winsp's plan.
 
-Every ``Swinv2Stage`` runs on this rank's whole windows: its input (canonical ``[B, H*W, C]``) is padded to the
-window multiple, scattered into the first block's layout, moved between the regular and shifted layouts by winsp,
-gathered at the end of the stage, cropped, and HF's own patch merging runs on it. The model's parameters, buffers and
-state_dict keys are untouched (each stage gets a forward on the instance; ``unparallelize`` removes it).
+The plan (plain data, :func:`plan`): the window-parallel region is ``encoder`` (its ``[B, H*W, C]`` input is scattered
+to the ranks' windows, its ``last_hidden_state`` gathered: :class:`winsp.FlatTokens`); one :class:`winsp.Stage` per HF stage, each layer with
+HF's own clamped window and shift on the grid padded to whole windows; every ``Swinv2Layer`` swapped for
+:class:`~examples.swinv2.blocks.ParallelSwinv2Layer`, every ``Swinv2PatchMerging`` for the sharded grid change
+(:class:`~examples.swinv2.blocks.ParallelPatchMerging`, children concatenated in HF's (h, w) order (0,0), (1,0),
+(0,1), (1,1)), every ``drop_path`` for :class:`winsp.SampleDropPath`. ``output_hidden_states`` and
+``output_attentions`` are refused: HF's encoder views every stage output as a ``(B, H, W, C)`` grid. Parameters, buffers and state_dict keys stay
+the model's; ``winsp.unparallelize(model)`` undoes it.
 """
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 import winsp
+from winsp.parallelize import is_parallelized
 
-from .blocks import swinv2_layer_forward
+from .blocks import ParallelPatchMerging, ParallelSwinv2Layer
 
-__all__ = ["parallelize", "unparallelize", "stage_schedule"]
+__all__ = ["parallelize", "plan", "PaddedWindows"]
 
-
-def stage_schedule(stage) -> list[winsp.FixedWindows]:
-    """One winsp geometry per block of an HF ``Swinv2Stage``: HF's clamped window and shift, on a (1, H, W) grid."""
-    return [winsp.FixedWindows((1, b.window_size, b.window_size), shift=(0, b.shift_size, b.shift_size))
-            for b in stage.blocks]
+MERGE_ORDER = ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # HF: x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], ...
 
 
-def _stage_forward(stage, runtime: winsp.WindowRuntime, hidden_states: Tensor, input_dimensions, output_attentions=False):
-    if output_attentions:
-        raise ValueError("examples.swinv2: output_attentions=True is not supported by the window-parallel stages")
-    batch, _, channels = hidden_states.shape
-    height, width = input_dimensions
-    size = stage.blocks[0].window_size
-    hp, wp = -(-height // size) * size, -(-width // size) * size
-    padded = F.pad(hidden_states.view(batch, height, width, channels), (0, 0, 0, wp - width, 0, hp - height))
-    request = runtime.request([(1, hp, wp)] * batch, device=hidden_states.device)
-    x = request.scatter(padded.reshape(batch * hp * wp, channels))
-    for index, layer in enumerate(stage.blocks):
-        x = swinv2_layer_forward(layer, request, index, x, (height, width), batch)
-    out = request.gather(x).view(batch, hp, wp, channels)[:, :height, :width].reshape(batch, height * width, channels)
-    if stage.downsample is None:
-        return out, out, (height, width, height, width)
-    return stage.downsample(out, input_dimensions), out, (height, width, (height + 1) // 2, (width + 1) // 2)
+@dataclass(frozen=True)
+class PaddedWindows(winsp.FixedWindows):
+    """HF's windows: the layer's window and shift (HF clamped them by the *config's* resolution) on the grid padded to
+    whole windows (HF's ``maybe_pad``); never clamped again by the actual grid."""
+
+    def padded_grid(self, grid):
+        return tuple(-(-g // k) * k for g, k in zip(winsp.geometry.check_grid(grid), self.window_size))
 
 
-def _check_model(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "swinv2" or not hasattr(model, "encoder"):
-        raise ValueError(f"examples.swinv2.parallelize needs a transformers Swinv2Model, got {type(model).__name__}")
-    for key in ("attention_probs_dropout_prob", "hidden_dropout_prob"):
-        if getattr(config, key) != 0.0:
-            raise ValueError(f"examples.swinv2: config.{key}={getattr(config, key)} must be 0 (element-wise dropout "
-                             f"inside a window-parallel stage would draw different numbers than one rank)")
+def _sample_drop_path(original: nn.Module) -> nn.Module:
+    return winsp.SampleDropPath(getattr(original, "drop_prob", 0.0), draw="rand").train(original.training)
+
+
+def plan(model: nn.Module) -> winsp.ParallelPlan:
+    """The :class:`winsp.ParallelPlan` of HF ``Swinv2Model`` ``model`` (fewer than 10 stages and 10 blocks a stage)."""
+    stages = [winsp.Stage([PaddedWindows((1, b.window_size, b.window_size), (0, b.shift_size, b.shift_size))
+                           for b in stage.blocks], merge=(1, 2, 2) if i else (1, 1, 1), order=MERGE_ORDER if i else None)
+              for i, stage in enumerate(model.encoder.layers)]
+    tokens = winsp.FlatTokens(refuse=("output_hidden_states", "output_attentions"))  # HF views stage outputs as grids
+    return winsp.ParallelPlan(
+        region=winsp.Region("encoder", "encoder", tokens), stages=tuple(stages),
+        attention="encoder.layers.?.blocks.?", make_attention=ParallelSwinv2Layer,
+        grid_changes="encoder.layers.?.downsample", make_grid_change=ParallelPatchMerging,
+        swaps=(("encoder.layers.?.blocks.?.drop_path", _sample_drop_path),))
 
 
 def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None = None) -> nn.Module:
-    """Make every stage of HF ``Swinv2Model`` ``model`` window-parallel over ``config``'s SP group; returns ``model``.
+    """Make HF ``Swinv2Model`` ``model`` window-parallel over ``config``'s SP group (None: one rank); returns it.
 
-    ``config`` None means one rank. Under torch.distributed, every rank calls it with the same model (same weights,
-    same RNG seed for drop path in training) and feeds the same ``pixel_values``; every rank gets the whole output.
-    After ``loss.backward()``, ``winsp.sync_gradients(model)`` makes the parameter gradients the one-rank ones.
+    Every rank calls the model with the same ``pixel_values`` (and, in training, the same RNG state, so drop path draws
+    the same numbers) and gets the whole output. After ``loss.backward()``, ``winsp.sync_gradients(model)``.
     """
-    _check_model(model)
-    if getattr(model, "_winsp_runtime", None) is not None:
-        raise ValueError("examples.swinv2: this model is already parallelized (call unparallelize first)")
-    runtime = None
-    for stage in model.encoder.layers:
-        runtime = winsp.WindowRuntime.from_config(config, stage_schedule(stage))
-        stage.forward = functools.partial(_stage_forward, stage, runtime)
-    object.__setattr__(model, "_winsp_runtime", runtime)  # where winsp.sync_gradients(model) finds the SP group
-    return model
-
-
-def unparallelize(model: nn.Module) -> nn.Module:
-    """Undo :func:`parallelize`: the stages run HF's own forward again."""
-    for stage in model.encoder.layers:
-        stage.__dict__.pop("forward", None)
-    object.__setattr__(model, "_winsp_runtime", None)
-    return model
+    config_ = getattr(model, "config", None)
+    if getattr(config_, "model_type", None) != "swinv2" or not hasattr(model, "encoder"):
+        raise ValueError(f"examples.swinv2.parallelize needs a transformers Swinv2Model, got {type(model).__name__}")
+    if is_parallelized(model):
+        raise ValueError("examples.swinv2: this model is parallelized already; call winsp.unparallelize(model) first")
+    for key in ("attention_probs_dropout_prob", "hidden_dropout_prob"):
+        if getattr(config_, key) != 0.0:
+            raise ValueError(f"examples.swinv2: config.{key}={getattr(config_, key)} must be 0 (element-wise dropout "
+                             f"on window-parallel rows cannot draw the numbers one rank draws)")
+    return winsp.parallelize(model, plan(model), config)

@@ -3,9 +3,10 @@
 Every rank builds the same tiny random model (float64, every parameter perturbed so biases, logit scales and the cpb
 MLP are not at their initial values), runs the untouched model and the parallelized copy on the same images with the
 same RNG seed (drop path draws the same numbers), takes the same loss from the outputs of both, and reports the
-largest differences: outputs (last_hidden_state, pooler_output, the hidden states after the embeddings and after
-every stage) absolute, gradients (every parameter, and pixel_values) relative to the largest reference gradient
-entry, after ``winsp.sync_gradients``.
+largest differences: outputs (last_hidden_state, pooler_output, and the hidden state after every stage: HF's
+``output_hidden_states``, read on the parallel model by forward hooks that gather each stage's rows, since HF's
+encoder cannot view local rows as a grid) absolute; gradients (every parameter, and pixel_values) relative to the
+largest reference gradient entry, after ``winsp.sync_gradients``. Every loss term feeds the backward.
 """
 
 from __future__ import annotations
@@ -43,8 +44,15 @@ def _models(config, world_size: int, seed: int):
     return original, parallel
 
 
-def _loss(out, weights: list[torch.Tensor]) -> torch.Tensor:
-    tensors = [out.last_hidden_state, out.pooler_output, *out.hidden_states]
+def _gathered_stage_outputs(model) -> list[torch.Tensor]:
+    """Hooks on the parallel model's stages: each stage's output rows gathered (canonical ``[B*H*W, C]``)."""
+    found: list[torch.Tensor] = []
+    for stage in model.encoder.layers:
+        stage.register_forward_hook(lambda module, args, output: found.append(winsp.current_request().gather(output[0])))
+    return found
+
+
+def _loss(tensors: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
     return sum((t * w).sum() for t, w in zip(tensors, weights))
 
 
@@ -56,30 +64,37 @@ def compare_with_original(rank: int, world_size: int, image_sizes=(32, 36), trai
                           drop_path_rate: float = 0.3, seed: int = 0) -> dict:
     """Largest differences (see the module docstring) per ``(image size, train)``; call it on every rank."""
     original, parallel = _models(tiny_config(drop_path_rate=drop_path_rate), world_size, seed)
+    stage_outputs = _gathered_stage_outputs(parallel)
     results = {}
     for size in image_sizes:
         for train in train_modes:
             original.train(train), parallel.train(train)
             original.zero_grad(), parallel.zero_grad()
+            stage_outputs.clear()
             torch.manual_seed(seed + size)
             pixels = torch.randn(2, 3, size, size, dtype=torch.float64)
             ref_in, par_in = pixels.clone().requires_grad_(), pixels.clone().requires_grad_()
             torch.manual_seed(seed + 1)
             ref = original(ref_in, output_hidden_states=True)
             torch.manual_seed(seed + 1)
-            out = parallel(par_in, output_hidden_states=True)
-            weights = [torch.randn_like(t) for t in (ref.last_hidden_state, ref.pooler_output, *ref.hidden_states)]
-            _loss(ref, weights).backward()
-            _loss(out, weights).backward()
+            out = parallel(par_in)
+            ref_tensors = [ref.last_hidden_state, ref.pooler_output, *ref.hidden_states[1:]]
+            par_tensors = [out.last_hidden_state, out.pooler_output, *(s.view_as(r) for s, r in
+                                                                        zip(stage_outputs, ref.hidden_states[1:]))]
+            weights = [torch.randn_like(t) for t in ref_tensors]
+            _loss(ref_tensors, weights).backward()
+            _loss(par_tensors, weights).backward()
             winsp.sync_gradients(parallel)
             winsp.sync_gradients([par_in], parallel)
             named = dict(original.named_parameters())
-            grads = {n: _relative(p.grad, named[n].grad) for n, p in parallel.named_parameters() if named[n].grad is not None}
+            grads = {n: _relative(p.grad, named[n].grad) for n, p in parallel.named_parameters()
+                     if named[n].grad is not None and p.grad is not None}
             missing = [n for n, p in parallel.named_parameters() if (p.grad is None) != (named[n].grad is None)]
             results[(size, train)] = {
                 "last_hidden_state": (out.last_hidden_state - ref.last_hidden_state).abs().max().item(),
                 "pooler_output": (out.pooler_output - ref.pooler_output).abs().max().item(),
-                "hidden_states": max((a - b).abs().max().item() for a, b in zip(out.hidden_states, ref.hidden_states)),
+                "hidden_states": max((a - b).abs().max().item() for a, b in zip(par_tensors[2:], ref_tensors[2:])),
+                "stages_compared": len(stage_outputs),
                 "parameter_grad": max(grads.values()),
                 "worst_parameter": max(grads, key=grads.get),
                 "pixel_grad": _relative(par_in.grad, ref_in.grad),
