@@ -4,9 +4,11 @@ Everything above this file (redistribution, text reduction, spatial sharding, gr
 few methods, so model code never touches collectives and a single-rank run never touches ``torch.distributed``.
 
 The collectives that run inside a model's forward are ``torch.library`` custom ops (``winsp::all_reduce_sum``,
-``winsp::all_to_all_rows``) with static split sizes: torch.compile traces them as single opaque nodes, without a
-graph break, and autograd knows their backward (an all-reduce is its own backward under winsp's gradient
-convention; an all-to-all's backward is the reverse all-to-all).
+``winsp::all_to_all_rows``, ``winsp::all_gather_rows``) with static split sizes: torch.compile traces them as single
+opaque nodes, without a graph break, and autograd knows their backward. Each backward is the exact adjoint of its
+forward, with every rank's copy of a replicated value counted as that rank's own (winsp's gradient convention, see
+:mod:`winsp.gradients`): an all-reduce's backward is an all-reduce, an all-to-all's the reverse all-to-all, and an
+all-gather's a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def _all_reduce_setup(ctx, inputs, output) -> None:
 
 
 def _all_reduce_backward(ctx, grad: Tensor):
-    # The forward's output is replicated and every rank's gradient of it is a partial sum: the gradient of each rank's
-    # own contribution is the whole sum of those partials.
+    # Every rank's copy of the output is its own; each copy depends on every rank's input, so the gradient of one
+    # rank's input is the sum over ranks of the gradients of their copies.
     return torch.ops.winsp.all_reduce_sum(grad, ctx.group_name), None
 
 
@@ -79,6 +81,41 @@ def _all_to_all_backward(ctx, grad: Tensor):
 
 
 _all_to_all_rows.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+@torch.library.custom_op("winsp::all_gather_rows", mutates_args=())
+def _all_gather_rows(x: Tensor, sizes: list[int], group_name: str) -> Tensor:
+    import torch.distributed as dist
+
+    # One all-to-all in which every rank sends its whole block to every rank: uneven sizes (0 included) need no
+    # padding and gloo runs it.
+    world = len(sizes)
+    out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+    send = x.contiguous().repeat((world,) + (1,) * (x.dim() - 1))
+    dist.all_to_all_single(out, send, list(sizes), [x.shape[0]] * world, group=_process_group(group_name))
+    return out
+
+
+@_all_gather_rows.register_fake
+def _(x: Tensor, sizes: list[int], group_name: str) -> Tensor:
+    return x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+
+
+def _all_gather_setup(ctx, inputs, output) -> None:
+    x, ctx.sizes, ctx.group_name = inputs
+    ctx.rows = x.shape[0]
+
+
+def _all_gather_backward(ctx, grad: Tensor):
+    # Reduce-scatter: every rank's copy of the gathered tensor holds this rank's rows, so this rank's rows receive the
+    # sum over ranks of the gradient of their block. Rank d sends block r of its gradient to rank r (one all-to-all);
+    # the P blocks that arrive are summed.
+    world, rows = len(ctx.sizes), ctx.rows
+    received = torch.ops.winsp.all_to_all_rows(grad.contiguous(), [rows] * world, list(ctx.sizes), ctx.group_name)
+    return received.view((world, rows) + tuple(grad.shape[1:])).sum(0), None, None
+
+
+_all_gather_rows.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
 
 
 class SPGroup:
@@ -159,8 +196,8 @@ class SPGroup:
     def all_gather_rows(self, tensor: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along dim 0; rank r holds ``sizes[r]`` rows (may differ, may be 0).
 
-        Implemented as one all-to-all in which every rank sends its whole block to every rank, so uneven sizes need
-        no padding and there is no second collective.
+        Differentiable and traceable (``winsp::all_gather_rows``): the backward is a reduce-scatter, so this rank's
+        rows receive the sum over ranks of the gradient of their block. At one rank, the input itself.
         """
         if len(sizes) != self.size:
             raise ValueError(f"all_gather_rows: {len(sizes)} sizes given for a group of {self.size} ranks")
@@ -170,8 +207,7 @@ class SPGroup:
             )
         if self.is_single:
             return tensor
-        send = tensor.contiguous().repeat((self.size,) + (1,) * (tensor.dim() - 1))
-        return self.all_to_all_single(send, sizes, [tensor.shape[0]] * self.size)
+        return torch.ops.winsp.all_gather_rows(tensor, [int(s) for s in sizes], self.name)
 
 
 def world_rank_and_size() -> tuple[int, int]:

@@ -11,10 +11,11 @@ device copies (:class:`RankTransitionTensors`), which the runtime's store builds
 that moves rows is made of ``index_select`` and the traceable all-to-all of :class:`~winsp.group.SPGroup`, so it is
 differentiable (the backward of a redistribution is the reverse one) and compiles without graph breaks.
 
-Entry and exit follow winsp's gradient convention (every gradient on every rank is a partial sum over the group):
-:func:`scatter_rows` keeps this rank's rows, so the gradient it passes back covers only those rows; :func:`gather_rows`
-rebuilds the canonical tensor on every rank, and passes back only the gradient of this rank's own rows. Neither needs
-a collective in backward.
+Entry and exit follow winsp's gradient convention (every rank's copy of a replicated value is its own contribution;
+:func:`winsp.sync_gradients` averages over the group afterwards): :func:`scatter_rows` takes this rank's rows of its
+own copy of a canonical tensor, so the gradient it passes back covers only those rows and needs no collective;
+:func:`gather_rows` rebuilds the canonical tensor on every rank with one all-gather, whose backward is a
+reduce-scatter (this rank's rows receive the sum over ranks of the gradients of every rank's copy of them).
 """
 
 from __future__ import annotations
@@ -167,8 +168,8 @@ def gather_rows(
 ) -> torch.Tensor:
     """Exit: the canonical tensor, complete on every rank, from every rank's local rows of ``plan``.
 
-    ``order`` is ``plan.gather_order`` on ``x``'s device (built here when not given). The other ranks' rows arrive
-    detached, so the gradient flows back to this rank's own rows only (a partial sum, like every gradient).
+    ``order`` is ``plan.gather_order`` on ``x``'s device (built here when not given). Backward: a reduce-scatter (one
+    all-to-all), so the gradient of this rank's rows is the sum over ranks of the gradient of every rank's copy.
     """
     sizes = plan.rank_token_counts
     rank = group.rank
@@ -176,9 +177,4 @@ def gather_rows(
         raise ValueError(f"rank {rank}: gather_rows got {x.shape[0]} rows, the plan gives this rank {sizes[rank]}")
     if order is None:
         order = torch.from_numpy(plan.gather_order).to(x.device)
-    if group.is_single:
-        return x.index_select(0, order)
-    everything = group.all_gather_rows(x.detach(), sizes)
-    start = sum(sizes[:rank])
-    everything = torch.cat([everything[:start], x, everything[start + sizes[rank]:]])
-    return everything.index_select(0, order)
+    return group.all_gather_rows(x, sizes).index_select(0, order)
