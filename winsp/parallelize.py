@@ -208,6 +208,7 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
         raise ValueError(f"{what} for {path!r} must reuse the original module's parameters and buffers under the "
                          f"same names (state_dict keys unchanged; winsp.adopt(new, original) does it); these "
                          f"differ: {differ}")
+    new.train(original.training)
     parent._modules[name] = new
     applied.swapped.append((parent, name, original))
 
