@@ -18,14 +18,15 @@ pytest.importorskip("transformers")
 import winsp  # noqa: E402
 from examples.swinv2 import parallelize, plan  # noqa: E402
 from examples.swinv2.hf_import import import_swinv2  # noqa: E402
-from examples.swinv2.parity import compare_with_original, tiny_config  # noqa: E402
+from examples.swinv2.parity import ALL_CASES, compare_with_original, tiny_config  # noqa: E402
+from winsp.group import new_subgroup  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
 
 OUTPUT_TOL, GRAD_TOL = 1e-9, 1e-9
 
 
-def _check(results: dict) -> None:
-    assert set(results) == {(32, False), (32, True), (36, False), (36, True)}
+def _check(results: dict, cases=ALL_CASES) -> None:
+    assert set(results) == set(cases)
     for case, r in results.items():
         assert r["grad_presence_mismatch"] == [], case
         assert r["stages_compared"] == 3, case
@@ -39,11 +40,33 @@ def test_one_rank_equals_hf():
     _check(compare_with_original(0, 1))
 
 
+# The default run splits the four cases between SP = 3 (the world) and SP = 2 (a subgroup of the same spawned world:
+# one transformers import per rank, the expensive part), so that each degree sees a padded and an unpadded image, eval
+# and train; the full matrix at both is `slow`, SP = 4 `large_world`.
+SPLIT = {2: ((32, False), (36, True)), 3: ((36, False), (32, True))}
+
+
+def _sp3_then_sp2(rank, world_size):
+    three = compare_with_original(rank, 3, SPLIT[3])
+    pair = new_subgroup([0, 1])  # every rank of the world creates it
+    return three, compare_with_original(rank, 2, SPLIT[2], group=pair) if rank < 2 else None
+
+
+@pytest.mark.multirank
+def test_sp2_and_sp3_equal_hf():
+    results = run_ranks(_sp3_then_sp2, 3, timeout=300)
+    for three, _ in results:
+        _check(three, SPLIT[3])
+    for _, two in results[:2]:
+        _check(two, SPLIT[2])
+    assert results[2][1] is None
+
+
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_equal_hf(world_size):
-    results = run_ranks(compare_with_original, world_size, timeout=300)
-    for r in results:
+def test_ranks_equal_hf_every_case(world_size):
+    for r in run_ranks(compare_with_original, world_size, timeout=600):
         _check(r)
 
 

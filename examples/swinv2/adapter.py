@@ -52,9 +52,10 @@ def plan(model: nn.Module) -> winsp.ParallelPlan:
         swaps=(("encoder.layers.?.blocks.?.drop_path", _sample_drop_path),))
 
 
-def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None = None) -> nn.Module:
+def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None = None, *, group=None) -> nn.Module:
     """Make HF ``Swinv2Model`` ``model`` window-parallel over ``config``'s SP group (None: one rank); returns it.
 
+    ``group``: a subgroup of ``config.ulysses_degree`` ranks (default: the world), as for :func:`winsp.parallelize`.
     Every rank calls the model with the same ``pixel_values`` (and, in training, the same RNG state, so drop path draws
     the same numbers) and gets the whole output. After ``loss.backward()``, ``winsp.sync_gradients(model)``.
     """
@@ -67,4 +68,4 @@ def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None =
         if getattr(config_, key) != 0.0:
             raise ValueError(f"examples.swinv2: config.{key}={getattr(config_, key)} must be 0 (element-wise dropout "
                              f"on window-parallel rows cannot draw the numbers one rank draws)")
-    return winsp.parallelize(model, plan(model), config)
+    return winsp.parallelize(model, plan(model), config, group=group)

@@ -32,7 +32,7 @@ def tiny_config(**overrides):
     return config_cls(**fields)
 
 
-def _models(config, world_size: int, seed: int):
+def _models(config, world_size: int, seed: int, group=None):
     _, model_cls = import_swinv2()
     torch.manual_seed(seed)
     original = model_cls(config).double()
@@ -40,7 +40,8 @@ def _models(config, world_size: int, seed: int):
         for p in original.parameters():
             p.add_(0.1 * torch.randn_like(p))
     parallel = copy.deepcopy(original)
-    parallel = parallelize(parallel, winsp.DiffusionParallelConfig(ulysses_degree=world_size) if world_size > 1 else None)
+    sp = winsp.DiffusionParallelConfig(ulysses_degree=world_size) if world_size > 1 else None
+    parallel = parallelize(parallel, sp, group=group)
     return original, parallel
 
 
@@ -60,44 +61,50 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
-def compare_with_original(rank: int, world_size: int, image_sizes=(32, 36), train_modes=(False, True),
-                          drop_path_rate: float = 0.3, seed: int = 0) -> dict:
-    """Largest differences (see the module docstring) per ``(image size, train)``; call it on every rank."""
-    original, parallel = _models(tiny_config(drop_path_rate=drop_path_rate), world_size, seed)
+ALL_CASES = ((32, False), (32, True), (36, False), (36, True))
+
+
+def compare_with_original(rank: int, world_size: int, cases=ALL_CASES, drop_path_rate: float = 0.3,
+                          seed: int = 0, group=None) -> dict:
+    """Largest differences (see the module docstring) per case ``(image size, train)``; call it on every rank of the
+    SP group (``group``: a subgroup of ``world_size`` ranks; default the world).
+
+    32x32 images give grids that are window multiples at every stage; 36x36 pad at every stage and merge odd grids.
+    """
+    original, parallel = _models(tiny_config(drop_path_rate=drop_path_rate), world_size, seed, group)
     stage_outputs = _gathered_stage_outputs(parallel)
     results = {}
-    for size in image_sizes:
-        for train in train_modes:
-            original.train(train), parallel.train(train)
-            original.zero_grad(), parallel.zero_grad()
-            stage_outputs.clear()
-            torch.manual_seed(seed + size)
-            pixels = torch.randn(2, 3, size, size, dtype=torch.float64)
-            ref_in, par_in = pixels.clone().requires_grad_(), pixels.clone().requires_grad_()
-            torch.manual_seed(seed + 1)
-            ref = original(ref_in, output_hidden_states=True)
-            torch.manual_seed(seed + 1)
-            out = parallel(par_in)
-            ref_tensors = [ref.last_hidden_state, ref.pooler_output, *ref.hidden_states[1:]]
-            par_tensors = [out.last_hidden_state, out.pooler_output, *(s.view_as(r) for s, r in
-                                                                        zip(stage_outputs, ref.hidden_states[1:]))]
-            weights = [torch.randn_like(t) for t in ref_tensors]
-            _loss(ref_tensors, weights).backward()
-            _loss(par_tensors, weights).backward()
-            winsp.sync_gradients(parallel)
-            winsp.sync_gradients([par_in], parallel)
-            named = dict(original.named_parameters())
-            grads = {n: _relative(p.grad, named[n].grad) for n, p in parallel.named_parameters()
-                     if named[n].grad is not None and p.grad is not None}
-            missing = [n for n, p in parallel.named_parameters() if (p.grad is None) != (named[n].grad is None)]
-            results[(size, train)] = {
-                "last_hidden_state": (out.last_hidden_state - ref.last_hidden_state).abs().max().item(),
-                "pooler_output": (out.pooler_output - ref.pooler_output).abs().max().item(),
-                "hidden_states": max((a - b).abs().max().item() for a, b in zip(par_tensors[2:], ref_tensors[2:])),
-                "stages_compared": len(stage_outputs),
-                "parameter_grad": max(grads.values()),
-                "worst_parameter": max(grads, key=grads.get),
-                "pixel_grad": _relative(par_in.grad, ref_in.grad),
-                "grad_presence_mismatch": missing,
-            }
+    for size, train in cases:
+        original.train(train), parallel.train(train)
+        original.zero_grad(), parallel.zero_grad()
+        stage_outputs.clear()
+        torch.manual_seed(seed + size)
+        pixels = torch.randn(2, 3, size, size, dtype=torch.float64)
+        ref_in, par_in = pixels.clone().requires_grad_(), pixels.clone().requires_grad_()
+        torch.manual_seed(seed + 1)
+        ref = original(ref_in, output_hidden_states=True)
+        torch.manual_seed(seed + 1)
+        out = parallel(par_in)
+        ref_tensors = [ref.last_hidden_state, ref.pooler_output, *ref.hidden_states[1:]]
+        par_tensors = [out.last_hidden_state, out.pooler_output, *(s.view_as(r) for s, r in
+                                                                    zip(stage_outputs, ref.hidden_states[1:]))]
+        weights = [torch.randn_like(t) for t in ref_tensors]
+        _loss(ref_tensors, weights).backward()
+        _loss(par_tensors, weights).backward()
+        winsp.sync_gradients(parallel)
+        winsp.sync_gradients([par_in], parallel)
+        named = dict(original.named_parameters())
+        grads = {n: _relative(p.grad, named[n].grad) for n, p in parallel.named_parameters()
+                 if named[n].grad is not None and p.grad is not None}
+        missing = [n for n, p in parallel.named_parameters() if (p.grad is None) != (named[n].grad is None)]
+        results[(size, train)] = {
+            "last_hidden_state": (out.last_hidden_state - ref.last_hidden_state).abs().max().item(),
+            "pooler_output": (out.pooler_output - ref.pooler_output).abs().max().item(),
+            "hidden_states": max((a - b).abs().max().item() for a, b in zip(par_tensors[2:], ref_tensors[2:])),
+            "stages_compared": len(stage_outputs),
+            "parameter_grad": max(grads.values()),
+            "worst_parameter": max(grads, key=grads.get),
+            "pixel_grad": _relative(par_in.grad, ref_in.grad),
+            "grad_presence_mismatch": missing,
+        }
     return results
