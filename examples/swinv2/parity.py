@@ -18,9 +18,10 @@ import torch
 import winsp
 
 from .adapter import parallelize
+from .blocks import ParallelPatchMerging
 from .hf_import import import_swinv2
 
-__all__ = ["tiny_config", "compare_with_original"]
+__all__ = ["tiny_config", "compare_with_original", "boundary_rows"]
 
 
 def tiny_config(**overrides):
@@ -43,6 +44,23 @@ def _models(config, world_size: int, seed: int, group=None):
     sp = winsp.DiffusionParallelConfig(ulysses_degree=world_size) if world_size > 1 else None
     parallel = parallelize(parallel, sp, group=group)
     return original, parallel
+
+
+def boundary_rows(rank: int, world_size: int, size: int = 36) -> list[tuple[int, int]]:
+    """Per stage boundary: (rows the sharded patch merging moves between ranks, in total; this rank's real rows of
+    the grid it leaves). Call it on every rank."""
+    _, model = _models(tiny_config(), world_size, 0)
+    found = []
+
+    def record(module, args):
+        request = winsp.current_request()
+        found.append((request.grid_step(module.stage).rows_moved, int(request.valid_rows.sum())))
+
+    for module in model.modules():
+        if isinstance(module, ParallelPatchMerging):
+            module.register_forward_pre_hook(record)
+    model(torch.randn(2, 3, size, size, dtype=torch.float64))
+    return found
 
 
 def _gathered_stage_outputs(model) -> list[torch.Tensor]:
