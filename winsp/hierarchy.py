@@ -30,12 +30,13 @@ from .compile import planning
 from .config import DiffusionParallelConfig
 from .geometry import Grid, WindowGeometry, _positive_int_triple
 from .group import SPGroup
-from .layout import check_grids
+from .layout import Layout, check_grids
+from .locality import SLACK_LIMIT
 from .planner import Plan
 from .runtime import WindowRequest, WindowRuntime
 from .schedule import plan_schedule
 
-__all__ = ["Stage", "StagedRuntime", "StagedRequest", "GridStep", "grid_sources", "stage_grids"]
+__all__ = ["Stage", "StagedRuntime", "StagedRequest", "GridStep", "grid_sources", "stage_grids", "affinity_placement"]
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,84 @@ def _relabel(prev: Plan, stage_plans: list[Plan], sources: np.ndarray) -> list[P
     return out
 
 
+def _owner_weights(window_of: np.ndarray, owner: np.ndarray, num_windows: int, world_size: int) -> np.ndarray:
+    """[windows, P]: how many rows of each window have their input on each rank."""
+    return np.bincount(window_of * world_size + owner, minlength=num_windows * world_size).reshape(
+        num_windows, world_size)
+
+
+def affinity_placement(layout: Layout, weights: np.ndarray, world_size: int) -> Optional[list[list[int]]]:
+    """Windows of ``layout`` on the rank holding most of their input rows (``weights`` [windows, P]), under a cap.
+
+    Largest windows first (most-attached first among equals), each to its best rank whose load stays under
+    ``(1 + SLACK_LIMIT)`` x the ideal, else to the least-loaded rank. None if the result is less balanced than
+    ``max(1 + SLACK_LIMIT, LPT's imbalance + 0.01)`` (the locality planner's promise).
+    """
+    counts = layout.token_counts
+    ideal = max(int(counts.max()), -(-layout.num_tokens // world_size))
+    cap = (1 + SLACK_LIMIT) * ideal
+    load = np.zeros(world_size, dtype=np.int64)
+    placed: list[list[int]] = [[] for _ in range(world_size)]
+    strength = weights.max(axis=1) / np.maximum(counts, 1)
+    for w in np.lexsort((np.arange(counts.size), -strength, -counts)):
+        fits = load + counts[w] <= cap
+        rank = int(np.argmax(np.where(fits, weights[w], -1))) if fits.any() else int(np.argmin(load))
+        placed[rank].append(int(w))
+        load[rank] += counts[w]
+    lpt = Plan(layout, world_size).imbalance
+    if load.max() / ideal > max(1 + SLACK_LIMIT, lpt + 0.01):
+        return None
+    return [sorted(ws) for ws in placed]
+
+
+def _rows_moved(prev: Plan, plans: Sequence[Plan], sources: np.ndarray) -> int:
+    """Rows moved by the grid change into ``plans[0]`` plus every layout change between the stage's layers."""
+    rows, cols = np.nonzero(sources >= 0)
+    needed = np.unique(plans[0].token_owner[rows] * prev.layout.num_tokens + sources[rows, cols])
+    moved = int((prev.token_owner[needed % prev.layout.num_tokens] != needed // prev.layout.num_tokens).sum())
+    for a, b in zip(plans, plans[1:]):
+        if a is not b:
+            moved += int((a.token_owner != b.token_owner).sum())
+    return moved
+
+
+def _place_stage(prev: Plan, plans: list[Plan], sources: np.ndarray, planner: str) -> list[Plan]:
+    """The stage's plans, placed so that the grid change moves few rows.
+
+    Every planner: the stage's ranks relabelled (:func:`_relabel`, balance unchanged). ``"locality"`` also tries
+    placing each of the stage's layouts where its input rows are (the first after the previous stage, each next one
+    after the one before) and keeps whichever moves fewer rows over the grid change and the stage's own layer changes.
+    """
+    relabelled = _relabel(prev, plans, sources)
+    if planner != "locality":
+        return relabelled
+    p = prev.world_size
+    rows = np.nonzero((sources >= 0).any(axis=1))[0]
+    first = plans[0].layout
+    # each destination row's input rank: the rank holding most of its children (ties: the first child's)
+    owners = np.where(sources[rows] >= 0, prev.token_owner[np.maximum(sources[rows], 0)], -1)
+    votes = np.stack([(owners == r).sum(axis=1) for r in range(p)], axis=1)
+    weights = _owner_weights(first.window_of_position[first.position_of_token[rows]], votes.argmax(axis=1),
+                             first.num_windows, p)
+    placement = affinity_placement(first, weights, p)
+    if placement is None:
+        return relabelled
+    chained: dict[int, Plan] = {}
+    out: list[Plan] = []
+    for plan in plans:
+        if id(plan) not in chained:
+            if out:
+                lay = plan.layout
+                weights = _owner_weights(lay.window_of_position[lay.position_of_token], out[-1].token_owner,
+                                         lay.num_windows, p)
+                placement = affinity_placement(lay, weights, p)
+                if placement is None:
+                    return relabelled
+            chained[id(plan)] = Plan(plan.layout, p, key=plan.key + ("affinity",), rank_windows=placement)
+        out.append(chained[id(plan)])
+    return min((relabelled, out), key=lambda ps: _rows_moved(prev, ps, sources))
+
+
 class StagedRuntime(WindowRuntime):
     """A :class:`~winsp.runtime.WindowRuntime` over several stages; layer ``i`` is the i-th layer over all stages.
 
@@ -341,7 +420,7 @@ class StagedRuntime(WindowRuntime):
             for s, st in enumerate(self.stages):
                 plans = plan_schedule(laid[s], st.layers, self.world_size, self.planner)
                 if s and st.changes_grid and self.world_size > 1:
-                    plans = _relabel(out[-1], plans, self._sources(s, grids)[0])
+                    plans = _place_stage(out[-1], plans, self._sources(s, grids)[0], self.planner)
                 out.extend(plans)
             return tuple(out)
 

@@ -28,6 +28,7 @@ class SwinAttention3d(nn.Module):
             raise ValueError("swin3d on winsp: attention dropout is not supported (torchvision's default is 0)")
         winsp.adopt(self, original)
         self.layer, self.num_heads = layer, original.num_heads
+        self.window_size, self.shift_size = original.window_size, original.shift_size
 
     def forward(self, x: Tensor) -> Tensor:
         request = winsp.current_request()
