@@ -134,3 +134,14 @@ def test_refuses_what_it_cannot_reproduce():
     for flag in ("output_hidden_states", "output_attentions"):
         with pytest.raises(ValueError, match=flag):
             model(torch.randn(1, 3, 32, 32), **{flag: True})
+
+
+def test_the_readme_states_the_adapter_line_count():
+    """The count in examples/swinv2/README.md is the measured one (issue 14 asks for it; it must not drift)."""
+    from pathlib import Path
+
+    from examples.adapter_lines import model_specific_lines
+
+    root = Path(__file__).parents[1] / "examples" / "swinv2"
+    lines = model_specific_lines(str(root / "adapter.py"))
+    assert f"**{lines} lines**" in (root / "README.md").read_text()

@@ -34,6 +34,7 @@ from .hierarchy import Stage, StagedRequest, StagedRuntime
 from .drop_path import SampleDropPath
 from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, parallelize, unparallelize
 from .token_io import FlatTokens
+from .swapped import Swapped, swapped
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,8 @@ __all__ = [
     "ParallelPlan",
     "ChannelsLast",
     "FlatTokens",
+    "Swapped",
+    "swapped",
     "DiffusionParallelConfig",
     "FixedWindows",
     "Layout",

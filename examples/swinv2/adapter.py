@@ -1,42 +1,72 @@
-"""``parallelize(model, config)``: run a Hugging Face ``Swinv2Model`` window-parallel, in place, via winsp's plan.
+"""Hugging Face ``Swinv2Model`` on winsp: a plan and two swapped forwards (``parallelize(model, config)``).
 
-The plan (plain data, :func:`plan`): the window-parallel region is ``encoder`` (its ``[B, H*W, C]`` input is scattered
-to the ranks' windows, its ``last_hidden_state`` gathered: :class:`winsp.FlatTokens`); one :class:`winsp.Stage` per HF stage, each layer with
-HF's own clamped window and shift on the grid padded to whole windows; every ``Swinv2Layer`` swapped for
-:class:`~examples.swinv2.blocks.ParallelSwinv2Layer`, every ``Swinv2PatchMerging`` for the sharded grid change
-(:class:`~examples.swinv2.blocks.ParallelPatchMerging`, children concatenated in HF's (h, w) order (0,0), (1,0),
-(0,1), (1,1)), every ``drop_path`` for :class:`winsp.SampleDropPath`. ``output_hidden_states`` and
-``output_attentions`` are refused: HF's encoder views every stage output as a ``(B, H, W, C)`` grid. Parameters, buffers and state_dict keys stay
-the model's; ``winsp.unparallelize(model)`` undoes it.
+The plan (plain data, :func:`plan`): the region is ``encoder`` (its ``[B, H*W, C]`` input scattered to the ranks'
+windows, its ``last_hidden_state`` gathered: :class:`winsp.FlatTokens`); one :class:`winsp.Stage` per HF stage, each
+layer with HF's own window and shift on the grid padded to whole windows (:class:`PaddedWindows`); stages 2.. merge 2 x 2
+with HF's child order. Swaps: every ``Swinv2Layer`` (HF pads, rolls and cuts windows in the *layer*, so the layer is
+swapped, not only its attention) for :func:`swinv2_layer`, every ``Swinv2PatchMerging`` for :func:`patch_merging`
+(winsp's sharded grid change), every ``drop_path`` for :class:`winsp.SampleDropPath`. The swapped modules adopt the
+originals' children: parameters, buffers and state_dict keys stay the model's; ``winsp.unparallelize(model)`` undoes it.
+
+What is Swin V2 in :func:`swinv2_layer`:
+
+- cosine attention: q and k are L2-normalised per head, the learned logit scale (clamped at log 100) is folded into q,
+  and the softmax scale is 1;
+- continuous position bias: ``16 * sigmoid(cpb_mlp(relative_coords_table))`` indexed by the pair's relative position
+  inside its window, as a ``score_mod`` (relative positions are translation invariant, so a clipped shifted window's
+  local coordinates give HF's index);
+- padding: HF's pad tokens are zeros that take part in attention (key 0 -> cosine score 0, value = value.bias); they are
+  the padding rows of the stage's padded grid here, set to zero before every attention.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 import winsp
 from winsp.parallelize import is_parallelized
 
-from .blocks import ParallelPatchMerging, ParallelSwinv2Layer
-
-__all__ = ["parallelize", "plan", "PaddedWindows"]
-
 MERGE_ORDER = ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # HF: x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], ...
 
 
-@dataclass(frozen=True)
 class PaddedWindows(winsp.FixedWindows):
     """HF's windows: the layer's window and shift (HF clamped them by the *config's* resolution) on the grid padded to
-    whole windows (HF's ``maybe_pad``); never clamped again by the actual grid."""
+    whole windows (HF's ``maybe_pad``), never clamped again by the actual grid. (A subclass of the frozen dataclass
+    that only adds a method: its fields, equality, hash and fingerprint kind come with it.)"""
 
     def padded_grid(self, grid):
         return tuple(-(-g // k) * k for g, k in zip(winsp.geometry.check_grid(grid), self.window_size))
 
 
-def _sample_drop_path(original: nn.Module) -> nn.Module:
-    return winsp.SampleDropPath(getattr(original, "drop_prob", 0.0), draw="rand").train(original.training)
+def continuous_position_bias(attn: nn.Module, window_coords: Tensor):
+    """A ``score_mod`` adding HF Swin V2's ``16 * sigmoid`` continuous position bias (gradients reach the MLP)."""
+    table = 16 * torch.sigmoid(attn.continuous_position_bias_mlp(attn.relative_coords_table).flatten(0, -2))
+    span = 2 * attn.window_size[1] - 1
+    code = window_coords[:, 1] * span + window_coords[:, 2]  # code[q] - code[k] + offset = HF's relative index
+    offset = (attn.window_size[0] - 1) * span + attn.window_size[1] - 1
+    return lambda score, head, q_row, k_row: score + table[code[q_row] - code[k_row] + offset, head]
+
+
+def swinv2_layer(layer: nn.Module, x: Tensor, *_) -> tuple[Tensor]:
+    """``Swinv2Layer.forward`` on this rank's rows ``[L, C]`` of window layer ``layer.index``."""
+    request, attn = winsp.current_request(), layer.attention.self
+    x = request.to_layer(x, layer.index)
+    h = x.masked_fill(~request.valid_rows[:, None], 0.0)
+    q, k, v = (lin(h).unflatten(-1, (attn.num_attention_heads, -1)) for lin in (attn.query, attn.key, attn.value))
+    scale = torch.clamp(attn.logit_scale, max=math.log(1.0 / 0.01)).exp().view(-1, 1)
+    normalize = torch.nn.functional.normalize
+    out, _ = request.attention(normalize(q, dim=-1) * scale, normalize(k, dim=-1), v, layer=layer.index,
+                               softmax_scale=1.0, score_mod=continuous_position_bias(attn, request.window_coords))
+    x = x + layer.drop_path(layer.layernorm_before(layer.attention.output.dense(out.flatten(1))))
+    return (x + layer.drop_path(layer.layernorm_after(layer.output(layer.intermediate(x)))),)
+
+
+def patch_merging(merging: nn.Module, x: Tensor, *_) -> Tensor:
+    """``Swinv2PatchMerging``: winsp's sharded 2 x 2 grid change into stage ``merging.index``, HF's reduction, norm."""
+    return merging.norm(merging.reduction(winsp.current_request().to_grid(x, merging.index)))
 
 
 def plan(model: nn.Module) -> winsp.ParallelPlan:
@@ -44,12 +74,12 @@ def plan(model: nn.Module) -> winsp.ParallelPlan:
     stages = [winsp.Stage([PaddedWindows((1, b.window_size, b.window_size), (0, b.shift_size, b.shift_size))
                            for b in stage.blocks], merge=(1, 2, 2) if i else (1, 1, 1), order=MERGE_ORDER if i else None)
               for i, stage in enumerate(model.encoder.layers)]
-    tokens = winsp.FlatTokens(refuse=("output_hidden_states", "output_attentions"))  # HF views stage outputs as grids
-    return winsp.ParallelPlan(
-        region=winsp.Region("encoder", "encoder", tokens), stages=tuple(stages),
-        attention="encoder.layers.?.blocks.?", make_attention=ParallelSwinv2Layer,
-        grid_changes="encoder.layers.?.downsample", make_grid_change=ParallelPatchMerging,
-        swaps=(("encoder.layers.?.blocks.?.drop_path", _sample_drop_path),))
+    return winsp.ParallelPlan(  # output_hidden_states / output_attentions: HF's encoder views stage outputs as grids
+        region=winsp.Region("encoder", "encoder", winsp.FlatTokens(refuse=("output_hidden_states", "output_attentions"))),
+        stages=tuple(stages), attention="encoder.layers.?.blocks.?", make_attention=winsp.swapped(swinv2_layer),
+        grid_changes="encoder.layers.?.downsample", make_grid_change=winsp.swapped(patch_merging),
+        swaps=(("encoder.layers.?.blocks.?.drop_path", lambda m: winsp.SampleDropPath(getattr(m, "drop_prob", 0.0),
+                                                                                       draw="rand")),))
 
 
 def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None = None, *, group=None) -> nn.Module:
@@ -59,13 +89,10 @@ def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None =
     Every rank calls the model with the same ``pixel_values`` (and, in training, the same RNG state, so drop path draws
     the same numbers) and gets the whole output. After ``loss.backward()``, ``winsp.sync_gradients(model)``.
     """
-    config_ = getattr(model, "config", None)
-    if getattr(config_, "model_type", None) != "swinv2" or not hasattr(model, "encoder"):
-        raise ValueError(f"examples.swinv2.parallelize needs a transformers Swinv2Model, got {type(model).__name__}")
-    if is_parallelized(model):
-        raise ValueError("examples.swinv2: this model is parallelized already; call winsp.unparallelize(model) first")
-    for key in ("attention_probs_dropout_prob", "hidden_dropout_prob"):
-        if getattr(config_, key) != 0.0:
-            raise ValueError(f"examples.swinv2: config.{key}={getattr(config_, key)} must be 0 (element-wise dropout "
-                             f"on window-parallel rows cannot draw the numbers one rank draws)")
+    if getattr(getattr(model, "config", None), "model_type", None) != "swinv2" or is_parallelized(model):
+        raise ValueError(f"examples.swinv2.parallelize needs a transformers Swinv2Model not parallelized already, got "
+                         f"{type(model).__name__}{' (parallelized)' if is_parallelized(model) else ''}")
+    for key in ("attention_probs_dropout_prob", "hidden_dropout_prob"):  # element-wise dropout inside the region
+        if getattr(model.config, key):  # would draw on local rows, not the numbers one rank draws
+            raise ValueError(f"examples.swinv2: config.{key}={getattr(model.config, key)} must be 0")
     return winsp.parallelize(model, plan(model), config, group=group)

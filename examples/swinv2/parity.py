@@ -18,7 +18,6 @@ import torch
 import winsp
 
 from .adapter import parallelize
-from .blocks import ParallelPatchMerging
 from .hf_import import import_swinv2
 
 __all__ = ["tiny_config", "compare_with_original", "boundary_rows"]
@@ -54,10 +53,10 @@ def boundary_rows(rank: int, world_size: int, size: int = 36) -> list[tuple[int,
 
     def record(module, args):
         request = winsp.current_request()
-        found.append((request.grid_step(module.stage).rows_moved, int(request.valid_rows.sum())))
+        found.append((request.grid_step(module.index).rows_moved, int(request.valid_rows.sum())))
 
     for module in model.modules():
-        if isinstance(module, ParallelPatchMerging):
+        if isinstance(module, winsp.Swapped) and module.swapped_from == "Swinv2PatchMerging":
             module.register_forward_pre_hook(record)
     model(torch.randn(2, 3, size, size, dtype=torch.float64))
     return found
