@@ -145,3 +145,17 @@ def test_the_readme_states_the_adapter_line_count():
     root = Path(__file__).parents[1] / "examples" / "swinv2"
     lines = model_specific_lines(str(root / "adapter.py"))
     assert f"**{lines} lines**" in (root / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_flex_backend_equals_hf_in_inference():
+    """The cpb score_mod also runs under FlexAttention (vmap over scalar indices; CPU flex is inference-only)."""
+    _, model_cls = import_swinv2()
+    torch.manual_seed(0)
+    model = model_cls(tiny_config()).double().eval()
+    x = torch.randn(2, 3, 36, 36, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x).last_hidden_state
+        parallelize(model, winsp.DiffusionParallelConfig(attention_backend="flex"))
+        torch.testing.assert_close(model(x).last_hidden_state, expected, rtol=0, atol=1e-9)
+    assert "flex" in model._winsp_runtime.execution_path
