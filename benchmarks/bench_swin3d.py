@@ -4,7 +4,8 @@ a stage boundary moves against an all-gather of the same activations.
     OMP_NUM_THREADS=1 python benchmarks/bench_swin3d.py [--frames 16] [--size 112] [--repeats 3]
     python benchmarks/bench_swin3d.py --comm [--frames 32] [--size 224] [--world 2 4 8]
 
-Timing: an eval forward in float32, batch 1, one thread a rank, the median of ``--repeats`` after one warm-up; SP = 1
+Timing: an eval forward in float32, batch 1, one thread a rank, the median of ``--repeats`` after one warm-up (wall
+and process CPU seconds: on a loaded machine the CPU time per rank shows the split of work better); SP = 1
 is the untouched torchvision model in one process, SP = 2 two gloo ranks (the slowest rank's median). Peak memory is
 each process's peak RSS above its RSS just before the first forward (``ru_maxrss``: the model, inputs and imports are
 in the baseline). ``--comm`` plans only (numpy, no processes): for each of the three patch mergings, the rows moved
@@ -49,15 +50,16 @@ def _time_forward(rank: int, world_size: int, shape, repeats: int) -> dict:
         model = parallelize(model, winsp.DiffusionParallelConfig(ulysses_degree=world_size))
     x = torch.randn(shape)
     base = _rss_mb()
-    times = []
+    times, cpu = [], []
     with torch.no_grad():
         for i in range(repeats + 1):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             model(x)
             if i:
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"median_s": statistics.median(times), "peak_above_base_mb": peak - base}
+    return {"median_s": statistics.median(times), "cpu_s": statistics.median(cpu), "peak_above_base_mb": peak - base}
 
 
 def _comm(frames: int, size: int, worlds, planner: str) -> None:
@@ -105,9 +107,10 @@ def main() -> None:
     two = run_ranks(_time_forward, 2, shape, args.repeats, timeout=1800)
     slowest = max(r["median_s"] for r in two)
     print(f"swin3d_t eval forward, float32, input {shape}, one thread a rank (load average {os.getloadavg()[0]:.1f})")
-    print(f"SP=1 (untouched torchvision): {one['median_s']:.2f} s, peak RSS above baseline {one['peak_above_base_mb']:.0f} MB")
-    print(f"SP=2 (winsp): {slowest:.2f} s (slowest rank), peak RSS above baseline per rank "
-          f"{[round(r['peak_above_base_mb']) for r in two]} MB")
+    print(f"SP=1 (untouched torchvision): {one['median_s']:.2f} s wall, {one['cpu_s']:.2f} s CPU, peak RSS above "
+          f"baseline {one['peak_above_base_mb']:.0f} MB")
+    print(f"SP=2 (winsp): {slowest:.2f} s wall (slowest rank), CPU per rank {[round(r['cpu_s'], 2) for r in two]} s, "
+          f"peak RSS above baseline per rank {[round(r['peak_above_base_mb']) for r in two]} MB")
     print(f"time ratio SP2/SP1: {slowest / one['median_s']:.2f}")
 
 

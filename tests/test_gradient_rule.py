@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -284,11 +285,51 @@ def _sp_times_dp(rank: int, sp_groups, dp_groups) -> dict[str, float]:
     return errors
 
 
+def _gather_eager_and_compiled(rank: int) -> dict:
+    """``winsp::all_gather_rows`` with uneven rows (one rank has none), eager and compiled (aot_eager, fullgraph)."""
+    sp, sizes = SPGroup.world(), [3, 0, 2, 1]
+    weight = torch.randn(sum(sizes), 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = {}
+    for mode in ("eager", "compiled"):
+        x = (torch.arange(2 * sizes[rank], dtype=torch.float64).reshape(-1, 2) + 10 * rank).requires_grad_(True)
+
+        def gather(t):
+            return sp.all_gather_rows(t, sizes)
+
+        fn = torch.compile(gather, backend="aot_eager", fullgraph=True) if mode == "compiled" else gather
+        y = fn(x)
+        (y * weight).sum().backward()
+        out[mode] = (y.detach(), x.grad)
+    return out
+
+
+def _spatial_gradients(group: SPGroup) -> dict[str, torch.Tensor]:
+    """Height bands (winsp.spatial, as the VAE's): halo, convolution, group norm over all bands, gather; synced."""
+    from winsp.spatial import band_sizes, distributed_group_norm, gather_bands, halo_exchange, take_band
+
+    torch.manual_seed(5)
+    conv, norm = nn.Conv2d(4, 4, 3).double(), nn.GroupNorm(2, 4).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(1, 4, 9, 5, dtype=torch.float64, requires_grad=True)
+    sizes = band_sizes(9, group.size)
+    band = halo_exchange(take_band(x, 2, sizes, group.rank), 2, 1, 1, group, sizes)
+    y = F.conv2d(band, conv.weight, conv.bias, padding=(0, 1))
+    y = distributed_group_norm(y, 2, norm.weight, norm.bias, 1e-5, group)
+    out = gather_bands(y, 2, group, sizes)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=out.dtype)).sum().backward()
+    tensors = [conv.weight, conv.bias, norm.weight, norm.bias, x]
+    winsp.sync_gradients(tensors, group)
+    return dict(zip(["conv.weight", "conv.bias", "norm.weight", "norm.bias", "x"], [t.grad for t in tensors]))
+
+
 def _rank_main(rank: int, world_size: int):
     groups = {2: new_subgroup([0, 1]), 3: new_subgroup([0, 1, 2])}  # every rank makes every subgroup, in order
     sp_groups = [groups[2], new_subgroup([2, 3])]
     dp_groups = [new_subgroup([0, 2]), new_subgroup([1, 3])]
-    out = {"sp_x_dp": _sp_times_dp(rank, sp_groups, dp_groups)}
+    out = {"sp_x_dp": _sp_times_dp(rank, sp_groups, dp_groups), "gather": _gather_eager_and_compiled(rank),
+           "spatial": relative_errors(_spatial_gradients(SPGroup.world()), _spatial_gradients(SPGroup(None)))}
     try:  # inside a multi-rank world, no group and no runtime attached is refused, not treated as one rank
         winsp.sync_gradients(nn.Linear(2, 2))
         out["unattached"] = None
@@ -308,6 +349,28 @@ def _rank_main(rank: int, world_size: int):
 @pytest.fixture(scope="module")
 def world():
     return run_ranks(_rank_main, 4, timeout=300)
+
+
+@pytest.mark.multirank
+def test_all_gather_rows_backward_is_a_reduce_scatter_eager_and_compiled(world):
+    sizes, weight = [3, 0, 2, 1], torch.randn(6, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    everything = torch.cat([torch.arange(2 * n, dtype=torch.float64).reshape(-1, 2) + 10 * r
+                            for r, n in enumerate(sizes)])
+    for rank, result in enumerate(world):
+        start = sum(sizes[:rank])
+        for mode in ("eager", "compiled"):
+            y, grad = result["gather"][mode]
+            assert torch.equal(y, everything), (rank, mode)
+            # 4 ranks each hold a copy whose gradient is ``weight``: this rank's rows get the sum of their blocks
+            assert torch.equal(grad, 4 * weight[start:start + sizes[rank]]), (rank, mode)
+
+
+@pytest.mark.multirank
+def test_height_sharded_spatial_ops_follow_the_same_rule(world):
+    """winsp.spatial (halo exchange, group norm statistics over all bands, gather): averaged = one rank's."""
+    for rank, result in enumerate(world):
+        assert len(result["spatial"]) == 5
+        assert max(result["spatial"].values()) <= 1e-9, (rank, result["spatial"])
 
 
 @pytest.mark.multirank

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import winsp
+from winsp.testing import check_parallel
 
 if importlib.util.find_spec("torchvision") is None:
     pytest.skip("torchvision is not installed (pip install -e '.[test]')", allow_module_level=True)
@@ -92,3 +93,38 @@ def test_the_swin3d_adapter_is_at_most_40_lines():
     from pathlib import Path
 
     assert model_specific_lines(str(Path(__file__).parents[1] / "examples" / "swin3d" / "adapter.py")) <= 40
+
+
+def test_a_region_that_raises_leaves_no_request_behind():
+    model = parallelize(_tiny().eval())
+
+    def fail(module, args):
+        raise RuntimeError("boom inside the region")
+
+    handle = model.features[0][1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64))
+    assert winsp.context.current_request_or_none() is None
+    handle.remove()
+    assert model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64)).shape == (1, 5)
+
+
+def _tiny_with_stages():
+    from examples.swin3d.compare import WithStages
+
+    return WithStages(_tiny(), stages=("features.0", "features.2"))
+
+
+def _parallel_tiny(original, world_size):
+    parallelize(original.module, winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+
+
+def _clip():
+    return torch.randn(2, 3, 6, 28, 36, dtype=torch.float64).requires_grad_()  # grids 3 x 7 x 9: padded windows
+
+
+def test_check_parallel_on_a_small_video_swin_in_training():
+    """winsp.testing.check_parallel at SP = 3 in train mode: logits, both stages' outputs, every parameter gradient
+    and the input gradient equal the original's (float64, 1e-9 relative)."""
+    report = check_parallel(_tiny_with_stages, _parallel_tiny, _clip, world_sizes=(3,), train=True, timeout=300)
+    assert report.ok and report.max_error("param") > 0 and len(report.items) > 20

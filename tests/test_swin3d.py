@@ -4,7 +4,8 @@ torchvision model (float64): logits, every stage's output, every parameter gradi
 
 Default run: one world of 3 ranks, SP = 2 on ranks {0, 1} in training mode (stochastic depth per sample at p = 0.5) on
 a 4 x 32 x 32 clip (stage-0 grid 2 x 8 x 8: padded to whole 7 x 7 windows), then SP = 3 in eval mode on 4 x 56 x 56
-(grid 2 x 14 x 14: whole windows, shifted), batch 2 in both. SP = 4 and a longer clip are marked slow.
+(grid 2 x 14 x 14: whole windows, shifted), batch 2 in both. SP = 4 on longer clips, and the same check through
+``winsp.testing.check_parallel`` at SP = 2 and 3, are marked slow.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import importlib.util
 
 import pytest
 
-from examples.swin3d.compare import STAGES, compare_with_torchvision
+import torch
+
+from examples.swin3d.compare import STAGES, compare_with_torchvision, parallelize_with_stages, swin3d_t_with_stages
 from winsp.group import new_subgroup
-from winsp.testing import run_ranks
+from winsp.testing import check_parallel, run_ranks
 
 if importlib.util.find_spec("torchvision") is None:
     pytest.skip("torchvision is not installed (pip install -e '.[test]')", allow_module_level=True)
@@ -47,3 +50,16 @@ def test_swin3d_sp2_train_padded_and_sp3_eval_whole_windows():
 @pytest.mark.parametrize("shape, train", [((2, 3, 8, 56, 56), True), ((2, 3, 6, 40, 72), False)])
 def test_swin3d_sp4(shape, train):
     _check(run_ranks(compare_with_torchvision, 4, shape, train, timeout=900)[0])
+
+
+def _clip_4x32x32():
+    return torch.randn(2, 3, 4, 32, 32, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.slow
+def test_swin3d_check_parallel_train_padded():
+    """The same bar through winsp.testing.check_parallel (every rank's logits, stage outputs, 173 parameter gradients
+    and the input gradient against the original run once in the parent process)."""
+    report = check_parallel(swin3d_t_with_stages, parallelize_with_stages, _clip_4x32x32, world_sizes=(2, 3),
+                            train=True, timeout=900)
+    assert report.ok and report.max_error("param") > 0  # compared, not skipped

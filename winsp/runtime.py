@@ -9,9 +9,11 @@ phase, made only of tensor ops on prepared tensors and Python constants, so they
 where the layout really changes), ``attention`` (window attention on local rows plus the replicated-text reduction),
 and ``gather`` (the canonical output on every rank). Model code calls only these; it never sees a collective.
 
-Gradient convention: every gradient on every rank is a partial sum over the SP group. Video rows are owned by one
-rank each, so their gradients are whole; anything replicated (text, timestep embeddings, every parameter) gets this
-rank's share. :func:`winsp.sync_gradients` sums parameter gradients over the group once after ``backward``.
+Gradient convention: every rank computes the same loss from replicated values, each rank's copy of a replicated value
+is its own contribution, and after ``backward`` :func:`winsp.sync_gradients` averages the gradients over the SP group
+(as DDP does). Each step's backward is its forward's exact adjoint (``scatter``: this rank's rows; ``to_layer``: the
+reverse all-to-all; ``attention``'s text reduction: an all-reduce; ``gather``: a reduce-scatter), so that holds
+wherever a model scatters and gathers.
 """
 
 from __future__ import annotations
@@ -548,7 +550,7 @@ class WindowRequest:
     def scatter(self, x: Tensor, layer: int = 0) -> Tensor:
         """Entry: this rank's rows of a canonical packed tensor [N, ...] (the same on every rank) in ``layer``'s layout.
 
-        Backward: the gradient of this rank's rows only (a partial sum over the group, like every gradient).
+        Backward: the gradient of this rank's rows of its own copy (no collective).
         """
         layer = self._check_layer(layer)
         lay = self.layout(layer)
@@ -578,7 +580,8 @@ class WindowRequest:
     def gather(self, x: Tensor) -> Tensor:
         """Exit: the canonical tensor [N, ...] from every rank's local rows, complete on every rank.
 
-        Backward: only this rank's rows receive the gradient (each rank computes the same loss from the output).
+        Backward: a reduce-scatter: this rank's rows receive the sum over ranks of the gradients of every rank's copy
+        of them (each rank's copy is its own contribution; :func:`winsp.sync_gradients` averages afterwards).
         """
         lay = self._current_layout()
         return gather_rows(x, lay.plan, self.group, lay.gather_order)

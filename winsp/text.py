@@ -9,10 +9,11 @@ Each rank sums its local copies (in float32 for half-precision inputs), one SUM 
 every rank divides by the global window count. A rank without windows contributes zeros of the same shape and dtype,
 so every rank enters the same collective. Neither a token-weighted mean nor a mean of per-rank means.
 
-Backward (winsp's gradient convention: every gradient on every rank is a partial sum over the SP group): the
-gradient arriving at the replicated ``T_next`` is summed over the group by the all-reduce's backward, so each local
-window copy receives the whole gradient divided by its sample's window count. That is the only collective text needs
-in backward; the replicated text's use by this rank's windows needs none.
+Backward (winsp's gradient convention: each rank's copy of a replicated value is its own contribution, and
+:func:`winsp.sync_gradients` averages afterwards): every rank's copy of ``T_next`` depends on every rank's window
+copies, so the all-reduce's backward sums the gradients of all copies over the group, and each local window copy
+receives that sum divided by its sample's window count. That is the only collective text needs in backward; the
+replicated text's use by this rank's windows needs none (it is this rank's own copy).
 """
 
 from __future__ import annotations

@@ -86,3 +86,51 @@ def compare_with_torchvision(rank: int, sp: int, shape=(2, 3, 4, 32, 32), train:
               "param_grad": worst[0], "worst_param": worst[1]}
     report.update({name: _relative(stages[name], ref_stages[name]) for name in STAGES})
     return report
+
+
+class WithStages(torch.nn.Module):
+    """A swin3d returning ``(logits, stage 0 output, ..., stage 3 output)``, so that :func:`winsp.testing.check_parallel`
+    compares the intermediate features too (in the parallel model each stage's rows are gathered for it)."""
+
+    def __init__(self, module: torch.nn.Module, stages: tuple[str, ...] = STAGES) -> None:
+        super().__init__()
+        self.module, self.stages = module, stages
+
+    def forward(self, x: torch.Tensor):
+        seen: list = []
+
+        def record(module, args, output):
+            request = winsp.context.current_request_or_none()
+            if request is None:
+                seen.append(output)
+                return
+            rows = request.gather(output)
+            grids = request.stage_model_grids[request.stage]
+            seen.append(rows.reshape((len(grids),) + tuple(grids[0]) + tuple(rows.shape[1:])))
+
+        handles = [self.module.get_submodule(name).register_forward_hook(record) for name in self.stages]
+        try:
+            logits = self.module(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return (logits, *seen)
+
+
+def swin3d_t_with_stages(drop_prob: float = 0.5) -> WithStages:
+    """torchvision's swin3d_t (random weights, float64) with every stochastic depth at ``drop_prob``, in
+    :class:`WithStages`: the original model of :func:`winsp.testing.check_parallel`."""
+    import_torchvision()
+    from torchvision.models.video import swin3d_t
+
+    model = swin3d_t(weights=None).double()
+    for module in model.modules():
+        if type(module).__name__ == "StochasticDepth":
+            module.p = drop_prob
+    return WithStages(model)
+
+
+def parallelize_with_stages(original: WithStages, world_size: int) -> WithStages:
+    """``make_parallel`` of :func:`winsp.testing.check_parallel`: the swin3d inside, parallelized in place."""
+    parallelize(original.module, winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    return original
