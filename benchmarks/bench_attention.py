@@ -62,3 +62,60 @@ def test_window_attention_forward(benchmark, window_set, backend):
         vid_out, txt_out = benchmark(window_attention, *inputs, segments, backend=backend)
     want_vid, want_txt = reference_window_attention(*inputs, segments)
     assert torch.allclose(vid_out, want_vid, atol=1e-5) and torch.allclose(txt_out, want_txt, atol=1e-5)
+
+
+# ---- score modification: SDPA (materialised scores) vs FlexAttention (eager / compiled), inference --------------
+# Swin-like windows: a (4, 28, 28) grid in (2, 7, 7) windows (32 windows of 98 tokens), no text, 4 heads x 32, a
+# relative position bias table looked up per pair. FlexAttention on CPU runs eagerly (every score of the packed
+# sequence materialised) unless compiled; torch compiles it on CPU for inference only.
+
+SWIN_GRID, SWIN_WINDOW = (4, 28, 28), (2, 7, 7)
+SWIN_SEGMENTS = grid_windows([2, 2], [7] * 4, [7] * 4)
+SWIN_SEGMENTS = WindowSegments.from_samples(SWIN_SEGMENTS.vid_counts, [0] * SWIN_SEGMENTS.num_windows, [0])
+
+
+def _swin_bias():
+    """A score_mod adding a learned table at each pair's window-local (dt, dh, dw) offset."""
+    gen = torch.Generator().manual_seed(1)
+    t, h, w = SWIN_WINDOW
+    local = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), -1)
+    strides = torch.tensor([(2 * h - 1) * (2 * w - 1), 2 * w - 1, 1])
+    key = (local.reshape(-1, 3) @ strides).repeat(SWIN_SEGMENTS.num_windows)
+    center = int(((torch.tensor(SWIN_WINDOW) - 1) * strides).sum())
+    table = torch.randn((2 * t - 1) * (2 * h - 1) * (2 * w - 1), HEADS, generator=gen)
+
+    def score_mod(score, head, q_row, k_row):
+        return score + table[key[q_row] - key[k_row] + center, head]
+    return score_mod
+
+
+MOD_CASES = ["grouped_sdpa_plain", "grouped_sdpa", "flex_eager", "flex_compiled"]
+
+
+@pytest.mark.parametrize("case", MOD_CASES)
+def test_window_attention_with_score_mod(benchmark, goal_report, case):
+    from winsp.attention import attend
+    from winsp.backends import bind_backend
+
+    segments = SWIN_SEGMENTS
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(segments.total_vid, HEADS, HEAD_DIM, generator=gen) for _ in range(3))
+    score_mod = None if case == "grouped_sdpa_plain" else _swin_bias()
+    backend = "grouped_sdpa" if case.startswith("grouped") else "flex"
+    index = segments.index_tensors("cpu")
+    runner = bind_backend(backend, segments, index)
+    from winsp.score_mods import check_score_mods
+
+    mods = check_score_mods(score_mod, None)
+
+    def call(q, k, v):
+        return attend(q, k, v, None, None, None, segments, index, runner, mods=mods)[0]
+
+    fn = torch.compile(call, backend="inductor", fullgraph=True) if case == "flex_compiled" else call
+    benchmark.group = "window attention with a relative position bias (4x28x28, 7x7x2 windows), forward"
+    with torch.no_grad():
+        fn(q, k, v)  # compile / warm up outside the timing
+        out = benchmark(fn, q, k, v)
+        want = reference_window_attention(q, k, v, None, None, None, segments, score_mod=score_mod)[0]
+    assert torch.allclose(out, want, atol=1e-4)
+    goal_report.goal(f"score_mod attention, {case}", goal_report.median_seconds(benchmark), None)

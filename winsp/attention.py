@@ -206,10 +206,11 @@ def reference_window_attention(
             for vid, txt in ((q_vid, q_txt), (k_vid, k_txt), (v_vid, v_txt))
         )
         if mods:
-            rows = torch.cat([torch.arange(vid_rows.start, vid_rows.stop),
-                              num_vid + torch.arange(txt_rows.start, txt_rows.stop)]).to(q_vid.device)
-            out = attention_with_mods(*(t.transpose(0, 1)[None] for t in (q, k, v)), rows[None], num_vid, scale,
-                                      mods)[0]
+            vid = torch.arange(vid_rows.start, vid_rows.stop)
+            rows = torch.cat([vid, num_vid + torch.arange(txt_rows.start, txt_rows.stop)]).to(q_vid.device)
+            at = torch.cat([vid, torch.full((txt_len,), vid_rows.start if vid_len else 0)]).to(q_vid.device)
+            out = attention_with_mods(*(t.transpose(0, 1)[None] for t in (q, k, v)), rows[None], at[None], num_vid,
+                                      scale, mods)[0]
         else:
             out = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1)
         vid_outs.append(out[:vid_len])
@@ -237,10 +238,13 @@ class WindowAttention(nn.Module):
         k_txt: Tensor | None,
         v_txt: Tensor | None,
         segments: WindowSegments,
+        *,
+        score_mod=None,
+        mask_mod=None,
     ) -> tuple[Tensor, Tensor]:
         return window_attention(
             q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments,
-            backend=self.backend, softmax_scale=self.softmax_scale,
+            backend=self.backend, softmax_scale=self.softmax_scale, score_mod=score_mod, mask_mod=mask_mod,
         )
 
     def extra_repr(self) -> str:

@@ -51,19 +51,20 @@ def check_score_mods(score_mod: object, mask_mod: object) -> Optional[ScoreMods]
     return mods if mods else None
 
 
-def modified_scores(scores: Tensor, rows: Tensor, num_vid: int, mods: ScoreMods) -> Tensor:
-    """Apply ``mods`` to ``scores`` ``[G, H, S, S]`` of groups whose packed rows are ``rows`` ``[G, S]``.
+def modified_scores(scores: Tensor, rows: Tensor, vid_rows: Tensor, num_vid: int, mods: ScoreMods) -> Tensor:
+    """Apply ``mods`` to ``scores`` ``[G, H, S, S]`` of windows whose packed rows are ``rows`` ``[G, S]``.
 
-    ``rows`` are concat rows (``< num_vid``: local video row; else a text row), as in
-    :attr:`~winsp.segments.WindowSegments.concat_index`. Masked pairs become ``-inf``.
+    ``rows`` are concat rows (``< num_vid``: a local video row; else a text row), as in
+    :attr:`~winsp.segments.WindowSegments.concat_index`; ``vid_rows`` the matching
+    :attr:`~winsp.segments.WindowSegments.pack_vid_row`, where the functions are evaluated (text pairs are evaluated
+    at a video row of the same window, then left unmodified). Masked pairs become ``-inf``.
     """
     if num_vid == 0:
         return scores
     groups, length = rows.shape
     head = torch.arange(scores.shape[1], device=scores.device).view(1, -1, 1, 1)
-    q_row, k_row = rows.view(groups, 1, length, 1), rows.view(groups, 1, 1, length)
-    video_pair = (q_row < num_vid) & (k_row < num_vid)
-    q_vid, k_vid = q_row.clamp(max=num_vid - 1), k_row.clamp(max=num_vid - 1)
+    video_pair = (rows.view(groups, 1, length, 1) < num_vid) & (rows.view(groups, 1, 1, length) < num_vid)
+    q_vid, k_vid = vid_rows.view(groups, 1, length, 1), vid_rows.view(groups, 1, 1, length)
     if mods.score_mod is not None:
         scores = torch.where(video_pair, mods.score_mod(scores, head, q_vid, k_vid), scores)
     if mods.mask_mod is not None:
@@ -72,13 +73,13 @@ def modified_scores(scores: Tensor, rows: Tensor, num_vid: int, mods: ScoreMods)
     return scores
 
 
-def attention_with_mods(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, num_vid: int, scale: float,
-                        mods: ScoreMods) -> Tensor:
+def attention_with_mods(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, vid_rows: Tensor, num_vid: int,
+                        scale: float, mods: ScoreMods) -> Tensor:
     """Explicit attention over ``[G, S, heads, head_dim]`` groups with ``mods`` applied; returns the same layout.
 
     Scores and softmax run in float32 for half-precision inputs.
     """
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.einsum("gqhd,gkhd->ghqk", q.to(compute), k.to(compute)) * scale
-    probs = torch.softmax(modified_scores(scores, rows, num_vid, mods), dim=-1)
+    probs = torch.softmax(modified_scores(scores, rows, vid_rows, num_vid, mods), dim=-1)
     return torch.einsum("ghqk,gkhd->gqhd", probs, v.to(compute)).to(q.dtype)

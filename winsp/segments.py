@@ -34,13 +34,16 @@ class WindowIndexTensors:
     ``pack_index`` gathers the packed sequence (pack order, see :attr:`WindowSegments.pack_order`)
     from the rows of ``cat([vid, txt])``; ``unpack_index`` gathers ``cat([vid_out, txt_out])`` from the
     packed output; ``packed_cu_seqlens`` (int32) bounds each non-empty window in the packed sequence;
-    ``uniform_txt_index`` (only when every window has the same shape) gathers the window-major text rows.
+    ``uniform_txt_index`` (only when every window has the same shape) gathers the window-major text rows;
+    ``pack_vid_row`` names, for each packed row, a video row of its own window (itself for a video row; see
+    :attr:`WindowSegments.pack_vid_row`), which is where score modifications are evaluated.
     """
 
     pack_index: Tensor
     unpack_index: Tensor
     packed_cu_seqlens: Tensor
     uniform_txt_index: Tensor | None
+    pack_vid_row: Tensor
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,22 @@ class WindowSegments:
         return _readonly(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
 
     @cached_property
+    def pack_vid_row(self) -> np.ndarray:
+        """int64 ``[total_seq]``: per packed row, its local video row, or for a text row the first video row of its
+        window (0 in a window without video).
+
+        A score modification is a function of two video rows of one window; evaluating it where a pair is not such
+        a pair (a text row, or two windows in one packed sequence) at a row paired with itself keeps every index the
+        function computes inside what it was written for (a relative-position table, say).
+        """
+        parts = []
+        for w in self.pack_order:
+            start, vid, txt = self._vid_offsets[w], self.vid_counts[w], self.txt_lengths[w]
+            parts.append(np.arange(start, start + vid, dtype=np.int64))
+            parts.append(np.full(txt, start if vid else 0, dtype=np.int64))
+        return _readonly(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+
+    @cached_property
     def unpack_index(self) -> np.ndarray:
         """int64 ``[total_seq]``: ``packed_out[unpack_index]`` is ``cat([vid_out, txt_out])``."""
         index = np.empty(self.total_seq, dtype=np.int64)
@@ -235,4 +254,5 @@ class WindowSegments:
             unpack_index=torch.tensor(self.unpack_index, dtype=torch.int64, device=device),
             packed_cu_seqlens=torch.tensor(self.packed_cu_seqlens, dtype=torch.int32, device=device),
             uniform_txt_index=None if uniform is None else torch.tensor(uniform, dtype=torch.int64, device=device),
+            pack_vid_row=torch.tensor(self.pack_vid_row, dtype=torch.int64, device=device),
         )

@@ -69,9 +69,10 @@ def sdpa_segments(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out.transpose(1, 2)
 
 
-def attend_groups(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, segments: WindowSegments, scale: float,
-                  mods: Optional[ScoreMods]) -> Tensor:
-    """Attention over ``[G, S, heads, head_dim]`` windows of one length whose concat rows are ``rows`` ``[G, S]``.
+def attend_groups(q: Tensor, k: Tensor, v: Tensor, rows: Optional[tuple[Tensor, Tensor]], segments: WindowSegments,
+                  scale: float, mods: Optional[ScoreMods]) -> Tensor:
+    """Attention over ``[G, S, heads, head_dim]`` windows of one length whose concat rows and video rows
+    (:attr:`~winsp.segments.WindowSegments.pack_vid_row`) are ``rows`` (two ``[G, S]`` tensors; None without mods).
 
     Plain SDPA without mods; with only a ``mask_mod``, SDPA with a boolean mask; with a ``score_mod``, explicit
     scores (the score must be materialised to be modified).
@@ -79,10 +80,10 @@ def attend_groups(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, segments: Windo
     if not mods:
         return sdpa_segments(q, k, v, scale)
     if mods.score_mod is None:
-        groups, length = rows.shape
+        groups, length = rows[0].shape
         zeros = q.new_zeros((groups, q.shape[2], length, length), dtype=torch.float32)
-        allowed = modified_scores(zeros, rows, segments.total_vid, mods) == 0
+        allowed = modified_scores(zeros, *rows, segments.total_vid, mods) == 0
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=allowed, scale=scale)
         return out.transpose(1, 2)
-    return attention_with_mods(q, k, v, rows, segments.total_vid, scale, mods)
+    return attention_with_mods(q, k, v, *rows, segments.total_vid, scale, mods)

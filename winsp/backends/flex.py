@@ -57,15 +57,21 @@ def _auto_rule(device, modded: bool) -> Optional[str]:
     return None
 
 
-def _flex_score_mod(rows: torch.Tensor, num_vid: int, mods: Optional[ScoreMods]):
-    """The user's mods in FlexAttention's ``(score, b, h, q_idx, kv_idx)`` form, on packed rows."""
+def _flex_score_mod(rows: torch.Tensor, vid_rows: torch.Tensor, segment_of_row: torch.Tensor, num_vid: int,
+                    mods: Optional[ScoreMods]):
+    """The user's mods in FlexAttention's ``(score, b, h, q_idx, kv_idx)`` form, on packed rows.
+
+    FlexAttention may evaluate pairs its block mask drops (eagerly it evaluates all of them): a pair that is not two
+    video rows of one window is evaluated at the query's video row paired with itself, then left unmodified.
+    """
     if not mods or num_vid == 0:
         return None
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        q_row, k_row = rows[q_idx], rows[kv_idx]
-        video_pair = (q_row < num_vid) & (k_row < num_vid)
-        q_vid, k_vid = q_row.clamp(max=num_vid - 1), k_row.clamp(max=num_vid - 1)
+        same_window = segment_of_row[q_idx] == segment_of_row[kv_idx]
+        video_pair = (rows[q_idx] < num_vid) & (rows[kv_idx] < num_vid) & same_window
+        q_vid = vid_rows[q_idx]
+        k_vid = torch.where(same_window, vid_rows[kv_idx], q_vid)
         if mods.score_mod is not None:
             score = torch.where(video_pair, mods.score_mod(score, h, q_vid, k_vid), score)
         if mods.mask_mod is not None:
@@ -91,10 +97,10 @@ def _prepare(segments, idx) -> Runner:
                 and any(t.requires_grad for t in (*qkv_vid, *qkv_txt))):
             raise ValueError("the flex backend on CPU is inference-only (torch has no CPU backward for "
                              "FlexAttention); use attention_backend='grouped_sdpa' to train on CPU")
-        q, k, v = (pack(vid, txt, idx.pack_index, segments).transpose(0, 1).unsqueeze(0)
+        q, k, v = (pack(vid, txt, idx.pack_index, segments).transpose(0, 1).unsqueeze(0).contiguous()
                    for vid, txt in zip(qkv_vid, qkv_txt))
-        out = _kernel(device)(q, k, v, score_mod=_flex_score_mod(idx.pack_index, segments.total_vid, mods),
-                              block_mask=block_mask, scale=scale)
+        score_mod = _flex_score_mod(idx.pack_index, idx.pack_vid_row, segment_of_row, segments.total_vid, mods)
+        out = _kernel(device)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
         return unpack(out.squeeze(0).transpose(0, 1), idx.unpack_index, segments)
 
     return run

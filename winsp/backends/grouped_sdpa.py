@@ -18,7 +18,8 @@ def _run(qkv_vid, qkv_txt, segments, idx, scale, mods=None):
     for start, count, length in segments.group_slices:
         rows = slice(start, start + count * length)
         shape = (count, length, *heads_dim)
-        group_rows = idx.pack_index[rows].view(count, length) if mods else None
+        group_rows = (idx.pack_index[rows].view(count, length), idx.pack_vid_row[rows].view(count, length)) \
+            if mods else None
         out = attend_groups(q[rows].reshape(shape), k[rows].reshape(shape), v[rows].reshape(shape), group_rows,
                             segments, scale, mods)
         outs.append(out.reshape(count * length, *heads_dim))
