@@ -20,7 +20,7 @@ from examples.swinv2 import parallelize, plan  # noqa: E402
 from examples.swinv2.hf_import import import_swinv2  # noqa: E402
 from examples.swinv2.parity import ALL_CASES, compare_with_original, tiny_config  # noqa: E402
 from winsp.group import new_subgroup  # noqa: E402
-from winsp.testing import run_ranks  # noqa: E402
+from winsp.testing import check_parallel, run_ranks  # noqa: E402
 
 OUTPUT_TOL, GRAD_TOL = 1e-9, 1e-9
 
@@ -159,3 +159,25 @@ def test_flex_backend_equals_hf_in_inference():
         parallelize(model, winsp.DiffusionParallelConfig(attention_backend="flex"))
         torch.testing.assert_close(model(x).last_hidden_state, expected, rtol=0, atol=1e-9)
     assert "flex" in model._winsp_runtime.execution_path
+
+
+def _hf_model():
+    _, model_cls = import_swinv2()
+    return model_cls(tiny_config(drop_path_rate=0.3)).double()
+
+
+def _parallel_hf(original, world_size):
+    return parallelize(original, winsp.DiffusionParallelConfig(ulysses_degree=world_size) if world_size > 1 else None)
+
+
+def _pixels():
+    return (torch.randn(2, 3, 36, 36, dtype=torch.float64).requires_grad_(),)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_check_parallel_agrees():
+    """winsp's own checker, independently of compare_with_original: train mode, padded grids, SP = 2."""
+    report = check_parallel(_hf_model, _parallel_hf, _pixels, world_sizes=(2,), train=True)
+    assert report.ok and ("param", "encoder.layers.0.blocks.1.attention.self.logit_scale") in report.items
+    assert ("input", "args[0]") in report.items and report.max_error("output") <= 1e-9
