@@ -77,6 +77,26 @@ def test_four_ranks_equal_hf():
         _check(r)
 
 
+def test_one_model_serves_images_of_many_sizes():
+    """One parallelized model, many image sizes in a row (float64, eval, one rank): smaller than config.image_size
+    (HF keeps its window and pads: 8x8 gives a 2x2 grid padded to 4x4, whose pad tokens take part), non-square, and
+    pairs whose grids pad to the same laid grid (16x16 then 8x8; 32x44 then 20x52), which once reused a stale
+    prepared grid change."""
+    _, model_cls = import_swinv2()
+    torch.manual_seed(0)
+    original = model_cls(tiny_config()).double().eval()
+    with torch.no_grad():
+        for p in original.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model = parallelize(copy.deepcopy(original))
+    for height, width in ((16, 16), (8, 8), (32, 44), (20, 52), (4, 4), (36, 36)):
+        x = torch.randn(2, 3, height, width, dtype=torch.float64)
+        with torch.no_grad():
+            got, want = model(x), original(x)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=0, atol=1e-9)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=0, atol=1e-9)
+
+
 def test_plan_follows_hf_clamping_shift_and_merge_order():
     _, model_cls = import_swinv2()
     model = model_cls(tiny_config())  # stage grids 8, 4, 2 with window 4: shift only where the grid exceeds it

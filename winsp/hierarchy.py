@@ -442,7 +442,8 @@ class StagedRuntime(WindowRuntime):
         src = request.prepared.layouts[src_slot].plan
         dst_layer = self.first_layer[stage]
         dst = request.prepared.plans[dst_layer]
-        key = ("grid-step", src.key or id(src), dst.key or id(dst), stage, self.rank, str(request.device))
+        key = ("grid-step", src.key or id(src), dst.key or id(dst), stage, request.model_grids, self.rank,
+               str(request.device))
 
         def build() -> GridStep:
             sources, chunk = self._sources(stage, request.model_grids)
