@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import winsp
 from winsp.hierarchy import GridStep, Stage, _place_stage, _relabel, _rows_moved, grid_sources, stage_grids
@@ -50,18 +52,18 @@ def _down_up(sp: int, group=None, planner: str = "lpt") -> dict:
     w_merged = torch.randn(_dense_merge(x, GRIDS).shape, dtype=torch.float64)
     w_out = torch.randn(n, C, dtype=torch.float64)
     request = runtime.request(GRIDS)
-    rows = request.to_layer(request.scatter(x) * 2, 1)
+    rows0 = request.scatter(x) * 2                  # layer 0's layout
+    rows = request.to_layer(rows0, 1)               # stage 0's last layer: the skip of an unchanged U-net
     padding = int((~request.valid_rows).sum())
-    skip = rows
     merged = request.to_grid(rows, 1)
     stage1 = request.gather(merged)
-    up = request.to_grid(merged, 2)
-    out = request.gather(up + request.to_layer(skip, 3, source=1))
+    up = request.to_grid(merged, 2)                 # lands where that skip is: `up + rows` needs no move
+    out = request.gather(request.to_layer(up + rows, 3) + request.to_layer(rows0, 3, source=0))
     loss = (stage1 * w_merged).sum() + (out * w_out).sum()
     loss.backward()
     winsp.sync_gradients([x], runtime)
     expected_x = x.detach().clone().requires_grad_(True)
-    want_stage1, want_out = _dense_merge(expected_x * 2, GRIDS), expected_x * 4
+    want_stage1, want_out = _dense_merge(expected_x * 2, GRIDS), expected_x * 6
     ((want_stage1 * w_merged).sum() + (want_out * w_out).sum()).backward()
     return {"stage1": (stage1 - want_stage1).abs().max().item(), "out": (out - want_out).abs().max().item(),
             "grad": (x.grad - expected_x.grad).abs().max().item(), "padding": padding,
@@ -149,3 +151,32 @@ def test_to_grid_and_to_layer_refuse_wrong_stages():
         winsp.StagedRuntime([Stage([winsp.SwinWindows((1, 2, 2))], merge=(1, 2, 2))])
     with pytest.raises(ValueError, match="order must list every child"):
         Stage([winsp.SwinWindows((1, 2, 2))], merge=(1, 2, 2), order=((0, 0, 0),))
+
+
+def _dense_merge_general(x: torch.Tensor, grid, factor, order) -> torch.Tensor:
+    """Merge by ``factor`` with zero padding at the far edges, children's channels in ``order`` (dense reference)."""
+    t, h, w = grid
+    v = x.reshape(t, h, w, -1)
+    pad = [(-g) % f for g, f in zip(grid, factor)]
+    v = torch.nn.functional.pad(v, (0, 0, 0, pad[2], 0, pad[1], 0, pad[0]))
+    return torch.cat([v[a::factor[0], b::factor[1], c::factor[2]] for a, b, c in order], -1).reshape(
+        -1, len(order) * x.shape[-1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(grid=st.tuples(st.integers(1, 5), st.integers(1, 7), st.integers(1, 7)),
+       factor=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 2)), data=st.data())
+def test_merge_and_split_by_any_factor_and_order(grid, factor, data):
+    if factor == (1, 1, 1):
+        factor = (1, 2, 1)
+    children = [(a, b, c) for a in range(factor[0]) for b in range(factor[1]) for c in range(factor[2])]
+    order = tuple(data.draw(st.permutations(children)))
+    window = data.draw(st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)))
+    geometry = winsp.SwinWindows(window)
+    runtime = winsp.StagedRuntime([Stage([geometry]), Stage([geometry], merge=factor, order=order),
+                                   Stage([geometry], split=factor, like=0, order=order)])
+    x = torch.randn(grid[0] * grid[1] * grid[2], 2, dtype=torch.float64)
+    request = runtime.request([grid])
+    merged = request.to_grid(request.scatter(x), 1)
+    assert torch.equal(request.gather(merged), _dense_merge_general(x, grid, factor, order))
+    assert torch.equal(request.gather(request.to_grid(merged, 2)), x)

@@ -13,7 +13,9 @@ Padding: a stage's grid is laid out as ``layers[0].padded_grid(grid)`` (Swin pad
 are ordinary local rows for the runtime; ``request.valid_rows`` tells them apart, ``scatter`` fills them with zeros,
 ``gather`` drops them and ``to_grid`` never reads them (missing children of a merge are zeros, as Swin's ``F.pad``).
 
-Skip connections: a tensor kept from an earlier layer of the same grid comes into the current layout with
+Skip connections: a split cropped ``like`` stage s lands in the layout of stage s's last layer, where a skip kept
+from the end of stage s (a U-net level's output) already lies, so unchanged model code adding it right after the
+split is right. A tensor kept from any other layer of the same grid comes into the current layout with
 ``request.to_layer(skip, layer, source=earlier_layer)``.
 """
 
@@ -186,10 +188,10 @@ def grid_sources(stage: Stage, src_model, src_laid, dst_model, dst_laid) -> tupl
     parent = coords // factor
     ok = dst_inside & (parent < src_model_rows).all(axis=1)
     ids = np.where(ok, _ids(sample, parent, src_laid), -1)
-    lookup = {tuple(o): i for i, o in enumerate(stage.order)}
+    lookup = np.empty(int(factor.prod()), dtype=np.int64)  # raveled child offset -> its place in stage.order
+    lookup[(order[:, 0] * factor[1] + order[:, 1]) * factor[2] + order[:, 2]] = np.arange(order.shape[0])
     rem = coords % factor
-    chunk = np.fromiter((lookup[tuple(r)] for r in rem), dtype=np.int64, count=rem.shape[0]) if rem.size else \
-        np.zeros(0, dtype=np.int64)
+    chunk = lookup[(rem[:, 0] * factor[1] + rem[:, 1]) * factor[2] + rem[:, 2]]
     return ids[:, None], np.where(ok, chunk, 0)
 
 
@@ -365,7 +367,10 @@ def _place_stage(prev: Plan, plans: list[Plan], sources: np.ndarray, planner: st
                 placement = affinity_placement(lay, weights, p)
                 if placement is None:
                     return relabelled
-            chained[id(plan)] = Plan(plan.layout, p, key=plan.key + ("affinity",), rank_windows=placement)
+            # the placement follows from the plan it was placed after: that plan's key makes this key unique
+            anchor = out[-1] if out else prev
+            chained[id(plan)] = Plan(plan.layout, p, key=plan.key + (("affinity", anchor.key),),
+                                     rank_windows=placement)
         out.append(chained[id(plan)])
     return min((relabelled, out), key=lambda ps: _rows_moved(prev, ps, sources))
 
@@ -395,6 +400,15 @@ class StagedRuntime(WindowRuntime):
         flat = WindowRuntime.from_config(config, [g for st in stages for g in st.layers], group=group)
         return cls(stages, group=flat.group, attention_backend=flat.attention_backend, planner=flat.planner,
                    store_size=flat.store.maxsize)
+
+    def landing_layer(self, stage: int) -> int:
+        """The layer whose layout :meth:`StagedRequest.to_grid` into ``stage`` lands in: the stage's first layer, or,
+        for a split cropped ``like`` stage s, stage s's *last* layer, where a skip connection kept from the end of
+        stage s already lies (so unchanged code adding it right after the split is right)."""
+        st = self.stages[stage]
+        if st.like is not None:
+            return self.first_layer[st.like] + len(self.stages[st.like].layers) - 1
+        return self.first_layer[stage]
 
     def stage_grids(self, grids: Sequence[Sequence[int]]) -> tuple[tuple, tuple]:
         """(model grids, laid-out grids) of each stage (:func:`stage_grids`)."""
@@ -440,8 +454,7 @@ class StagedRuntime(WindowRuntime):
 
     def _grid_step(self, request: "StagedRequest", src_slot: int, stage: int) -> GridStep:
         src = request.prepared.layouts[src_slot].plan
-        dst_layer = self.first_layer[stage]
-        dst = request.prepared.plans[dst_layer]
+        dst = request.prepared.plans[self.landing_layer(stage)]
         key = ("grid-step", src.key or id(src), dst.key or id(dst), stage, request.model_grids, self.rank,
                str(request.device))
 
@@ -459,10 +472,10 @@ class StagedRuntime(WindowRuntime):
 
         def build() -> StageRows:
             model, laid = request.stage_model_grids[stage], request.stage_laid_grids[stage]
-            logical = logical_ids(model, laid)[lay.local.token_ids]
+            keep = logical_ids(model, laid)
+            logical = keep[lay.local.token_ids]
             grid = np.asarray(laid, dtype=np.int64)[lay.local.row_sample].reshape(-1, 3)
             total = sum(t * h * w for t, h, w in model)
-            keep = logical_ids(model, laid)
             device = request.device
             return StageRows(
                 valid=torch.from_numpy(logical >= 0).to(device),
@@ -562,7 +575,8 @@ class StagedRequest(WindowRequest):
         return redistribute_rows(x, self.runtime._step(src, dst, self.device), self.group)
 
     def to_grid(self, x: Tensor, stage: int) -> Tensor:
-        """The grid change into ``stage`` (the next one): local rows of its first layer's layout.
+        """The grid change into ``stage`` (the next one): local rows of its first layer's layout (of stage s's last
+        layer for a split cropped ``like`` s: see :meth:`StagedRuntime.landing_layer`).
 
         A merge returns ``[L, K * C, ...]`` (children's channels side by side in the stage's ``order``, zeros for
         children outside the grid); a split takes ``[L, C, ...]`` with ``C = K * C'`` and returns ``[L, C', ...]``.
@@ -576,7 +590,7 @@ class StagedRequest(WindowRequest):
         if here != stage - 1:
             raise ValueError(f"to_grid: rows are in stage {here}; stage {stage} follows stage {stage - 1}")
         out = self.runtime._grid_step(self, self._slot, stage)(x, self.group)
-        self._enter(self.runtime.first_layer[stage])
+        self._enter(self.runtime.landing_layer(stage))
         self.transitions_done += 1
         return out
 

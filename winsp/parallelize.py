@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -120,7 +120,8 @@ class Region:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """What :func:`parallelize` does to a model (module paths are ``named_modules`` names; ``*`` globs, fnmatch).
+    """What :func:`parallelize` does to a model (module paths are ``named_modules`` names; ``*`` globs, fnmatch; where
+    a glob is taken, a tuple of globs matches a module matching any of them, still in ``named_modules`` order).
 
     Args:
         region: the window-parallel region.
@@ -139,10 +140,10 @@ class ParallelPlan:
 
     region: Region
     stages: tuple[Stage, ...]
-    attention: str
+    attention: Union[str, tuple[str, ...]]
     make_attention: Callable[[nn.Module, int], nn.Module]
-    layer_entry: str = "parent"
-    grid_changes: Optional[str] = None
+    layer_entry: Union[str, tuple[str, ...]] = "parent"
+    grid_changes: Union[str, tuple[str, ...], None] = None
     make_grid_change: Optional[Callable[[nn.Module, int], nn.Module]] = None
     swaps: tuple[tuple[str, Callable[[nn.Module], nn.Module]], ...] = ()
 
@@ -186,8 +187,10 @@ class _Applied:
     tokens: list  # ContextVar tokens of regions in progress
 
 
-def _matches(model: nn.Module, pattern: str, what: str) -> list[tuple[str, nn.Module]]:
-    found = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
+def _matches(model: nn.Module, pattern, what: str) -> list[tuple[str, nn.Module]]:
+    """Modules whose path matches the glob ``pattern`` (or any glob of a tuple of them), in ``named_modules`` order."""
+    patterns = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+    found = [(n, m) for n, m in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     if not found:
         raise ValueError(f"ParallelPlan.{what}={pattern!r} matches no module of {type(model).__name__}")
     return found

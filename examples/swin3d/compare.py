@@ -27,23 +27,23 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def _stage_outputs(model: torch.nn.Module, parallel: bool) -> dict:
-    """Hooks recording each stage's output (gathered to the model's [B, T, H, W, C] in the parallel model)."""
+def stage_output(output: torch.Tensor) -> torch.Tensor:
+    """A stage's output as the model's ``[B, T, H, W, C]``: as is outside a region, gathered from the local rows
+    inside one (an extra all-gather: for checks only)."""
+    request = winsp.context.current_request_or_none()
+    if request is None:
+        return output
+    rows = request.gather(output)
+    grids = request.stage_model_grids[request.stage]
+    return rows.reshape((len(grids),) + tuple(grids[0]) + tuple(rows.shape[1:]))
+
+
+def _stage_outputs(model: torch.nn.Module) -> dict:
+    """Hooks recording each stage's output, detached."""
     seen: dict = {}
-
-    def record(name):
-        def hook(module, args, output):
-            if parallel:
-                request = winsp.current_request()
-                rows = request.gather(output.detach())
-                grid = request.stage_model_grids[request.stage]
-                seen[name] = rows.reshape((len(grid),) + tuple(grid[0]) + tuple(rows.shape[1:]))
-            else:
-                seen[name] = output.detach()
-        return hook
-
     for name in STAGES:
-        model.get_submodule(name).register_forward_hook(record(name))
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, name=name: seen.__setitem__(name, stage_output(output.detach())))
     return seen
 
 
@@ -65,8 +65,8 @@ def compare_with_torchvision(rank: int, sp: int, shape=(2, 3, 4, 32, 32), train:
     x = torch.randn(shape, dtype=torch.float64)
     target = torch.randn(shape[0], 400, dtype=torch.float64)
 
-    def run(net, parallel):
-        stages = _stage_outputs(net, parallel)
+    def run(net):
+        stages = _stage_outputs(net)
         inp = x.clone().requires_grad_(True)
         torch.manual_seed(seed + 1)  # stochastic depth draws the same samples in both models
         out = net(inp)
@@ -74,12 +74,12 @@ def compare_with_torchvision(rank: int, sp: int, shape=(2, 3, 4, 32, 32), train:
         loss.backward()
         return out.detach(), stages, inp
 
-    out, stages, inp = run(model, True)
+    out, stages, inp = run(model)
     winsp.sync_gradients(model)
     winsp.sync_gradients([inp], model)
     if rank != 0:
         return None
-    ref_out, ref_stages, ref_inp = run(reference, False)
+    ref_out, ref_stages, ref_inp = run(reference)
     grads = {n: p.grad for n, p in model.named_parameters()}
     worst = max((_relative(grads[n], p.grad), n) for n, p in reference.named_parameters())
     report = {"logits": _relative(out, ref_out), "input_grad": _relative(inp.grad, ref_inp.grad),
@@ -100,13 +100,7 @@ class WithStages(torch.nn.Module):
         seen: list = []
 
         def record(module, args, output):
-            request = winsp.context.current_request_or_none()
-            if request is None:
-                seen.append(output)
-                return
-            rows = request.gather(output)
-            grids = request.stage_model_grids[request.stage]
-            seen.append(rows.reshape((len(grids),) + tuple(grids[0]) + tuple(rows.shape[1:])))
+            seen.append(stage_output(output))
 
         handles = [self.module.get_submodule(name).register_forward_hook(record) for name in self.stages]
         try:
