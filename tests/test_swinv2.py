@@ -110,6 +110,10 @@ def test_plan_follows_hf_clamping_shift_and_merge_order():
     assert stages[1].order == ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # HF: h offset varies first
     assert stages[1].layers[0].padded_grid((1, 5, 3)) == (1, 8, 4)  # whole windows, HF's maybe_pad
     assert stages[2].layers[0].padded_grid((1, 1, 1)) == (1, 2, 2)  # HF's window, never re-clamped to the grid
+    deep = model_cls(tiny_config(depths=(2, 12), num_heads=(2, 4)))  # two-digit block indices (Swin V2-B has 18)
+    assert [len(st.layers) for st in plan(deep).stages] == [2, 12]
+    parallelize(deep)
+    assert sum(isinstance(m, winsp.Swapped) for m in deep.modules()) == 14 + 1
 
 
 def test_train_mode_really_drops_paths():

@@ -30,6 +30,7 @@ import winsp
 from winsp.parallelize import is_parallelized
 
 MERGE_ORDER = ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # HF: x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], ...
+BLOCKS = ("encoder.layers.?.blocks.[0-9]", "encoder.layers.?.blocks.[0-9][0-9]")  # fnmatch's * would cross dots
 
 
 class PaddedWindows(winsp.FixedWindows):
@@ -70,15 +71,15 @@ def patch_merging(merging: nn.Module, x: Tensor, *_) -> Tensor:
 
 
 def plan(model: nn.Module) -> winsp.ParallelPlan:
-    """The :class:`winsp.ParallelPlan` of HF ``Swinv2Model`` ``model`` (fewer than 10 stages and 10 blocks a stage)."""
+    """The :class:`winsp.ParallelPlan` of HF ``Swinv2Model`` ``model`` (up to 10 stages and 100 blocks a stage)."""
     stages = [winsp.Stage([PaddedWindows((1, b.window_size, b.window_size), (0, b.shift_size, b.shift_size))
                            for b in stage.blocks], merge=(1, 2, 2) if i else (1, 1, 1), order=MERGE_ORDER if i else None)
               for i, stage in enumerate(model.encoder.layers)]
     return winsp.ParallelPlan(  # output_hidden_states / output_attentions: HF's encoder views stage outputs as grids
         region=winsp.Region("encoder", "encoder", winsp.FlatTokens(refuse=("output_hidden_states", "output_attentions"))),
-        stages=tuple(stages), attention="encoder.layers.?.blocks.?", make_attention=winsp.swapped(swinv2_layer),
+        stages=tuple(stages), attention=BLOCKS, make_attention=winsp.swapped(swinv2_layer),
         grid_changes="encoder.layers.?.downsample", make_grid_change=winsp.swapped(patch_merging),
-        swaps=(("encoder.layers.?.blocks.?.drop_path", lambda m: winsp.SampleDropPath(getattr(m, "drop_prob", 0.0),
+        swaps=(("encoder.layers.*.drop_path", lambda m: winsp.SampleDropPath(getattr(m, "drop_prob", 0.0),
                                                                                        draw="rand")),))
 
 
