@@ -2,11 +2,12 @@
 
 The plan (plain data, :func:`plan`): the region is ``encoder`` (its ``[B, H*W, C]`` input scattered to the ranks'
 windows, its ``last_hidden_state`` gathered: :class:`winsp.FlatTokens`); one :class:`winsp.Stage` per HF stage, each
-layer with HF's own window and shift on the grid padded to whole windows (:class:`PaddedWindows`); stages 2.. merge 2 x 2
-with HF's child order. Swaps: every ``Swinv2Layer`` (HF pads, rolls and cuts windows in the *layer*, so the layer is
-swapped, not only its attention) for :func:`swinv2_layer`, every ``Swinv2PatchMerging`` for :func:`patch_merging`
-(winsp's sharded grid change), every ``drop_path`` for :class:`winsp.SampleDropPath`. The swapped modules adopt the
-originals' children: parameters, buffers and state_dict keys stay the model's; ``winsp.unparallelize(model)`` undoes it.
+layer with HF's own window and shift on the grid padded to whole windows (:class:`PaddedWindows`); stages 2.. merge
+2 x 2 with HF's child order. Swaps: every ``Swinv2Layer`` (HF pads, rolls and cuts windows in the *layer*, so the
+layer is swapped, not only its attention) for :func:`swinv2_layer`, every ``Swinv2PatchMerging`` for
+:func:`patch_merging` (winsp's sharded grid change), every ``drop_path`` for :class:`winsp.SampleDropPath`. The
+swapped modules adopt the originals' children: parameters, buffers and state_dict keys stay the model's;
+``winsp.unparallelize(model)`` undoes it.
 
 What is Swin V2 in :func:`swinv2_layer`:
 
@@ -31,6 +32,7 @@ from winsp.parallelize import is_parallelized
 
 MERGE_ORDER = ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # HF: x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], ...
 BLOCKS = ("encoder.layers.?.blocks.[0-9]", "encoder.layers.?.blocks.[0-9][0-9]")  # fnmatch's * would cross dots
+DROP_PATHS = ("encoder.layers.*.drop_path", lambda m: winsp.SampleDropPath(getattr(m, "drop_prob", 0.0), draw="rand"))
 
 
 class PaddedWindows(winsp.FixedWindows):
@@ -73,14 +75,13 @@ def patch_merging(merging: nn.Module, x: Tensor, *_) -> Tensor:
 def plan(model: nn.Module) -> winsp.ParallelPlan:
     """The :class:`winsp.ParallelPlan` of HF ``Swinv2Model`` ``model`` (up to 10 stages and 100 blocks a stage)."""
     stages = [winsp.Stage([PaddedWindows((1, b.window_size, b.window_size), (0, b.shift_size, b.shift_size))
-                           for b in stage.blocks], merge=(1, 2, 2) if i else (1, 1, 1), order=MERGE_ORDER if i else None)
-              for i, stage in enumerate(model.encoder.layers)]
-    return winsp.ParallelPlan(  # output_hidden_states / output_attentions: HF's encoder views stage outputs as grids
-        region=winsp.Region("encoder", "encoder", winsp.FlatTokens(refuse=("output_hidden_states", "output_attentions"))),
-        stages=tuple(stages), attention=BLOCKS, make_attention=winsp.swapped(swinv2_layer),
-        grid_changes="encoder.layers.?.downsample", make_grid_change=winsp.swapped(patch_merging),
-        swaps=(("encoder.layers.*.drop_path", lambda m: winsp.SampleDropPath(getattr(m, "drop_prob", 0.0),
-                                                                                       draw="rand")),))
+                           for b in st.blocks], merge=(1, 2, 2) if i else (1, 1, 1), order=MERGE_ORDER if i else None)
+              for i, st in enumerate(model.encoder.layers)]
+    tokens = winsp.FlatTokens(refuse=("output_hidden_states", "output_attentions"))  # HF views stage outputs as grids
+    return winsp.ParallelPlan(
+        region=winsp.Region("encoder", "encoder", tokens), stages=tuple(stages), attention=BLOCKS,
+        make_attention=winsp.swapped(swinv2_layer), grid_changes="encoder.layers.?.downsample",
+        make_grid_change=winsp.swapped(patch_merging), swaps=(DROP_PATHS,))
 
 
 def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None = None, *, group=None) -> nn.Module:

@@ -66,7 +66,7 @@ def _gathered_stage_outputs(model) -> list[torch.Tensor]:
     """Hooks on the parallel model's stages: each stage's output rows gathered (canonical ``[B*H*W, C]``)."""
     found: list[torch.Tensor] = []
     for stage in model.encoder.layers:
-        stage.register_forward_hook(lambda module, args, output: found.append(winsp.current_request().gather(output[0])))
+        stage.register_forward_hook(lambda module, args, out: found.append(winsp.current_request().gather(out[0])))
     return found
 
 
