@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 
 from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig
 
-__all__ = ["tiny_vae", "random_video", "assert_close", "layer_attention"]
+__all__ = ["tiny_vae", "random_video", "assert_close"]
 
 
 def tiny_vae(seed: int = 0) -> CausalVideoVAE:
@@ -39,13 +38,3 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> No
     if actual.numel():
         err = (actual.double() - expected.double()).abs().max().item()
         assert err <= tol, f"max abs error {err} > {tol}"
-
-
-def layer_attention(request, layer: int, *qkv: torch.Tensor):
-    """``request.attention(*qkv, layer=layer)``, for test models written before attention took its layer.
-
-    Passes ``layer`` only where :meth:`winsp.WindowRequest.attention` accepts it (the layer-checked attention).
-    """
-    if "layer" in inspect.signature(type(request).attention).parameters:
-        return request.attention(*qkv, layer=layer)
-    return request.attention(*qkv)

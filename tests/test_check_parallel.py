@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import winsp
-from tests.helpers import layer_attention
 from winsp.testing import check_parallel
 
 DIM, HEADS, GRID, TEXT, WINDOW, LAYERS = 16, 2, (2, 8, 8), 5, (2, 4, 4), 4
@@ -92,12 +91,15 @@ class OriginalTinyDiT(nn.Module):
 
 class TinyDiT(winsp.WindowParallel, nn.Module):
     """The README model on winsp. ``to_layer=False`` forgets the layout change (wrong at every rank count);
-    ``per_row_drop`` draws stochastic depth per local row instead of per sample (wrong too)."""
+    ``per_row_drop`` draws stochastic depth per local row instead of per sample (wrong too); ``detach_last`` cuts
+    the video gradient before the last block (the output is right, the earlier blocks' gradients are not)."""
 
-    def __init__(self, drop: float = 0.0, to_layer: bool = True, per_row_drop: bool = False):
+    def __init__(self, drop: float = 0.0, to_layer: bool = True, per_row_drop: bool = False,
+                 detach_last: bool = False):
         super().__init__()
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.drop, self.use_to_layer, self.per_row_drop = drop, to_layer, per_row_drop
+        self.detach_last = detach_last
 
     def window_schedule(self):
         return [winsp.FixedWindows(WINDOW, shift=shift_of(i)) for i in range(LAYERS)]
@@ -108,6 +110,8 @@ class TinyDiT(winsp.WindowParallel, nn.Module):
         for i, block in enumerate(self.blocks):
             if self.use_to_layer:
                 x = request.to_layer(x, i)
+            if self.detach_last and i == LAYERS - 1:
+                x = x.detach()
             keep = None
             if self.training:
                 if self.per_row_drop:  # wrong: dim 0 holds this rank's rows, not samples
@@ -115,7 +119,7 @@ class TinyDiT(winsp.WindowParallel, nn.Module):
                 else:  # right: one draw per sample, picked by each row's sample
                     keep = sample_keep(self.drop, len(request.grids))
                     keep = None if keep is None else keep.index_select(0, request.row_sample)
-            x, txt = block(x, txt, functools.partial(layer_attention, request, request.layer), keep)
+            x, txt = block(x, txt, functools.partial(request.attention, layer=request.layer), keep)
         return request.gather(x), txt
 
 
@@ -155,6 +159,16 @@ def test_a_missing_to_layer_is_caught():
     report = caught.value.report
     assert report.max_error("output") > 1e-3
     assert report.failures[0].world_size == 2
+
+
+@pytest.mark.multirank
+def test_a_wrong_gradient_with_a_right_output_names_the_parameter():
+    wrong = functools.partial(make_parallel, detach_last=True)
+    with pytest.raises(AssertionError, match=r"check_parallel: param blocks\.\d\.\w+\.\w+ differs") as caught:
+        check_parallel(make_original, wrong, make_inputs, world_sizes=(1,))
+    report = caught.value.report
+    assert report.max_error("output") <= 1e-12  # the forward is right
+    assert report.failures[0].kind == "param" and report.worst("param") is report.failures[0]
 
 
 @pytest.mark.multirank

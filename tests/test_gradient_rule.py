@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import winsp
-from tests.helpers import layer_attention
 from winsp.group import SPGroup, new_subgroup
 from winsp.testing import run_ranks
 
@@ -74,7 +73,7 @@ class RuleBlock(nn.Module):
             t = t * (1 + mt[:, :DIM]) + mt[:, DIM:]
         qv, kv, vv = self.qkv_vid(v).unflatten(-1, (3, HEADS, -1)).unbind(-3)
         qt, kt, vt = self.qkv_txt(t).unflatten(-1, (3, HEADS, -1)).unbind(-3)
-        attn_vid, attn_txt = layer_attention(request, layer, qv, kv, vv, qt, kt, vt)
+        attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt, layer=layer)
         vid = vid + self.out_vid(attn_vid.flatten(1))
         txt = txt + self.out_txt(attn_txt.flatten(1))
         return vid + self.mlp_vid(vid), txt + self.mlp_txt(txt)
@@ -153,11 +152,12 @@ def _inputs(chain: Chain, data_seed: int = 0):
     return vid, txt, timestep
 
 
-def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0,
+def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0, sp_sync: bool = True,
               sync=lambda model, inputs: None) -> dict[str, torch.Tensor]:
     """Forward + backward of the chain's loss (the same on every rank), synced; every gradient by name.
 
-    ``sync(model, inputs)`` runs after ``winsp.sync_gradients`` (another averaging, e.g. over a DP group).
+    ``sync(model, inputs)`` runs after ``winsp.sync_gradients`` (or instead of it with ``sp_sync=False``): another
+    averaging, e.g. over a DP group.
     """
     model = ChainModel(chain)
     schedule = model.window_schedule()
@@ -170,8 +170,9 @@ def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0,
     if chain.text_loss:
         loss = loss + (txt_out * torch.randn(txt_out.shape, generator=g, dtype=txt_out.dtype)).sum()
     loss.backward()
-    winsp.sync_gradients(model)  # the runtime attached to the model gives the group
-    winsp.sync_gradients([vid, txt, timestep], model)
+    if sp_sync:
+        winsp.sync_gradients(model)  # the runtime attached to the model gives the group
+        winsp.sync_gradients([vid, txt, timestep], model)
     sync(model, [vid, txt, timestep])
     grads = {f"param:{n}": p.grad for n, p in model.named_parameters()}
     grads.update({"input:vid": vid.grad, "input:txt": txt.grad, "input:timestep": timestep.grad,
@@ -273,17 +274,10 @@ def _sp_times_dp(rank: int, sp_groups, dp_groups) -> dict[str, float]:
     errors = {f"sp_then_dp {n}": e for n, e in relative_errors(
         {k: v for k, v in sp_then_dp.items() if k in params}, params).items()}
     # one average over the whole world (what DDP over all ranks does), no SP sync at all
-    model = ChainModel(chain)
-    object.__setattr__(model, "_winsp_runtime", winsp.WindowRuntime(model.window_schedule(), group=sp))
-    inputs = _inputs(chain, replica)
-    out, txt_out = model(*inputs)
-    g = torch.Generator().manual_seed(chain.seed + 2)
-    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
-    loss = loss + (txt_out * torch.randn(txt_out.shape, generator=g, dtype=txt_out.dtype)).sum()
-    loss.backward()
-    winsp.sync_gradients(model.parameters(), SPGroup.world())
-    got = {f"param:{n}": p.grad for n, p in model.named_parameters()}
-    errors.update({f"world {n}": e for n, e in relative_errors(got, params).items()})
+    world_only = gradients(chain, sp, data_seed=replica, sp_sync=False,
+                           sync=lambda model, inputs: winsp.sync_gradients(model.parameters(), SPGroup.world()))
+    errors.update({f"world {n}": e for n, e in relative_errors(
+        {k: v for k, v in world_only.items() if k in params}, params).items()})
     return errors
 
 
@@ -344,6 +338,8 @@ def _rank_main(rank: int, world_size: int):
         plans = winsp.plan_schedule(TINY, [winsp.FixedWindows((2, 4, 4))], size)
         no_windows = 0 in plans[0].rank_token_counts
         failures: list = []
+        if size == 3:
+            out["head"] = _head_gradients(sp)
         ran, largest = _check_group(sp, failures)
         out[size] = dict(ran=ran, largest=largest, no_windows=no_windows, failures=failures)
     return out
@@ -415,9 +411,10 @@ def test_random_chains_match_one_rank(world, size):
     assert not result["failures"] and result["largest"] <= 1e-9
 
 
-def _head_worker(rank: int, world_size: int):
+def _head_gradients(group: SPGroup) -> dict[str, torch.Tensor]:
+    """HEAD_AFTER_GATHER's parameter gradients after backward, before any sync."""
     model = ChainModel(HEAD_AFTER_GATHER)
-    model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+    model.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=group.size), group=group)
     vid, txt, timestep = _inputs(HEAD_AFTER_GATHER)
     out, txt_out = model(vid, txt, timestep)
     (out.sum() + txt_out.sum()).backward()
@@ -425,11 +422,11 @@ def _head_worker(rank: int, world_size: int):
 
 
 @pytest.mark.multirank
-def test_before_sync_every_rank_holds_its_own_whole_contribution():
+def test_before_sync_every_rank_holds_its_own_whole_contribution(world):
     """The head after the final gather gets the whole gradient on every rank (each rank's copy is its own), so the
     average over ranks is the one-rank gradient; parameters inside windows hold shares that average to it."""
-    single = _head_worker(0, 1)
-    ranks = run_ranks(_head_worker, 3, timeout=120)
+    single = _head_gradients(SPGroup(None))
+    ranks = [world[rank]["head"] for rank in range(3)]
     head = "steps.4.weight"
     for r in ranks:
         assert (r[head] - single[head]).abs().max() <= 1e-12 * single[head].abs().max()

@@ -123,8 +123,20 @@ def _clip():
     return torch.randn(2, 3, 6, 28, 36, dtype=torch.float64).requires_grad_()  # grids 3 x 7 x 9: padded windows
 
 
+@pytest.mark.slow  # the default run checks swin3d_t (tests/test_swin3d.py) and check_parallel on a U-net
 def test_check_parallel_on_a_small_video_swin_in_training():
     """winsp.testing.check_parallel at SP = 3 in train mode: logits, both stages' outputs, every parameter gradient
     and the input gradient equal the original's (float64, 1e-9 relative)."""
     report = check_parallel(_tiny_with_stages, _parallel_tiny, _clip, world_sizes=(3,), train=True, timeout=300)
     assert report.ok and report.max_error("param") > 0 and len(report.items) > 20
+
+
+def test_two_attention_layers_under_one_parent_need_an_entry_glob():
+    model = nn.Module()
+    model.blk = nn.Module()
+    model.blk.a1, model.blk.a2 = nn.Linear(2, 2), nn.Linear(2, 2)
+    geometry = winsp.SwinWindows((1, 2, 2))
+    plan = winsp.ParallelPlan(region=winsp.Region("blk", "blk"), stages=[winsp.Stage([geometry, geometry])],
+                              attention="blk.a*", make_attention=lambda original, layer: original)
+    with pytest.raises(ValueError, match=r"share the entry module\(s\) \['blk'\]"):
+        winsp.parallelize(model, plan)

@@ -241,12 +241,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         raise ValueError(f"ParallelPlan.attention={plan.attention!r} matches {len(attention)} modules but the stages "
                          f"list {plan.num_layers} layers ({[len(s.layers) for s in plan.stages]} per stage)")
     if plan.layer_entry == "parent":
-        entries = [_parent(model, path)[0] for path, _ in attention]
+        entry_paths = [path.rpartition(".")[0] for path, _ in attention]
     else:
-        entries = [m for _, m in _matches(model, plan.layer_entry, "layer_entry")]
-        if len(entries) != len(attention):
-            raise ValueError(f"ParallelPlan.layer_entry={plan.layer_entry!r} matches {len(entries)} modules, one per "
-                             f"attention layer ({len(attention)}) is needed")
+        entry_paths = [path for path, _ in _matches(model, plan.layer_entry, "layer_entry")]
+        if len(entry_paths) != len(attention):
+            raise ValueError(f"ParallelPlan.layer_entry={plan.layer_entry!r} matches {len(entry_paths)} modules, one "
+                             f"per attention layer ({len(attention)}) is needed")
+    if len(set(entry_paths)) != len(entry_paths):
+        shared = sorted({p for p in entry_paths if entry_paths.count(p) > 1})
+        raise ValueError(f"attention layers share the entry module(s) {shared}: rows can move into one layer's layout "
+                         f"per entry; give ParallelPlan.layer_entry a glob matching one module per layer")
     changing = [s for s, st in enumerate(plan.stages) if st.changes_grid]
     grid_changes = _matches(model, plan.grid_changes, "grid_changes") if plan.grid_changes else []
     if len(grid_changes) != len(changing):
@@ -263,7 +267,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
             _swap(model, path, plan.make_grid_change(original, stage), applied, "make_grid_change")
         for path, factory in swaps:
             _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
-        for layer, entry in enumerate(entries):
+        for layer, path in enumerate(entry_paths):  # looked up after the swaps: an entry may have been swapped
+            entry = model.get_submodule(path) if path else model
             applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer)))
         io = plan.region.tokens
         applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
