@@ -55,8 +55,7 @@ def continuous_position_bias(attn: nn.Module, window_coords: Tensor):
 
 def swinv2_layer(layer: nn.Module, x: Tensor, *_) -> tuple[Tensor]:
     """``Swinv2Layer.forward`` on this rank's rows ``[L, C]`` of window layer ``layer.index``."""
-    request, attn = winsp.current_request(), layer.attention.self
-    x = request.to_layer(x, layer.index)
+    request, attn = winsp.current_request(), layer.attention.self  # x is in layer.index's layout (plan's layer_entry)
     h = x.masked_fill(~request.valid_rows[:, None], 0.0)
     q, k, v = (lin(h).unflatten(-1, (attn.num_attention_heads, -1)) for lin in (attn.query, attn.key, attn.value))
     scale = torch.clamp(attn.logit_scale, max=math.log(1.0 / 0.01)).exp().view(-1, 1)
@@ -79,7 +78,7 @@ def plan(model: nn.Module) -> winsp.ParallelPlan:
               for i, st in enumerate(model.encoder.layers)]
     tokens = winsp.FlatTokens(refuse=("output_hidden_states", "output_attentions"))  # HF views stage outputs as grids
     return winsp.ParallelPlan(
-        region=winsp.Region("encoder", "encoder", tokens), stages=tuple(stages), attention=BLOCKS,
+        region=winsp.Region("encoder", "encoder", tokens), stages=tuple(stages), attention=BLOCKS, layer_entry=BLOCKS,
         make_attention=winsp.swapped(swinv2_layer), grid_changes="encoder.layers.?.downsample",
         make_grid_change=winsp.swapped(patch_merging), swaps=(DROP_PATHS,))
 
