@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import winsp
-from winsp.hierarchy import GridStep, Stage, _place_stage, _relabel, _rows_moved, grid_sources, stage_grids
+from winsp.hierarchy import (GridStep, Stage, _place_stage, _relabel, _rows_moved, grid_change_rows, grid_sources,
+                             stage_grids)
 from winsp.schedule import plan_schedule
 from winsp.group import new_subgroup
 from winsp.testing import run_ranks
@@ -180,3 +181,13 @@ def test_merge_and_split_by_any_factor_and_order(grid, factor, data):
     merged = request.to_grid(request.scatter(x), 1)
     assert torch.equal(request.gather(merged), _dense_merge_general(x, grid, factor, order))
     assert torch.equal(request.gather(request.to_grid(merged, 2)), x)
+
+
+def test_grid_change_rows_reports_each_boundary_against_an_all_gather():
+    stages = _stages()
+    assert [(s, moved) for s, moved, _ in grid_change_rows(stages, GRIDS, 1)] == [(1, 0), (2, 0)]
+    for world in (2, 3):
+        report = grid_change_rows(stages, GRIDS, world, "locality")
+        assert [s for s, _, _ in report] == [1, 2]
+        assert all(0 <= moved < all_gather for _, moved, all_gather in report)
+        assert report[0][2] == sum(t * h * w for t, h, w in GRIDS) * (world - 1)

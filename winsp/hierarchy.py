@@ -38,7 +38,8 @@ from .planner import Plan
 from .runtime import WindowRequest, WindowRuntime
 from .schedule import plan_schedule
 
-__all__ = ["Stage", "StagedRuntime", "StagedRequest", "GridStep", "grid_sources", "stage_grids", "affinity_placement"]
+__all__ = ["Stage", "StagedRuntime", "StagedRequest", "GridStep", "grid_sources", "stage_grids", "affinity_placement",
+           "staged_plans", "grid_change_rows"]
 
 
 @dataclass(frozen=True)
@@ -375,6 +376,43 @@ def _place_stage(prev: Plan, plans: list[Plan], sources: np.ndarray, planner: st
     return min((relabelled, out), key=lambda ps: _rows_moved(prev, ps, sources))
 
 
+def staged_plans(stages: Sequence[Stage], grids: Sequence[Sequence[int]], world_size: int,
+                 planner: str = "lpt") -> tuple[Plan, ...]:
+    """One plan per layer over all ``stages`` (what :meth:`StagedRuntime.plans` returns; pure, no process group)."""
+    stages = _check_stages(stages)
+    model, laid = stage_grids(stages, grids)
+    out: list[Plan] = []
+    for s, st in enumerate(stages):
+        plans = plan_schedule(laid[s], st.layers, world_size, planner)
+        if s and st.changes_grid and world_size > 1:
+            sources, _ = grid_sources(st, model[s - 1], laid[s - 1], model[s], laid[s])
+            plans = _place_stage(out[-1], plans, sources, planner)
+        out.extend(plans)
+    return tuple(out)
+
+
+def grid_change_rows(stages: Sequence[Stage], grids: Sequence[Sequence[int]], world_size: int,
+                     planner: str = "lpt") -> list[tuple[int, int, int]]:
+    """For each grid change of a forward: ``(stage, rows to_grid moves between ranks, rows an all-gather of the same
+    activations would move)``; the all-gather moves every row to every rank that does not hold it, ``N * (P - 1)``."""
+    stages = _check_stages(stages)
+    model, laid = stage_grids(stages, grids)
+    plans = staged_plans(stages, grids, world_size, planner)
+    starts = np.concatenate([[0], np.cumsum([len(st.layers) for st in stages])]).astype(int)
+    out = []
+    for s, st in enumerate(stages):
+        if not st.changes_grid:
+            continue
+        landing = starts[st.like + 1] - 1 if st.like is not None else starts[s]
+        sources, chunk = grid_sources(st, model[s - 1], laid[s - 1], model[s], laid[s])
+        split = st.split != (1, 1, 1)
+        step = GridStep.build(plans[starts[s] - 1], plans[landing], sources, chunk if split else None,
+                              len(st.order) if split else 1, 0, torch.device("cpu"))
+        rows = sum(t * h * w for t, h, w in model[s - 1])
+        out.append((s, step.rows_moved, rows * (world_size - 1)))
+    return out
+
+
 class StagedRuntime(WindowRuntime):
     """A :class:`~winsp.runtime.WindowRuntime` over several stages; layer ``i`` is the i-th layer over all stages.
 
@@ -428,17 +466,8 @@ class StagedRuntime(WindowRuntime):
         """One plan per layer over all stages; each stage's ranks relabelled to keep grid-change rows in place."""
         grids = check_grids(grids)
 
-        def build() -> tuple[Plan, ...]:
-            _, laid = self.stage_grids(grids)
-            out: list[Plan] = []
-            for s, st in enumerate(self.stages):
-                plans = plan_schedule(laid[s], st.layers, self.world_size, self.planner)
-                if s and st.changes_grid and self.world_size > 1:
-                    plans = _place_stage(out[-1], plans, self._sources(s, grids)[0], self.planner)
-                out.extend(plans)
-            return tuple(out)
-
-        return self.store.get(("staged-plans", grids), build)
+        return self.store.get(("staged-plans", grids),
+                              lambda: staged_plans(self.stages, grids, self.world_size, self.planner))
 
     @planning
     def request(self, grids: Sequence[Sequence[int]], text_lengths: Sequence[int] | None = None, *,

@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from winsp.hierarchy import grid_change_rows
 from winsp.testing import run_ranks
 
+from .adapter import swin3d_plan
 from .compare import compare_with_torchvision
+from .load_torchvision import import_torchvision
 
 
 def main() -> None:
@@ -28,6 +31,13 @@ def main() -> None:
     for name, value in report.items():
         print(f"  {name:12s} {value:.3e}" if isinstance(value, float) else f"  {name:12s} {value}")
     print(f"({time.perf_counter() - start:.1f} s)")
+    import_torchvision()
+    from torchvision.models.video import swin3d_t
+
+    grids = [(-(-args.frames // 2), -(-args.size // 4), -(-args.size // 4))] * shape[0]
+    print("rows each sharded patch merging moves between ranks (an all-gather of the same activations would move):")
+    for stage, moved, all_gather in grid_change_rows(swin3d_plan(swin3d_t(weights=None)).stages, grids, args.ranks):
+        print(f"  into stage {stage}: {moved} rows ({all_gather})")
 
 
 if __name__ == "__main__":
