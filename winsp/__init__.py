@@ -32,7 +32,7 @@ from .context import active_request, current_request
 from .swin import SwinWindows
 from .hierarchy import Stage, StagedRequest, StagedRuntime
 from .drop_path import SampleDropPath
-from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, parallelize, unparallelize
+from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, is_parallelized, parallelize, unparallelize
 from .token_io import FlatTokens
 from .swapped import Swapped, swapped
 
@@ -41,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "unparallelize",
     "parallelize",
+    "is_parallelized",
     "current_request",
     "adopt",
     "active_request",
