@@ -129,6 +129,7 @@ def _assert_same(compiled: dict, eager: dict) -> None:
         assert err <= 1e-4 * max(1.0, ref.abs().max().item()), (name, err, ref.abs().max().item())
 
 
+@pytest.mark.slow  # inductor's C++ compilation: about a minute of CPU per case from an empty inductor cache
 @pytest.mark.parametrize("regional", [False, True], ids=["whole_model", "compile_blocks"])
 def test_inductor_equals_eager_forward_and_backward(regional):
     model = _two_block_dit()
