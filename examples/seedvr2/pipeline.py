@@ -145,7 +145,7 @@ _FRAME_COPIES = 6.0
 def estimate_restore_bytes(
     *, frames: int, height: int, width: int, vae_channels: int, dit_width: int, element_bytes: int = 4,
     vae_parallel: str = "replicated", sp_size: int = 1, tile: Optional[tuple[int, int]] = None,
-    patch: tuple[int, int, int] = (1, 2, 2), spatial_factor: int = 8, temporal_factor: int = 4,
+    tile_overlap: Optional[int] = None, patch: tuple[int, int, int] = (1, 2, 2), spatial_factor: int = 8, temporal_factor: int = 4,
 ) -> MemoryEstimate:
     """Peak activation bytes per rank of restoring ``frames`` frames of ``height x width`` (the working size) with a
     VAE whose first level has ``vae_channels`` channels (temporal chunks of 4 frames) and a DiT of ``dit_width``.
