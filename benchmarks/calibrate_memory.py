@@ -1,7 +1,8 @@
 """Calibrate the restore memory estimate: peak resident memory of real CLI runs against what the CLI estimated.
 
     OMP_NUM_THREADS=1 python benchmarks/calibrate_memory.py [--sizes 192x112 256x144 384x208] [--batches 5 9]
-        [--modes replicated height tiled] [--sp 1 2] [--tile 128] [--json out.json]
+        [--modes replicated height tiled] [--sp 1 2] [--tile 96] [--json out.json]
+    python benchmarks/calibrate_memory.py --from-json out.json    # the table again, estimates from the current code
 
 Each grid point is one ``python -m examples.seedvr2 restore`` of a synthetic clip of ``batch`` frames (one temporal
 batch, demo weights, fp32 on the CPU), as a user runs it: in a subprocess, under ``torchrun --nproc-per-node 2`` for SP
@@ -12,6 +13,9 @@ what the run added on top of what the process already held, which is what the es
 likewise what the limits leave beyond what is already held). The table prints the estimate, the measured peak, their
 ratio (estimate / measured: below 1 is an under-estimate) and the growth of the mapped size (what an address-space
 limit sees). The worst rank of an SP 2 run is shown. Not part of the test suite (minutes on 2 cores).
+
+``--from-json`` reprints a recorded grid with the estimates of the current code (the measurements do not depend on
+the estimate: every setting is pinned), which is how the estimate's constants were refitted.
 """
 
 from __future__ import annotations
@@ -106,18 +110,49 @@ def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int) -
     return worst
 
 
+def current_estimate(row: dict) -> int:
+    """What the current code estimates for a recorded grid point (demo models, fp32, pinned settings)."""
+    from examples.seedvr2.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG
+    from examples.seedvr2.memory_fit import tile_overlap
+    from examples.seedvr2.pipeline import estimate_restore_bytes
+
+    width, height = (int(v) for v in row["size"].split("x"))
+    tile = row.get("tile") if row["mode"] == "tiled" else None
+    return estimate_restore_bytes(
+        frames=row["frames"], height=height, width=width, vae_channels=DEMO_VAE_CONFIG["block_out_channels"][0],
+        dit_width=DEMO_DIT_CONFIG.vid_dim, vae_parallel=row["mode"], sp_size=row["sp"],
+        tile=None if tile is None else (tile, tile), tile_overlap=None if tile is None else tile_overlap(tile)).total
+
+
+def print_row(r: dict) -> None:
+    mode_name = f"tiled {r['tile']}" if r["mode"] == "tiled" else r["mode"]
+    print(f"| {r['size']} | {r['frames']} | {mode_name} | {r['sp']} | {r['need'] / 2**20:.0f} | "
+          f"{r['measured'] / 2**20:.0f} | {r['need'] / r['measured']:.2f} | {r['mapped'] / 2**20:.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["192x112", "256x144", "384x208"])
     parser.add_argument("--batches", nargs="+", type=int, default=[5, 9])
     parser.add_argument("--modes", nargs="+", default=["replicated", "height", "tiled"])
     parser.add_argument("--sp", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--tile", type=int, default=128)
+    parser.add_argument("--tile", type=int, default=96)
     parser.add_argument("--json")
+    parser.add_argument("--from-json")
     args = parser.parse_args()
     rows = []
     print("| size | frames | VAE | SP | estimate MiB | measured MiB | ratio | mapped growth MiB |")
     print("|---|---|---|---|---|---|---|---|")
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)
+        for r in rows:
+            r.setdefault("tile", args.tile)
+            r["need"] = current_estimate(r)
+            print_row(r)
+        ratios = [r["need"] / r["measured"] for r in rows]
+        print(f"\nratio estimate/measured: min {min(ratios):.2f}, max {max(ratios):.2f} over {len(rows)} runs")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             width, height = (int(v) for v in size.split("x"))
@@ -128,12 +163,9 @@ def main() -> None:
                         out_dir = os.path.join(tmp, "run")
                         os.makedirs(out_dir, exist_ok=True)
                         r = measure(src, out_dir, batch, mode, sp, args.tile)
-                        r.update(size=size, frames=batch, mode=mode, sp=sp)
+                        r.update(size=size, frames=batch, mode=mode, sp=sp, tile=args.tile)
                         rows.append(r)
-                        mode_name = f"tiled {args.tile}" if mode == "tiled" else mode
-                        print(f"| {size} | {batch} | {mode_name} | {sp} | {r['need'] / 2**20:.0f} | "
-                              f"{r['measured'] / 2**20:.0f} | {r['ratio']:.2f} | {r['mapped'] / 2**20:.0f} |",
-                              flush=True)
+                        print_row(r)
     ratios = [r["ratio"] for r in rows]
     print(f"\nratio estimate/measured: min {min(ratios):.2f}, max {max(ratios):.2f} over {len(rows)} runs")
     if args.json:

@@ -410,27 +410,42 @@ def _model_sizes(args: argparse.Namespace, demo: bool) -> tuple[int, int, int]:
     return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model).vid_dim, weights
 
 
-def _smallest_over_ranks(limit, device: torch.device):
-    """The tightest of every rank's memory limit, so that all ranks choose the same settings (one collective)."""
+class PeerFailed(InputError):
+    """Another rank failed before the run started (it reports why); this rank stops quietly."""
+
+
+def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: "RunState"):
+    """The one meeting of all ranks before the run: each tells whether its checks failed and what memory it may use.
+
+    Returns the tightest limit of all ranks (so every rank chooses the same settings). If any rank failed, every rank
+    raises: the failed ones their own error (the lowest of them reports it, see ``state.reporter``), the others
+    :class:`PeerFailed`; all of them are then at the same point and leave the group together.
+    """
     from winsp.group import SPGroup
 
     from .memory_limits import MemoryLimit
 
-    world = SPGroup.world()
-    if world.is_single:
+    if launch.world_size == 1:
+        if error is not None:
+            raise error
         return limit
     mine = float(limit.usable) if limit.usable is not None else float("inf")
-    values = [row[0] for row in _per_rank_figures([mine], device)]
+    rows = _per_rank_figures([mine, 1.0 if error is not None else 0.0], launch.device)
+    failed = [rank for rank, row in enumerate(rows) if row[1]]
+    if failed:
+        state.reporter = failed[0]
+        raise error if error is not None else PeerFailed(f"rank {failed[0]} failed")
+    values = [row[0] for row in rows]
     smallest = min(range(len(values)), key=values.__getitem__)
     if values[smallest] == float("inf"):
         return limit
     if values[smallest] >= mine:
-        return MemoryLimit(limit.usable, f"rank {world.rank}: {limit.source}", limit.candidates)
+        return MemoryLimit(limit.usable, f"rank {SPGroup.world().rank}: {limit.source}", limit.candidates)
     return MemoryLimit(int(values[smallest]), f"the limit of rank {smallest}", limit.candidates)
 
 
 def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
-                sp_size: int, device: torch.device, demo: bool) -> MemoryPlan:
+                sp_size: int, device: torch.device, demo: bool, limit=None) -> MemoryPlan:
     """Choose the fastest settings whose estimated peak fits the memory this rank may use (see :mod:`.memory_fit`).
 
     Raises :class:`OutOfMemory` (before anything is allocated) when pinned settings do not fit, naming settings that
@@ -456,7 +471,7 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
         return candidate_settings(num_frames, height // 8, sp_size, p, default_batch=DEFAULT_BATCH_FRAMES,
                                   default_overlap=DEFAULT_OVERLAP, frame_size=(height, width))
 
-    limit = _smallest_over_ranks(usable_memory(device), device)
+    limit = usable_memory(device) if limit is None else limit
     fit = fit_settings(candidates, pinned, need, limit.usable)
     where = f"{num_frames} frame{'s' if num_frames != 1 else ''} at {width}x{height}"
     if fit.chosen is None:
@@ -518,29 +533,11 @@ def _per_rank_figures(values: list[float], device: torch.device) -> list[list[fl
     return world.all_gather_rows(row, [1] * world.size).cpu().tolist()
 
 
-@dataclass
-class RunState:
-    """What a failing run's error message needs: the memory plan, and whether ranks have started talking."""
+def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> tuple:
+    """The checks and reads before the run, identical on every rank (no collective): the settings the user pinned,
+    the SP size, the output path, demo or not, dtype, colour fix, the input's description and the geometry."""
+    from .media import probe_media
 
-    memory: Optional[MemoryPlan] = None
-    collectives_started: bool = False
-
-
-def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
-                state: Optional[RunState] = None) -> str:
-    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input,
-    :class:`OutOfMemory` when the request cannot fit."""
-    state = RunState() if state is None else state
-    import numpy as np
-
-    from winsp.mesh import build_temporal_mesh, ordered_results
-
-    from .media import MediaWriter, iter_frames, probe_media
-    from .pipeline import SeedVR2Pipeline
-    from .memory_fit import tile_overlap
-    from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
-
-    # Everything cheap to check is checked before anything is read or any model built, identically on every rank.
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         plan_geometry((64, 64), scale=args.scale)  # validates the number itself
@@ -557,7 +554,6 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
     color_fix = (args.color_fix or ("none" if demo else "wavelet")) == "wavelet"
-    is_rank0 = launch.rank == 0
 
     progress.start("read")
     info = probe_media(args.input, allow_partial=args.allow_partial_input)
@@ -570,7 +566,51 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
             f"{geometry.work[0]} has {latent_rows} rows for {sp_size} ranks; use --vae-parallel replicated"
         )
-    memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo)
+    return pinned, sp_size, output, demo, dtype, color_fix, info, geometry
+
+
+@dataclass
+class RunState:
+    """What a failing run's error handling needs: the memory plan; whether the ranks are still in lockstep (every
+    failure so far happens on every rank at the same point, reported once by ``reporter``) or running (a failure is
+    this rank's own: it reports it and leaves at once)."""
+
+    memory: Optional[MemoryPlan] = None
+    lockstep: bool = True
+    reporter: int = 0
+
+
+def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
+                state: Optional[RunState] = None) -> str:
+    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input,
+    :class:`OutOfMemory` when the request cannot fit."""
+    state = RunState() if state is None else state
+    import numpy as np
+
+    from winsp.mesh import build_temporal_mesh, ordered_results
+
+    from .media import MediaWriter, iter_frames
+    from .pipeline import SeedVR2Pipeline
+    from .memory_fit import tile_overlap
+    from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
+
+    from .memory_limits import usable_memory
+
+    # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
+    # then the ranks meet once (the only collective before the run) and agree to start, or all stop.
+    try:
+        prepared = _prepare(args, launch, progress)
+        error = None
+    except (MediaError, InputError) as exc:
+        prepared, error = None, exc
+    except Exception as exc:  # noqa: BLE001 - an allocation failure while reading is reported like any other
+        if not is_out_of_memory(exc):
+            raise
+        prepared, error = None, out_of_memory_error(exc, None, launch.device)
+    limit = agree_to_start(usable_memory(launch.device), error, launch, state)
+    pinned, sp_size, output, demo, dtype, color_fix, info, geometry = prepared
+    is_rank0 = launch.rank == 0
+    memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo, limit)
     state.memory = memory
     settings = memory.settings
     plan = plan_temporal_batches(info.num_frames, settings.batch_frames, settings.overlap)
@@ -587,7 +627,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             )
 
     progress.start("load")
-    state.collectives_started = launch.world_size > 1
+    state.lockstep = False
     models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None)
     if models.demo and is_rank0:
         progress.note(
@@ -697,18 +737,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         summary = run_restore(args, launch, progress, state)
     except (MediaError, InputError) as exc:
-        failed = state.collectives_started
-        if launch.rank == 0 or failed:
-            _print_error(progress, (prefix if failed else "") + str(exc))
+        failed = not state.lockstep
+        if launch.rank == state.reporter or failed:
+            _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
         return 2
     except Exception as exc:  # noqa: BLE001 - only memory and lost-peer failures are handled; the rest re-raised
         if is_out_of_memory(exc):
-            failed = state.collectives_started
+            failed = not state.lockstep
             message = str(out_of_memory_error(exc, state.memory, launch.device))
             del exc
             _print_error(progress, prefix + message)
             return 2
-        if state.collectives_started and is_peer_failure(exc):
+        if launch.world_size > 1 and is_peer_failure(exc):
             failed = True
             progress.break_line()
             reason = " ".join(str(exc).split())[:200]
