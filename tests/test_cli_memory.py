@@ -35,7 +35,8 @@ def _needs(src, **flags) -> dict:
     original = memory_limits.usable_memory
     try:
         for name, pinned in {"replicated": PinnedSettings(vae_parallel="replicated"),
-                             "tiled128": PinnedSettings(vae_tile=128), "tiled64": PinnedSettings(vae_tile=64)}.items():
+                             "tiled128": PinnedSettings(vae_parallel="tiled", vae_tile=128),
+                             "tiled64": PinnedSettings(vae_parallel="tiled", vae_tile=64)}.items():
             memory_limits.usable_memory = lambda device: MemoryLimit(None, "none")
             plan = cli.plan_memory(args, pinned, geometry, info.num_frames, cli.torch.float32, 1, cli.torch.device("cpu"),
                                    True)
@@ -46,7 +47,7 @@ def _needs(src, **flags) -> dict:
 
 
 def test_automatic_fit_picks_the_largest_tile_that_fits(tmp_path, capsys, monkeypatch):
-    src = make_png(tmp_path / "in.png", h=192, w=192)
+    src = make_png(tmp_path / "in.png", h=160, w=160)
     needs = _needs(src)
     assert needs["tiled64"] < needs["tiled128"] < needs["replicated"]
     _limit_to(monkeypatch, (needs["tiled128"] + needs["replicated"]) // 2)
@@ -73,7 +74,7 @@ def test_nothing_fits_is_one_error_line_and_no_file(tmp_path, capsys, monkeypatc
     _limit_to(monkeypatch, 1024)
     line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png"], "nothing fits", tmp_path,
                          keep={"in.png"})
-    assert "1 KiB" in line or "0 MiB (test limit)" in line
+    assert "0 MiB (test limit) usable per rank" in line and "the most frugal about" in line
     assert "more ranks" in line and "--resolution" in line
 
 
@@ -87,29 +88,40 @@ def test_vae_tile_goes_with_tiled_only(tmp_path, capsys):
 
 # ---- real limits, real allocator failures ------------------------------------------------------------------------
 
-#: a child that limits its own address space to what it maps now plus ``EXTRA`` MiB (on the ranks in ``RANKS``), can
-#: make the CLI's estimate blind (``BLIND``: every setting "needs" nothing, so an allocation must fail at run time),
-#: then runs the CLI with the remaining arguments
+#: a child that limits its own address space (on the ranks in ``RANKS``) to what it maps plus ``EXTRA`` MiB, at start
+#: or (``at-plan``) just before the CLI reads its limits, plus the reserve the CLI keeps for mapped-only memory (so the
+#: CLI sees ``EXTRA`` MiB usable); it can make the CLI's estimate blind (``blind``: every setting "needs" nothing, so
+#: an allocation must fail at run time); then it runs the CLI with the remaining arguments
 _CHILD = textwrap.dedent("""
     import faulthandler, os, resource, signal, sys
     faulthandler.register(signal.SIGUSR1)
-    from examples.seedvr2 import cli, pipeline
-    extra_mib, ranks, blind = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3] == "blind"
-    if blind:
+    from examples.seedvr2 import cli, memory_limits, pipeline
+    extra_mib, ranks, mode = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+    def limit_now():
+        if os.environ.get("RANK", "0") in ranks:
+            mapped = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:")][0]
+            limit = mapped + memory_limits.ADDRESS_SPACE_RESERVE + extra_mib * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if mode == "blind":
         pipeline.estimate_restore_bytes = lambda **kw: pipeline.MemoryEstimate(0, 0, 0)
-    if os.environ.get("RANK", "0") in ranks:
-        mapped = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:")][0]
-        limit = mapped + extra_mib * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if mode == "at-plan":
+        usable_memory = memory_limits.usable_memory
+        def limited_usable_memory(device):
+            limit_now()
+            return usable_memory(device)
+        memory_limits.usable_memory = limited_usable_memory
+    else:
+        limit_now()
     sys.exit(cli.main(sys.argv[4:]))
 """)
 
 
-def run_limited(tmp_path, extra_mib: int, *args, ranks="0", blind=False, nproc=1) -> subprocess.CompletedProcess:
+def run_limited(tmp_path, extra_mib: int, *args, ranks="0", blind=False, at_plan=False,
+                nproc=1) -> subprocess.CompletedProcess:
     script = tmp_path / "limited_child.py"
     script.write_text(_CHILD)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    head = [str(extra_mib), ranks, "blind" if blind else "honest"]
+    head = [str(extra_mib), ranks, "blind" if blind else "at-plan" if at_plan else "honest"]
     if nproc == 1:
         cmd = [sys.executable, str(script), *head, *map(str, args)]
     else:
@@ -121,7 +133,7 @@ def run_limited(tmp_path, extra_mib: int, *args, ranks="0", blind=False, nproc=1
 def test_allocation_failure_is_one_error_line_exit_2_and_no_file(tmp_path):
     """An estimate that lets through what cannot run (blinded here) meets the real allocator under ``RLIMIT_AS``."""
     src = make_mp4(tmp_path / "in.mp4", t=5, h=256, w=256)
-    result = run_limited(tmp_path, 300, "restore", src, "-o", tmp_path / "o.mp4", blind=True)
+    result = run_limited(tmp_path, 150, "restore", src, "-o", tmp_path / "o.mp4", blind=True)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(lines) == 1 and lines[0].startswith(PREFIX), result.stderr
@@ -134,13 +146,13 @@ def test_allocation_failure_is_one_error_line_exit_2_and_no_file(tmp_path):
 def test_an_honest_estimate_fits_the_limit_without_any_flag(tmp_path):
     """The scaled-down "done when": under an address-space limit that the replicated VAE does not fit, ``restore``
     with no flags beyond input and output picks settings that fit and writes every frame."""
-    src = make_mp4(tmp_path / "in.mp4", t=9, h=256, w=256)
+    src = make_mp4(tmp_path / "in.mp4", t=5, h=128, w=160)
     out = tmp_path / "o.mp4"
     needs = _needs(src)
     extra = (needs["replicated"] + needs["tiled128"]) // 2 // 2**20
-    result = run_limited(tmp_path, extra, "restore", src, "-o", out)
+    result = run_limited(tmp_path, extra, "restore", src, "-o", out, at_plan=True)
     assert result.returncode == 0, result.stderr
-    assert probe(out)[:3] == (9, 256, 256)
+    assert probe(out)[:3] == (5, 128, 160)
     summary = result.stderr.strip().splitlines()[-1]
     assert "memory: chose" in summary and "VAE tiled" in summary and "address-space limit" in summary
 
@@ -150,7 +162,7 @@ def test_allocation_failure_on_one_rank_ends_every_rank(tmp_path):
     """Under torchrun with SP 2 only rank 1 is limited: it reports the failure and leaves; rank 0, blocked in a
     collective with it, fails over and exits too (no hang, no partial file)."""
     src = make_mp4(tmp_path / "in.mp4", t=5, h=512, w=512)
-    result = run_limited(tmp_path, 600, "restore", src, "-o", tmp_path / "o.mp4", "--vae-parallel", "height",
+    result = run_limited(tmp_path, 400, "restore", src, "-o", tmp_path / "o.mp4", "--vae-parallel", "height",
                          ranks="1", blind=True, nproc=2)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith(PREFIX)]

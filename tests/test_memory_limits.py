@@ -10,7 +10,13 @@ import sys
 
 import pytest
 
-from examples.seedvr2.memory_limits import SystemFiles, host_memory_limits, ranks_on_this_host, usable_memory
+from examples.seedvr2.memory_limits import (
+    ADDRESS_SPACE_RESERVE,
+    SystemFiles,
+    host_memory_limits,
+    ranks_on_this_host,
+    usable_memory,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
@@ -40,9 +46,9 @@ def test_free_ram_alone(tmp_path):
 def test_address_space_limit_minus_what_is_mapped_binds(tmp_path):
     files = fake_system(tmp_path, rlimits={resource.RLIMIT_AS: (3 * GiB, 3 * GiB)})
     limit = usable_memory("cpu", files=files, ranks_on_host=1)
-    assert limit.usable == 3 * GiB - 600 * 2**20
+    assert limit.usable == 3 * GiB - 600 * 2**20 - ADDRESS_SPACE_RESERVE
     assert "address-space limit (ulimit -v) 3.00 GiB" in limit.source and "0.59 GiB already mapped" in limit.source
-    assert "2.4 GiB (address-space limit" in limit.describe()
+    assert "2.2 GiB (address-space limit" in limit.describe()
 
 
 def test_data_limit_counts_the_data_segment(tmp_path):
@@ -88,7 +94,7 @@ def test_ranks_on_a_host_share_ram_and_cgroup_but_not_process_limits(tmp_path):
     limits = dict(host_memory_limits(files, ranks_on_host=4))
     by_kind = {phrase.split(" ")[0]: value for phrase, value in limits.items()}
     assert by_kind["free"] == 2 * GiB and by_kind["cgroup"] == 6 * GiB // 4
-    assert by_kind["address-space"] == 5 * GiB - 600 * 2**20  # per process: not divided
+    assert by_kind["address-space"] == 5 * GiB - 600 * 2**20 - ADDRESS_SPACE_RESERVE  # per process: not divided
     limit = usable_memory("cpu", files=files, ranks_on_host=4)
     assert limit.usable == 6 * GiB // 4 and "/ 4 ranks on this host" in limit.source
 
@@ -111,12 +117,12 @@ def test_a_real_address_space_limit_in_a_subprocess():
     """``setrlimit(RLIMIT_AS)`` in a child: the limit binds, and it is the limit minus what the process maps."""
     code = (
         "import resource, sys\n"
-        "from examples.seedvr2.memory_limits import usable_memory\n"
+        "from examples.seedvr2.memory_limits import ADDRESS_SPACE_RESERVE, usable_memory\n"
         "size = [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:')][0]\n"
         "limit = size + 700 * 2**20\n"
         "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
         "got = usable_memory('cpu', ranks_on_host=1)\n"
-        "print(got.usable, limit - size, got.source)\n"
+        "print(got.usable, limit - size - ADDRESS_SPACE_RESERVE, got.source)\n"
     )
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,

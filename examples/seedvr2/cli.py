@@ -481,9 +481,9 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
                 f"is usable; {fit.suggestion.flags()} would fit (about {_gib(fit.suggestion_need)}), or leave those "
                 f"flags out to let it choose")
         raise OutOfMemory(
-            f"nothing fits: even {fit.first.describe() if not pinned.anything else 'the most frugal settings'} need "
-            f"more than the {limit.describe()} usable per rank for {where} (fastest: about {_gib(fit.first_need)}); "
-            f"try {', '.join(_MEMORY_HELP[2:])}")
+            f"nothing fits: {'no settings allowed by the flags given' if pinned.anything else 'no settings'} fit the "
+            f"{limit.describe()} usable per rank for {where} (the fastest needs about {_gib(fit.first_need)}, the "
+            f"most frugal about {_gib(fit.smallest_need)}); try {', '.join(_MEMORY_HELP[2:])}")
     if limit.usable is None:
         reason = f"estimate {_gib(fit.need)} per rank (no memory limit could be read)"
     else:

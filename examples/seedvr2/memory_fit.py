@@ -75,6 +75,7 @@ class MemoryFit:
     first: RunSettings
     suggestion: Optional[RunSettings] = None
     suggestion_need: Optional[int] = None
+    smallest_need: Optional[int] = None
 
     @property
     def changed(self) -> bool:
@@ -136,8 +137,10 @@ def fit_settings(
     first candidate). When none fits and something was pinned, the unrestricted search gives a suggestion."""
     first: Optional[RunSettings] = None
     first_need = 0
+    smallest = None
     for settings in candidates(pinned):
         bytes_needed = need(settings)
+        smallest = bytes_needed if smallest is None else min(smallest, bytes_needed)
         if first is None:
             first, first_need = settings, bytes_needed
         if usable is None or bytes_needed <= usable:
@@ -151,4 +154,4 @@ def fit_settings(
             if usable is not None and bytes_needed <= usable:
                 suggestion, suggestion_need = settings, bytes_needed
                 break
-    return MemoryFit(None, None, first_need, first, suggestion, suggestion_need)
+    return MemoryFit(None, None, first_need, first, suggestion, suggestion_need, smallest)

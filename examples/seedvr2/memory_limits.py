@@ -3,7 +3,8 @@
 Free RAM is rarely the binding limit in a container or under a batch scheduler. The process may also be held by
 
 * its address-space limit (``ulimit -v``, ``RLIMIT_AS``) and its data limit (``RLIMIT_DATA``): per process, minus what
-  the process already maps (``VmSize`` / ``VmData`` in ``/proc/self/status``; torch alone maps several hundred MB);
+  the process already maps (``VmSize`` / ``VmData`` in ``/proc/self/status``; torch alone maps several hundred MB),
+  and for the address space minus :data:`ADDRESS_SPACE_RESERVE` (mapped but never resident);
 * its cgroup (container) limit: v2 ``memory.max - memory.current``, v1 ``memory.limit_in_bytes -
   memory.usage_in_bytes``, the tightest over the cgroup and its ancestors;
 * on a GPU, the device's free memory (``torch.cuda.mem_get_info``).
@@ -22,10 +23,15 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["MemoryLimit", "SystemFiles", "usable_memory", "host_memory_limits", "ranks_on_this_host"]
+__all__ = ["MemoryLimit", "SystemFiles", "usable_memory", "host_memory_limits", "ranks_on_this_host",
+           "ADDRESS_SPACE_RESERVE"]
 
 #: values at or above this are "no limit" (cgroup v1 reports 2^63 rounded down to a page)
 _UNLIMITED = 2**62
+#: address space a run maps beyond what it makes resident (thread stacks, allocator arenas, the process group's
+#: threads): an address-space limit sees it, the memory estimate (of resident bytes) does not. Measured as the growth
+#: of VmPeak over VmHWM in benchmarks/calibrate_memory.py (up to ~50 MiB on one process, ~180 MiB on a gloo rank).
+ADDRESS_SPACE_RESERVE = 192 * 2**20
 
 
 @dataclass(frozen=True)
@@ -148,8 +154,9 @@ def host_memory_limits(files: SystemFiles = SystemFiles(), ranks_on_host: int = 
         if soft == resource.RLIM_INFINITY or soft < 0 or soft >= _UNLIMITED:
             continue
         mapped = status.get(mapped_field, 0)
+        reserve = ADDRESS_SPACE_RESERVE if which == resource.RLIMIT_AS else 0
         limits.append((f"{phrase} {soft / 2**30:.2f} GiB, {mapped / 2**30:.2f} GiB already mapped",
-                       max(0, soft - mapped)))
+                       max(0, soft - mapped - reserve)))
     for directory, limit_file, usage_file, label in _cgroup_dirs(files):
         limit = _read_number(os.path.join(directory, limit_file))
         if limit is None:
