@@ -5,17 +5,21 @@ temporal batches of ``--batch-frames`` frames that share ``--overlap`` cross-fad
 and encoded to the output as they finish, so memory does not grow with the clip. With ``--sp-size N`` the W ranks form
 W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
 ``--vae-parallel`` mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
+Across machines, run one ``torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` agent per node; ranks are
+numbered node by node, every rank reads the input, global rank 0 writes the output.
 
 With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer (``--model 7b``: the 7B). Without
 them it runs embedded tiny demo weights of that architecture (see :mod:`.demo`) so that the command works anywhere in
 seconds; it says so, since that restores nothing.
 
-Exit codes: 0 success; 2 bad input or usage (one ``error:`` line on stderr, no output file); anything else is a bug.
+Exit codes: 0 success; 2 bad input, usage, or not enough memory (one ``error:`` line on stderr, no output file);
+anything else is a bug. Under torchrun a rank that fails once the run has started (an allocation that fails) reports
+it and leaves at once; the others then stop too (``rank N: stopped: another rank failed``).
 
 The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is refused,
 an existing output is only replaced with ``--overwrite``, a video that decodes fewer frames than its container declares
-is refused unless ``--allow-partial-input``, and a request whose estimated memory exceeds what the device has is refused
-before anything is allocated. Without ``-o`` the output goes beside the input as ``<input>_restored.<ext>``.
+is refused unless ``--allow-partial-input``, and a request that fits the usable memory in no setting is refused before
+anything is allocated (settings left out are chosen to fit; see the memory options below). Without ``-o`` the output goes beside the input as ``<input>_restored.<ext>``.
 """
 
 from __future__ import annotations
@@ -94,11 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"),
                    help="compute dtype (default: bf16 on GPU with checkpoints, else fp32)")
     memory = p.add_argument_group(
-        "memory", "Left out, these are chosen to fit the memory this process may use (free RAM, ulimit -v / -d, the "
-                  "cgroup's limit, free GPU memory; shared by the ranks on a host): the fastest settings that fit, "
-                  "larger temporal batches first, then the VAE replicated, height-sharded, tiled with the largest tile. "
-                  "The summary line says what was chosen and why. Pinned settings that do not fit are refused with "
-                  "settings that would.")
+        "memory",
+        "Left out, these are chosen to fit the memory this process may use (the smallest of free RAM, ulimit -v / -d,\n"
+        "the cgroup's limit and free GPU memory; RAM and cgroup shared by the ranks on a host): the fastest settings\n"
+        "that fit, longer temporal batches first, then the VAE replicated, height-sharded (several ranks), tiled with\n"
+        "the largest tile. The summary line says what was chosen and why. Pinned settings that do not fit are\n"
+        "refused, naming settings that would.")
     memory.add_argument("--vae-parallel", choices=("replicated", "height", "tiled"),
                         help="how the ranks of an SP group share the VAE: replicated (every rank runs it), height (the "
                              "frame's rows split over the group; exact), tiled (overlapping tiles; approximate, least "
