@@ -151,7 +151,6 @@ def decoded(path) -> tuple[np.ndarray, list[float], list[bytes]]:
     return np.stack([f for f, _ in frames]).astype(int), [t for _, t in frames], audio
 
 
-@pytest.mark.slow
 @pytest.mark.multirank
 def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_path):
     """A 160-frame clip with audio, in temporal batches (default 21 frames, overlap 5): one process, and

@@ -274,7 +274,6 @@ def test_parallel_restore_equals_single_rank_small(golden_pipeline, world):
             assert err <= 1e-4, f"rank {rank} of {world} (VAE {mode}): max |error| vs single rank {err:.3g}"
 
 
-@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("world,modes", [(2, ("replicated", "height")), (3, ("height",))])
 def test_restore_matches_reference_parallel(world, modes):
