@@ -151,7 +151,6 @@ def decoded(path) -> tuple[np.ndarray, list[float], list[bytes]]:
     return np.stack([f for f, _ in frames]).astype(int), [t for _, t in frames], audio
 
 
-@pytest.mark.slow
 @pytest.mark.multirank
 def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_path):
     """A 160-frame clip with audio, in temporal batches (default 21 frames, overlap 5): one process, and
@@ -500,19 +499,25 @@ def test_odd_output_size_is_written_in_yuv420p_and_said(tmp_path, capsys):
     assert probe(out)[:3] == (5, 34, 48)
 
 
-def test_oversized_request_is_refused_before_allocating(tmp_path, capsys):
+def test_oversized_request_is_refused_before_allocating(tmp_path, capsys, monkeypatch):
+    from examples.seedvr2 import memory_limits
+
+    monkeypatch.setattr(memory_limits, "usable_memory",
+                        lambda device: memory_limits.MemoryLimit(8 * 2**30, "free RAM"))
     src = make_png(tmp_path / "in.png")
     line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--resolution", "16000x16000"],
-                         "GiB per rank", tmp_path, keep={"in.png"})
-    assert "--vae-parallel tiled" in line and "more ranks" in line and "is free on cpu" in line
+                         "nothing fits", tmp_path, keep={"in.png"})
+    assert "8.0 GiB (free RAM) usable per rank" in line and "more ranks" in line and "--resolution" in line
 
 
-def test_memory_check_uses_the_free_memory_it_is_told(tmp_path, capsys, monkeypatch):
-    """With 4 MiB "free", a 128x128 png (about 10 MiB of demo-VAE activations) is refused; with plenty it runs."""
-    monkeypatch.setattr(cli, "available_bytes", lambda device: 4 * 2**20)
+def test_memory_check_uses_the_memory_it_is_told(tmp_path, capsys, monkeypatch):
+    """With 4 MiB usable, a 128x128 png (well over 4 MiB of demo-VAE activations) is refused; with plenty it runs."""
+    from examples.seedvr2 import memory_limits
+
+    monkeypatch.setattr(memory_limits, "usable_memory", lambda device: memory_limits.MemoryLimit(4 * 2**20, "told"))
     src = make_png(tmp_path / "in.png", h=128, w=128)
-    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png"], "is free on cpu", tmp_path, keep={"in.png"})
-    monkeypatch.setattr(cli, "available_bytes", lambda device: 2**40)
+    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png"], "4 MiB (told)", tmp_path, keep={"in.png"})
+    monkeypatch.setattr(memory_limits, "usable_memory", lambda device: memory_limits.MemoryLimit(2**40, "told"))
     assert cli.main(["restore", src, "-o", str(tmp_path / "o.png"), "--quiet"]) == 0
 
 

@@ -140,3 +140,29 @@ def test_two_attention_layers_under_one_parent_need_an_entry_glob():
                               attention="blk.a*", make_attention=lambda original, layer: original)
     with pytest.raises(ValueError, match=r"share the entry module\(s\) \['blk'\]"):
         winsp.parallelize(model, plan)
+
+
+@pytest.mark.parametrize("path, pattern, expected", [
+    ("layers.0.blocks.1", "layers.*.blocks.*", True),
+    ("layers.0.blocks.1.attn", "layers.*.blocks.*", False),   # a * never crosses a dot
+    ("layers.0.blocks.1.attn", "layers.**.attn", True),
+    ("layers.attn", "layers.**.attn", True),                  # ** may span no component
+    ("features.[1]", "features.*", True),
+    ("features.3", "features.[135]", True),
+    ("features.2", "features.[135]", False),
+    ("body.down.0.attn", "body.*attn", False),
+    ("body.down.0.attn", "body.**.*attn", True),
+])
+def test_globs_match_path_components(path, pattern, expected):
+    from winsp.parallelize import path_matches
+
+    assert path_matches(path, pattern) is expected
+
+
+def test_swin_windows_without_clamping_keep_the_configured_window_and_shift():
+    geometry = winsp.SwinWindows((1, 4, 4), (0, 2, 2), clamp=False)
+    assert geometry.effective((1, 3, 3)) == ((1, 4, 4), (0, 2, 2))
+    assert geometry.padded_grid((1, 3, 3)) == (1, 4, 4)
+    assert winsp.SwinWindows((1, 4, 4), (0, 2, 2)).effective((1, 3, 3)) == ((1, 3, 3), (0, 0, 0))
+    with pytest.raises(ValueError, match="clamp must be a bool"):
+        winsp.SwinWindows((1, 4, 4), clamp=1)

@@ -86,10 +86,10 @@ def unet_plan() -> winsp.ParallelPlan:
         region=winsp.Region("body", "body"),
         stages=[winsp.Stage([regular, shifted]), winsp.Stage([regular], merge=(1, 2, 2), order=MERGE_ORDER),
                 winsp.Stage([regular], split=(1, 2, 2), like=0, order=EXPAND_ORDER)],
-        attention="body.*attn", make_attention=SwinAttention3d,
+        attention="body.**.attn", make_attention=SwinAttention3d,
         grid_changes=("body.merge", "body.expand"),
         make_grid_change=lambda m, stage: (SwinPatchMerging if isinstance(m, PatchMerging) else ExpandRows)(m, stage),
-        swaps=[("body.*stochastic_depth", lambda m: winsp.SampleDropPath(m.p))])
+        swaps=[("body.**.stochastic_depth", lambda m: winsp.SampleDropPath(m.p))])
 
 
 def make_unet() -> UNet:

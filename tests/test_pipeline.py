@@ -274,7 +274,6 @@ def test_parallel_restore_equals_single_rank_small(golden_pipeline, world):
             assert err <= 1e-4, f"rank {rank} of {world} (VAE {mode}): max |error| vs single rank {err:.3g}"
 
 
-@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("world,modes", [(2, ("replicated", "height")), (3, ("height",))])
 def test_restore_matches_reference_parallel(world, modes):
@@ -290,8 +289,10 @@ def test_restore_matches_reference_parallel(world, modes):
 
 @pytest.mark.parametrize("frames,height,width", [(1, 32, 48), (13, 32, 48)])
 def test_memory_estimate_bounds_the_measured_peak(frames, height, width):
-    """The shape-only estimate the CLI refuses oversized requests with is an upper bound of the real peak of live
-    tensors (demo models, float32), and not a wild one (within 2.5x)."""
+    """The shape-only estimate the CLI fits requests with bounds the real peak of live tensors (demo models, float32)
+    by its shape-dependent parts alone (without the fixed overhead). It is calibrated against peak RSS, which is
+    several times the live tensors on the CPU (convolution unfold buffers, allocator caching): that calibration, -10 %
+    to +35 % of the measured RSS, is benchmarks/calibrate_memory.py's table in benchmarks/README.md."""
     from examples.seedvr2.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG, demo_models, demo_text_embeds
     from examples.seedvr2.pipeline import estimate_restore_bytes
     from examples.seedvr2.vae.memory import peak_tensor_bytes
@@ -303,5 +304,6 @@ def test_memory_estimate_bounds_the_measured_peak(frames, height, width):
         pipe.restore(video, demo_text_embeds(), generator=torch.Generator().manual_seed(0))
     estimate = estimate_restore_bytes(frames=frames, height=height, width=width,
                                       vae_channels=DEMO_VAE_CONFIG["block_out_channels"][0],
-                                      dit_width=DEMO_DIT_CONFIG.vid_dim).total
-    assert measured.peak <= estimate <= 2.5 * measured.peak, (measured.peak, estimate)
+                                      dit_width=DEMO_DIT_CONFIG.vid_dim)
+    assert measured.peak <= estimate.total - estimate.overhead, (measured.peak, estimate)
+    assert estimate.overhead > 0

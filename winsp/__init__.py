@@ -32,13 +32,16 @@ from .context import active_request, current_request
 from .swin import SwinWindows
 from .hierarchy import Stage, StagedRequest, StagedRuntime
 from .drop_path import SampleDropPath
-from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, parallelize, unparallelize
+from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, is_parallelized, parallelize, unparallelize
+from .token_io import FlatTokens
+from .swapped import Swapped, swapped
 
 __version__ = "0.1.0"
 
 __all__ = [
     "unparallelize",
     "parallelize",
+    "is_parallelized",
     "current_request",
     "adopt",
     "active_request",
@@ -51,6 +54,9 @@ __all__ = [
     "Region",
     "ParallelPlan",
     "ChannelsLast",
+    "FlatTokens",
+    "Swapped",
+    "swapped",
     "DiffusionParallelConfig",
     "FixedWindows",
     "Layout",

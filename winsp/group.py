@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["SPGroup", "init_world_from_env", "shutdown_world", "world_rank_and_size",
+__all__ = ["SPGroup", "init_world_from_env", "shutdown_world", "abort_world", "world_rank_and_size",
            "new_subgroup", "send_tensor", "recv_tensor"]
 
 
@@ -316,4 +316,14 @@ def shutdown_world(timeout_s: float = 60.0) -> None:
     except RuntimeError:
         pass  # a peer is gone: nothing left to wait for
     finally:
+        dist.destroy_process_group()
+
+
+def abort_world() -> None:
+    """Tear down the default process group at once, without meeting the other ranks: for a rank that failed while
+    its peers may be blocked in a collective with it. Its connections close, so a peer's pending gloo operation with
+    it fails promptly (instead of waiting out the group's timeout) and that peer can exit too."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -495,7 +495,8 @@ class StagedRuntime(WindowRuntime):
     def _grid_step(self, request: "StagedRequest", src_slot: int, stage: int) -> GridStep:
         src = request.prepared.layouts[src_slot].plan
         dst = request.prepared.plans[self.landing_layer(stage)]
-        key = ("grid-step", src.key or id(src), dst.key or id(dst), stage, self.rank, str(request.device))
+        key = ("grid-step", src.key or id(src), dst.key or id(dst), stage, request.model_grids, self.rank,
+               str(request.device))
 
         def build() -> GridStep:
             sources, chunk = self._sources(stage, request.model_grids)

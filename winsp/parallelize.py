@@ -120,8 +120,9 @@ class Region:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """What :func:`parallelize` does to a model (module paths are ``named_modules`` names; ``*`` globs, fnmatch; where
-    a glob is taken, a tuple of globs matches a module matching any of them, still in ``named_modules`` order).
+    """What :func:`parallelize` does to a model (module paths are ``named_modules`` names, matched by globs component
+    by component: ``*`` stays inside one path component, ``**`` spans any number, see :func:`path_matches`; where a
+    glob is taken, a tuple of globs matches a module matching any of them, still in ``named_modules`` order).
 
     Args:
         region: the window-parallel region.
@@ -187,10 +188,27 @@ class _Applied:
     tokens: list  # ContextVar tokens of regions in progress
 
 
+def path_matches(path: str, pattern: str) -> bool:
+    """Whether module path ``path`` matches ``pattern``, component by component (split on ``.``).
+
+    A component of the pattern is an fnmatch glob of one path component (``*`` never crosses a dot, so
+    ``layers.*.blocks.*`` does not match ``layers.0.blocks.0.attn``); ``**`` matches any number of components,
+    none included (``body.**.attn``).
+    """
+    def match(parts: list[str], globs: list[str]) -> bool:
+        if not globs:
+            return not parts
+        if globs[0] == "**":
+            return any(match(parts[i:], globs[1:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], globs[0]) and match(parts[1:], globs[1:])
+
+    return match(path.split("."), pattern.split("."))
+
+
 def _matches(model: nn.Module, pattern, what: str) -> list[tuple[str, nn.Module]]:
     """Modules whose path matches the glob ``pattern`` (or any glob of a tuple of them), in ``named_modules`` order."""
     patterns = (pattern,) if isinstance(pattern, str) else tuple(pattern)
-    found = [(n, m) for n, m in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    found = [(n, m) for n, m in model.named_modules() if n and any(path_matches(n, p) for p in patterns)]
     if not found:
         raise ValueError(f"ParallelPlan.{what}={pattern!r} matches no module of {type(model).__name__}")
     return found

@@ -45,11 +45,15 @@ class SwinWindows(WindowGeometry):
         window_size: the configured (t, h, w) window.
         shift: the configured shift (0 on every axis for a regular layer, ``window // 2`` for a shifted one).
         pad: lay windows on the grid padded to whole windows (exactly Swin); False clips them at the grid's end.
+        clamp: shrink the window to a smaller grid and drop its shift there (torchvision's rule, per axis); False keeps
+            ``window_size`` and ``shift`` on every grid (a model that clamped them itself, e.g. Hugging Face Swin V2
+            from its configured resolution, then pads a smaller input up to one whole window).
     """
 
     window_size: Grid
     shift: Grid = (0, 0, 0)
     pad: bool = True
+    clamp: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_size", _positive_int_triple(self.window_size, "window_size"))
@@ -60,12 +64,16 @@ class SwinWindows(WindowGeometry):
             if s >= k:
                 raise ValueError(f"shift[{axis}]={s} must be smaller than window_size[{axis}]={k}")
         object.__setattr__(self, "shift", shift)
-        if not isinstance(self.pad, bool):
-            raise ValueError(f"pad must be a bool, got {self.pad!r}")
+        for name in ("pad", "clamp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def effective(self, grid: Sequence[int]) -> tuple[Grid, Grid]:
-        """(window, shift) used on ``grid``: an axis not larger than the window takes the grid's size and no shift."""
+        """(window, shift) used on ``grid``: an axis not larger than the window takes the grid's size and no shift
+        (unless ``clamp`` is False)."""
         grid = check_grid(grid)
+        if not self.clamp:
+            return self.window_size, self.shift
         window = tuple(g if g <= k else k for g, k in zip(grid, self.window_size))
         shift = tuple(0 if g <= k else s for g, k, s in zip(grid, self.window_size, self.shift))
         return window, shift  # type: ignore[return-value]
@@ -91,9 +99,10 @@ def window_raster(geometry: SwinWindows, grid_coords: Tensor, grids: Tensor) -> 
     ``((coord - shift) mod grid) mod window`` with the clamped window and shift; its raster index in that window is
     what Swin uses to index the full window's relative position table (module docstring).
     """
-    window = torch.minimum(grids, torch.tensor(geometry.window_size, device=grids.device))
-    shift = torch.where(grids <= torch.tensor(geometry.window_size, device=grids.device), 0,
-                        torch.tensor(geometry.shift, device=grids.device))
+    full = torch.tensor(geometry.window_size, device=grids.device)
+    clamped = (grids <= full) & geometry.clamp  # geometry.clamp False: the window and shift as configured
+    window = torch.where(clamped, grids, full)
+    shift = torch.where(clamped, 0, torch.tensor(geometry.shift, device=grids.device))
     local = torch.remainder(torch.remainder(grid_coords - shift, grids), window)
     return (local[:, 0] * window[:, 1] + local[:, 1]) * window[:, 2] + local[:, 2]
 

@@ -5,17 +5,21 @@ temporal batches of ``--batch-frames`` frames that share ``--overlap`` cross-fad
 and encoded to the output as they finish, so memory does not grow with the clip. With ``--sp-size N`` the W ranks form
 W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
 ``--vae-parallel`` mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
+Across machines, run one ``torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` agent per node; ranks are
+numbered node by node, every rank reads the input, global rank 0 writes the output.
 
 With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer (``--model 7b``: the 7B). Without
 them it runs embedded tiny demo weights of that architecture (see :mod:`.demo`) so that the command works anywhere in
 seconds; it says so, since that restores nothing.
 
-Exit codes: 0 success; 2 bad input or usage (one ``error:`` line on stderr, no output file); anything else is a bug.
+Exit codes: 0 success; 2 bad input, usage, or not enough memory (one ``error:`` line on stderr, no output file);
+anything else is a bug. Under torchrun a rank that fails once the run has started (an allocation that fails) reports
+it and leaves at once; the others then stop too (``rank N: stopped: another rank failed``).
 
 The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is refused,
 an existing output is only replaced with ``--overwrite``, a video that decodes fewer frames than its container declares
-is refused unless ``--allow-partial-input``, and a request whose estimated memory exceeds what the device has is refused
-before anything is allocated. Without ``-o`` the output goes beside the input as ``<input>_restored.<ext>``.
+is refused unless ``--allow-partial-input``, and a request that fits the usable memory in no setting is refused before
+anything is allocated (settings left out are chosen to fit; see the memory options below). Without ``-o`` the output goes beside the input as ``<input>_restored.<ext>``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from winsp.group import init_world_from_env, shutdown_world
+from winsp.group import abort_world, init_world_from_env, shutdown_world
 
 from .media import (
     DEFAULT_CRF,
@@ -48,7 +52,7 @@ from .media import (
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
-from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
 
 PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
@@ -93,14 +97,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"latent noise seed (default {DEFAULT_SEED})")
     p.add_argument("--dtype", choices=("bf16", "fp32"),
                    help="compute dtype (default: bf16 on GPU with checkpoints, else fp32)")
-    p.add_argument("--vae-parallel", choices=("replicated", "height", "tiled"), default="replicated",
-                   help="how the ranks of an SP group share the VAE (default: replicated, every rank runs it)")
-    p.add_argument("--batch-frames", type=int, default=DEFAULT_BATCH_FRAMES, metavar="N",
-                   help=f"frames per temporal batch, 4n+1 (default {DEFAULT_BATCH_FRAMES}); memory depends on this, "
-                        f"not on the clip's length")
-    p.add_argument("--overlap", type=int, default=DEFAULT_OVERLAP, metavar="K",
-                   help=f"frames shared by consecutive batches, cross-faded so batches join without a jump "
-                        f"(default {DEFAULT_OVERLAP}; 0 disables)")
+    memory = p.add_argument_group(
+        "memory",
+        "Left out, these are chosen to fit the memory this process may use (the smallest of free RAM, ulimit -v / -d,\n"
+        "the cgroup's limit and free GPU memory; RAM and cgroup shared by the ranks on a host): the fastest settings\n"
+        "that fit, longer temporal batches first, then the VAE replicated, height-sharded (several ranks), tiled with\n"
+        "the largest tile. The summary line says what was chosen and why. Pinned settings that do not fit are\n"
+        "refused, naming settings that would.")
+    memory.add_argument("--vae-parallel", choices=("replicated", "height", "tiled"),
+                        help="how the ranks of an SP group share the VAE: replicated (every rank runs it), height (the "
+                             "frame's rows split over the group; exact), tiled (overlapping tiles; approximate, least "
+                             "memory) (default: chosen to fit, replicated when it does)")
+    memory.add_argument("--vae-tile", type=int, metavar="PIXELS",
+                        help="tile size of --vae-parallel tiled (square, a multiple of 8; implies tiled) (default: the "
+                             "largest that fits)")
+    memory.add_argument("--batch-frames", type=int, metavar="N",
+                        help=f"frames per temporal batch, 4n+1 (default {DEFAULT_BATCH_FRAMES}, or fewer to fit); "
+                             f"memory depends on this, not on the clip's length")
+    memory.add_argument("--overlap", type=int, metavar="K",
+                        help=f"frames shared by consecutive batches, cross-faded so batches join without a jump "
+                             f"(default {DEFAULT_OVERLAP}, less for batches under {DEFAULT_OVERLAP + 4} frames; 0 "
+                             f"disables)")
     p.add_argument("--sp-size", type=int, metavar="N",
                    help="window-SP degree: the world's ranks form (world / N) groups of N that take whole temporal "
                         "batches; the world size must be a multiple of N (default: all ranks one group)")
@@ -214,9 +231,11 @@ class Launch:
         rank, world, started = init_world_from_env(device.type)
         return cls(rank, world, device, initialised_here=started)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Leave the process group: after meeting the other ranks, or at once when this rank ``failed`` mid-run (its
+        peers may be blocked in a collective with it; closing its connections makes their operations fail)."""
         if self.initialised_here:
-            shutdown_world()
+            abort_world() if failed else shutdown_world()
 
 
 # ---- the restore command ------------------------------------------------------------------------------------------
@@ -334,62 +353,171 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                         demo=False)
 
 
-def available_bytes(device: torch.device) -> Optional[int]:
-    """Memory free for this run on ``device``: the GPU's free bytes, or the host's MemAvailable; None if unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """A size for messages: GiB with one decimal, MiB under 1 GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def check_memory(args: argparse.Namespace, geometry: Geometry, frames: int, dtype: torch.dtype, sp_size: int,
-                 device: torch.device, demo: bool) -> None:
-    """Refuse, before anything is allocated, a request whose estimated peak does not fit the device's free memory."""
-    from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
+class OutOfMemory(InputError):
+    """The request does not fit the memory this rank may use (refused up front, or an allocation failed)."""
+
+
+#: what helps when memory runs short, in the order a user should try them
+_MEMORY_HELP = ("--vae-parallel tiled with a smaller --vae-tile", "a smaller --batch-frames",
+                "more ranks (torchrun --nproc-per-node N: --vae-parallel height shares the VAE)", "a smaller --resolution")
+
+
+def pinned_settings(args: argparse.Namespace):
+    """The memory-relevant settings the user fixed (the others are chosen by :func:`plan_memory`), checked."""
+    from .memory_fit import PinnedSettings
+
+    if args.vae_tile is not None:
+        if args.vae_parallel not in (None, "tiled"):
+            raise InputError(f"--vae-tile is the tile size of --vae-parallel tiled; it cannot go with "
+                             f"--vae-parallel {args.vae_parallel}")
+        if args.vae_tile < 16 or args.vae_tile % 8:
+            raise InputError(f"--vae-tile must be a multiple of 8 pixels, at least 16, got {args.vae_tile}")
+    try:
+        if args.batch_frames is not None:
+            check_batching(args.batch_frames, 0)
+        if args.overlap is not None:
+            check_batching(args.batch_frames if args.batch_frames is not None else DEFAULT_BATCH_FRAMES, args.overlap)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return PinnedSettings(batch_frames=args.batch_frames, overlap=args.overlap,
+                          vae_parallel="tiled" if args.vae_tile is not None else args.vae_parallel,
+                          vae_tile=args.vae_tile)
+
+
+@dataclass
+class MemoryPlan:
+    """The settings a run uses, their estimated need per rank, the memory limit seen, and why they were chosen."""
+
+    settings: object  # memory_fit.RunSettings
+    need: Optional[int]
+    limit: object  # memory_limits.MemoryLimit
+    reason: str
+
+    def summary(self) -> str:
+        return f"memory: {self.reason}"
+
+
+def _model_sizes(args: argparse.Namespace, demo: bool) -> tuple[int, int, int]:
+    """(first VAE level channels, DiT width, weight bytes) of the models a run will load."""
+    if demo:
+        from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
+
+        return DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model].vid_dim, 0
+    from .dit import NaDiTConfig
+    from .vae import VideoVAEConfig
+
+    weights = sum(os.path.getsize(p) for p in (args.dit_checkpoint, args.vae_checkpoint) if p and os.path.isfile(p))
+    return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model).vid_dim, weights
+
+
+class PeerFailed(InputError):
+    """Another rank failed before the run started (it reports why); this rank stops quietly."""
+
+
+def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: "RunState"):
+    """The one meeting of all ranks before the run: each tells whether its checks failed and what memory it may use.
+
+    Returns the tightest limit of all ranks (so every rank chooses the same settings). If any rank failed, every rank
+    raises: the failed ones their own error (the lowest of them reports it, see ``state.reporter``), the others
+    :class:`PeerFailed`; all of them are then at the same point and leave the group together.
+    """
+    from winsp.group import SPGroup
+
+    from .memory_limits import MemoryLimit
+
+    if launch.world_size == 1:
+        if error is not None:
+            raise error
+        return limit
+    mine = float(limit.usable) if limit.usable is not None else float("inf")
+    rows = _per_rank_figures([mine, 1.0 if error is not None else 0.0], launch.device)
+    failed = [rank for rank, row in enumerate(rows) if row[1]]
+    if failed:
+        state.reporter = failed[0]
+        raise error if error is not None else PeerFailed(f"rank {failed[0]} failed")
+    values = [row[0] for row in rows]
+    smallest = min(range(len(values)), key=values.__getitem__)
+    if values[smallest] == float("inf"):
+        return limit
+    if values[smallest] >= mine:
+        return MemoryLimit(limit.usable, f"rank {SPGroup.world().rank}: {limit.source}", limit.candidates)
+    return MemoryLimit(int(values[smallest]), f"the limit of rank {smallest}", limit.candidates)
+
+
+def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
+                sp_size: int, device: torch.device, demo: bool, limit=None) -> MemoryPlan:
+    """Choose the fastest settings whose estimated peak fits the memory this rank may use (see :mod:`.memory_fit`).
+
+    Raises :class:`OutOfMemory` (before anything is allocated) when pinned settings do not fit, naming settings that
+    would, or when nothing fits.
+    """
+    from .memory_fit import candidate_settings, fit_settings, tile_overlap
+    from .memory_limits import usable_memory
     from .pipeline import estimate_restore_bytes
 
-    free = available_bytes(device)
-    if free is None:
-        return
-    if demo:
-        dit_width = DEMO_DIT_CONFIGS[args.model].vid_dim
-        vae_channels, weights = DEMO_VAE_CONFIG["block_out_channels"][0], 0
-    else:
-        from .dit import NaDiTConfig
-        from .vae import VideoVAEConfig
+    vae_channels, dit_width, weights = _model_sizes(args, demo)
+    height, width = geometry.work
 
-        vae_channels = VideoVAEConfig.seedvr2().block_out_channels[0]
-        dit_width = NaDiTConfig.released(args.model).vid_dim
-        weights = sum(os.path.getsize(p) for p in (args.dit_checkpoint, args.vae_checkpoint) if p and os.path.isfile(p))
-    estimate = estimate_restore_bytes(
-        frames=frames, height=geometry.work[0], width=geometry.work[1], vae_channels=vae_channels,
-        dit_width=dit_width, element_bytes=torch.finfo(dtype).bits // 8, vae_parallel=args.vae_parallel,
-        sp_size=sp_size, tile=(256 + 64, 256 + 64),
-    )
-    need = estimate.total + weights
-    if need > free:
-        helps = []
-        if args.vae_parallel != "tiled":
-            helps.append("--vae-parallel tiled")
-        if frames > 5:
-            helps.append("a smaller --batch-frames")
-        helps += ["more ranks (torchrun --nproc-per-node N with --vae-parallel height)", "a smaller --resolution"]
-        raise InputError(
-            f"this request needs about {_gib(need)} per rank (estimate: VAE {_gib(estimate.vae)}, DiT "
-            f"{_gib(estimate.dit)}, frames {_gib(estimate.frames)}, weights {_gib(weights)} for {frames} frames at "
-            f"{geometry.work[1]}x{geometry.work[0]}) but {_gib(free)} is free on {device.type}; try "
-            f"{', '.join(helps)}"
-        )
+    def need(settings) -> int:
+        tile = settings.vae_tile
+        estimate = estimate_restore_bytes(
+            frames=min(settings.batch_frames, num_frames), height=height, width=width, vae_channels=vae_channels,
+            dit_width=dit_width, element_bytes=torch.finfo(dtype).bits // 8, vae_parallel=settings.vae_parallel,
+            sp_size=sp_size, tile=None if tile is None else (tile, tile),
+            tile_overlap=None if tile is None else tile_overlap(tile))
+        return estimate.total + weights
+
+    def candidates(p):
+        return candidate_settings(num_frames, height // 8, sp_size, p, default_batch=DEFAULT_BATCH_FRAMES,
+                                  default_overlap=DEFAULT_OVERLAP, frame_size=(height, width))
+
+    limit = usable_memory(device) if limit is None else limit
+    fit = fit_settings(candidates, pinned, need, limit.usable)
+    where = f"{num_frames} frame{'s' if num_frames != 1 else ''} at {width}x{height}"
+    if fit.chosen is None:
+        if fit.suggestion is not None:
+            raise OutOfMemory(
+                f"{fit.first.describe()} needs about {_gib(fit.first_need)} per rank for {where} but {limit.describe()} "
+                f"is usable; {fit.suggestion.flags()} would fit (about {_gib(fit.suggestion_need)}), or leave those "
+                f"flags out to let it choose")
+        raise OutOfMemory(
+            f"nothing fits: {'no settings allowed by the flags given' if pinned.anything else 'no settings'} fit the "
+            f"{limit.describe()} usable per rank for {where} (the fastest needs about {_gib(fit.first_need)}, the "
+            f"most frugal about {_gib(fit.smallest_need)}); try {', '.join(_MEMORY_HELP[2:])}")
+    if limit.usable is None:
+        reason = f"estimate {_gib(fit.need)} per rank (no memory limit could be read)"
+    else:
+        reason = f"estimate {_gib(fit.need)} of {limit.describe()} usable per rank"
+    if fit.changed:
+        reason = (f"chose {fit.chosen.describe()} because {fit.first.describe()} needs about {_gib(fit.first_need)}; "
+                  + reason)
+    return MemoryPlan(fit.chosen, fit.need, limit, reason)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure: torch's (CPU allocator, CUDA) or Python's/numpy's MemoryError."""
+    if isinstance(exc, MemoryError) or isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("DefaultCPUAllocator" in text or "can't allocate memory" in text
+                                              or "out of memory" in text.lower())
+
+
+def out_of_memory_error(exc: BaseException, memory: Optional[MemoryPlan], device: torch.device) -> OutOfMemory:
+    """The one-line error for an allocation that failed although the estimate fitted."""
+    detail = " ".join(str(exc).split())
+    detail = detail.split("DefaultCPUAllocator: ")[-1].split(" (Triggered internally")[0][:160]
+    if memory is None:
+        seen = "before the memory plan was made"
+    else:
+        seen = (f"the estimate was {_gib(memory.need or 0)} per rank ({memory.settings.describe()}) with "
+                f"{memory.limit.describe()} usable")
+    return OutOfMemory(f"out of memory on {device.type} ({detail}); {seen}; try {', '.join(_MEMORY_HELP)}")
 
 
 def _peak_memory(device: torch.device) -> tuple[float, str]:
@@ -410,24 +538,15 @@ def _per_rank_figures(values: list[float], device: torch.device) -> list[list[fl
     return world.all_gather_rows(row, [1] * world.size).cpu().tolist()
 
 
-def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> str:
-    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input."""
-    import numpy as np
+def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> tuple:
+    """The checks and reads before the run, identical on every rank (no collective): the settings the user pinned,
+    the SP size, the output path, demo or not, dtype, colour fix, the input's description and the geometry."""
+    from .media import probe_media
 
-    from winsp.mesh import build_temporal_mesh, ordered_results
-
-    from .media import MediaWriter, iter_frames, probe_media
-    from .pipeline import SeedVR2Pipeline
-    from .temporal import TemporalBlender, check_batching, plan_temporal_batches, temporal_batches
-
-    # Everything cheap to check is checked before anything is read or any model built, identically on every rank.
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         plan_geometry((64, 64), scale=args.scale)  # validates the number itself
-    try:
-        check_batching(args.batch_frames, args.overlap)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
+    pinned = pinned_settings(args)
     sp_size = launch.world_size if args.sp_size is None else args.sp_size
     if sp_size < 1 or launch.world_size % sp_size:
         raise InputError(
@@ -440,7 +559,6 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
     color_fix = (args.color_fix or ("none" if demo else "wavelet")) == "wavelet"
-    is_rank0 = launch.rank == 0
 
     progress.start("read")
     info = probe_media(args.input, allow_partial=args.allow_partial_input)
@@ -448,13 +566,59 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     _check_output_path(output, info.num_frames)
     geometry: Geometry = plan_geometry((info.height, info.width), resolution=resolution, scale=args.scale)
     latent_rows = geometry.work[0] // 8
-    if args.vae_parallel == "height" and sp_size > latent_rows:
+    if pinned.vae_parallel == "height" and sp_size > latent_rows:
         raise InputError(
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
             f"{geometry.work[0]} has {latent_rows} rows for {sp_size} ranks; use --vae-parallel replicated"
         )
-    plan = plan_temporal_batches(info.num_frames, args.batch_frames, args.overlap)
-    check_memory(args, geometry, plan[0].num_frames, dtype, sp_size, launch.device, demo)
+    return pinned, sp_size, output, demo, dtype, color_fix, info, geometry
+
+
+@dataclass
+class RunState:
+    """What a failing run's error handling needs: the memory plan; whether the ranks are still in lockstep (every
+    failure so far happens on every rank at the same point, reported once by ``reporter``) or running (a failure is
+    this rank's own: it reports it and leaves at once)."""
+
+    memory: Optional[MemoryPlan] = None
+    lockstep: bool = True
+    reporter: int = 0
+
+
+def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
+                state: Optional[RunState] = None) -> str:
+    """Run the ``restore`` command; returns the one-line summary. Raises MediaError / InputError for bad input,
+    :class:`OutOfMemory` when the request cannot fit."""
+    state = RunState() if state is None else state
+    import numpy as np
+
+    from winsp.mesh import build_temporal_mesh, ordered_results
+
+    from .media import MediaWriter, iter_frames
+    from .pipeline import SeedVR2Pipeline
+    from .memory_fit import tile_overlap
+    from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
+
+    from .memory_limits import usable_memory
+
+    # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
+    # then the ranks meet once (the only collective before the run) and agree to start, or all stop.
+    try:
+        prepared = _prepare(args, launch, progress)
+        error = None
+    except (MediaError, InputError) as exc:
+        prepared, error = None, exc
+    except Exception as exc:  # noqa: BLE001 - an allocation failure while reading is reported like any other
+        if not is_out_of_memory(exc):
+            raise
+        prepared, error = None, out_of_memory_error(exc, None, launch.device)
+    limit = agree_to_start(usable_memory(launch.device), error, launch, state)
+    pinned, sp_size, output, demo, dtype, color_fix, info, geometry = prepared
+    is_rank0 = launch.rank == 0
+    memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo, limit)
+    state.memory = memory
+    settings = memory.settings
+    plan = plan_temporal_batches(info.num_frames, settings.batch_frames, settings.overlap)
     is_video_out = output_kind(output) == "video"
     if is_rank0:
         for note in info.notes:
@@ -468,6 +632,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             )
 
     progress.start("load")
+    state.lockstep = False
     models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None)
     if models.demo and is_rank0:
         progress.note(
@@ -476,7 +641,9 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             f"{args.model.upper()}."
         )
     mesh = build_temporal_mesh(sp_size)
-    pipe = SeedVR2Pipeline(models.dit, models.vae, args.vae_parallel, group=mesh.sp)
+    tile = settings.vae_tile if settings.vae_tile is not None else 256
+    pipe = SeedVR2Pipeline(models.dit, models.vae, settings.vae_parallel, group=mesh.sp, vae_tile_size=tile,
+                           vae_tile_overlap=tile_overlap(tile))
 
     progress.start("restore")
     started = time.perf_counter()
@@ -488,7 +655,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         None if frame is None else frames_to_model(frame[None], geometry)[:, 0]
         for _, frame, _ in iter_frames(info, keep=lambda i: bool(needed[i]))
     )
-    batches = temporal_batches(model_frames, args.batch_frames, args.overlap)
+    batches = temporal_batches(model_frames, settings.batch_frames, settings.overlap)
     computed = []
 
     def compute(index: int) -> torch.Tensor:
@@ -508,7 +675,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                          audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf) as writer:
             blender = TemporalBlender()
             for index, frames in results:
-                for frame in blender.push(plan[index], frames.cpu(), args.overlap):
+                for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
                     writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
                 progress.frames(writer.frames_written, info.num_frames)
             for frame in blender.finish():
@@ -533,29 +700,68 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         f"{PROG}: {args.input} ({_fmt_size(geometry.input, info.num_frames)}) -> {output} "
         f"({_fmt_size(geometry.output, info.num_frames)}{', ' + fps if not info.is_image else ''}; model at "
         f"{geometry.work[1]}x{geometry.work[0]}) | {len(plan)} batch{'es' if len(plan) != 1 else ''} of "
-        f"{args.batch_frames} frames, overlap {args.overlap} | {mesh.describe()} | SP {mesh.sp_size} | "
+        f"{settings.batch_frames} frames, overlap {settings.overlap} | {mesh.describe()} | SP {mesh.sp_size} | "
         f"{pipe.describe()}; {'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
         f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; colour fix {'wavelet' if color_fix else 'off'} | "
-        f"{timing} | total {sum(seconds.values()):.2f}s | {frames_per_s:.2f} frames/s | {peak_kind} per rank "
-        f"{peaks} GiB"
+        f"{memory.summary()} | {timing} | total {sum(seconds.values()):.2f}s | {frames_per_s:.2f} frames/s | "
+        f"{peak_kind} per rank {peaks} GiB"
     )
 
 
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank went away (gloo/NCCL connection errors)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                      "ProcessGroupGloo", "gloo", "NCCL"))
+
+
+def _print_error(progress: StageProgress, message: str) -> None:
+    progress.break_line()
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the exception carried
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point; returns the process exit code."""
+    """Entry point; returns the process exit code.
+
+    Bad input is found identically on every rank before any collective, so rank 0 reports it for all. A failure once
+    ranks talk (an allocation that fails on one rank) is reported by the rank it happened on; that rank leaves the
+    process group at once, its peers' pending collectives fail, and they exit too (with a one-line note), so no rank
+    waits forever.
+    """
     args = build_parser().parse_args(argv)
     launch = Launch.from_env()
     progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
+    state = RunState()
+    failed = False
+    prefix = f"rank {launch.rank}: " if launch.world_size > 1 else ""
     try:
-        summary = run_restore(args, launch, progress)
+        summary = run_restore(args, launch, progress, state)
     except (MediaError, InputError) as exc:
-        if launch.rank == 0:
-            progress.break_line()
-            message = " ".join(str(exc).split())  # one line, whatever the exception carried
-            print(f"{PROG}: error: {message}", file=sys.stderr)
+        failed = not state.lockstep
+        if launch.rank == state.reporter or failed:
+            _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
         return 2
+    except Exception as exc:  # noqa: BLE001 - only memory and lost-peer failures are handled; the rest re-raised
+        if is_out_of_memory(exc):
+            failed = not state.lockstep
+            message = str(out_of_memory_error(exc, state.memory, launch.device))
+            del exc
+            _print_error(progress, prefix + message)
+            return 2
+        if launch.world_size > 1 and is_peer_failure(exc):
+            failed = True
+            progress.break_line()
+            reason = " ".join(str(exc).split())[:200]
+            print(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})", file=sys.stderr)
+            return 2
+        raise
     finally:
-        launch.close()
+        launch.close(failed=failed)
     if launch.rank == 0:
         print(summary, file=sys.stderr)
     return 0

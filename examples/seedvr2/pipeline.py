@@ -42,6 +42,7 @@ __all__ = [
     "euler_v_lerp_sample",
     "MemoryEstimate",
     "estimate_restore_bytes",
+    "vae_work_area",
 ]
 
 SCALING_FACTOR = 0.9152
@@ -119,56 +120,82 @@ def euler_v_lerp_sample(
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Estimated peak activation bytes of restoring one temporal batch on one rank, by part."""
+    """Estimated peak bytes one rank adds while restoring one temporal batch, by part (``overhead``: what a run adds
+    whatever its size: codec buffers, thread pools, allocator arenas, the process group's buffers)."""
 
     vae: int
     dit: int
     frames: int
+    overhead: int = 0
 
     @property
     def total(self) -> int:
-        return self.vae + self.dit + self.frames
+        return self.vae + self.dit + self.frames + self.overhead
 
 
-#: peak live VAE activations, in units of (first-level channels x h x w x element size), by padded batch length:
-#: measured with ``vae.memory.peak_tensor_bytes`` on the demo VAE with the released temporal chunk of 4 frames
-#: (1 frame: 8.1, 5 frames: 32.1, 9 frames and more: 53-55; the full-resolution decoder level dominates, as in the
-#: released VAE, whose levels shrink area 4x while channels grow at most 2x), rounded up.
-_VAE_UNITS_ONE_FRAME, _VAE_UNITS_FIVE, _VAE_UNITS_CHUNKED = 9.0, 34.0, 58.0
+# The constants below are fitted to the peak resident memory of real command-line runs on the CPU (fp32, demo
+# weights) by ``benchmarks/calibrate_memory.py`` (non-negative least squares of the relative error over 45 runs, with
+# one float32 frame copy and the DiT term fixed, then scaled by 1.10 so that no run is under-estimated by more than 10 %; the table is
+# in benchmarks/README.md). Peak RSS
+# is well above the peak of live tensors: CPU 3D convolutions unfold their input (vol2col, 27 x channels per pixel)
+# and the allocator keeps freed blocks.
+#: VAE bytes per pixel of the area one rank's VAE works on at once (the frame, its band, or a tile), in units of the
+#: first level's channels x element size, by padded batch length (1 frame, 5 frames, 9 or more: chunks of 4 frames).
+#: The one-frame figure is not in the calibration grid (a conservative guess, 0.57 x the five-frame one).
+_VAE_UNITS_ONE_FRAME, _VAE_UNITS_FIVE, _VAE_UNITS_CHUNKED = 95.0, 165.0, 205.0
+#: tiled only: more VAE bytes per tile pixel and padded frame, same units (every tile carries all the batch's frames)
+_VAE_TILED_UNITS_PER_FRAME = 6.3
 #: DiT activations per token, in units of the model width x element size (attention inputs/outputs, MLP hidden
 #: states, residuals; the window attention itself is local). A coarse upper figure.
 _DIT_UNITS_PER_TOKEN = 16.0
-#: copies of the batch's frames alive at once in float32 (input, padded input, output, colour fix, uint8 out).
-_FRAME_COPIES = 6.0
+#: float32 copies of the batch's frames alive at once beyond the VAE's (the decoded output at least); negligible at
+#: the grid's small sizes, so fixed at one copy from the code (times the 1.10 scale) rather than fitted
+_FRAME_COPIES = 1.1
+#: bytes a run adds whatever its size (codec buffers, thread pools, allocator arenas), and more on each rank of a
+#: process group (gloo buffers and threads)
+_OVERHEAD_BYTES, _GROUP_OVERHEAD_BYTES = 121 * 2**20, 39 * 2**20
+
+
+def vae_work_area(height: int, width: int, vae_parallel: str, sp_size: int = 1,
+                  tile: Optional[tuple[int, int]] = None, spatial_factor: int = 8) -> int:
+    """Pixels one rank's VAE works on at once: the frame (replicated), its band of rows with one latent row of halo on
+    each side (height-sharded), or one tile (tiled)."""
+    if vae_parallel == "height" and sp_size > 1:
+        rows = math.ceil(height / spatial_factor / sp_size) + 2
+        return min(height, rows * spatial_factor) * width
+    if vae_parallel == "tiled" and tile is not None:
+        return min(height, tile[0]) * min(width, tile[1])
+    return height * width
 
 
 def estimate_restore_bytes(
     *, frames: int, height: int, width: int, vae_channels: int, dit_width: int, element_bytes: int = 4,
     vae_parallel: str = "replicated", sp_size: int = 1, tile: Optional[tuple[int, int]] = None,
-    patch: tuple[int, int, int] = (1, 2, 2), spatial_factor: int = 8, temporal_factor: int = 4,
+    tile_overlap: Optional[int] = None, patch: tuple[int, int, int] = (1, 2, 2), spatial_factor: int = 8,
+    temporal_factor: int = 4,
 ) -> MemoryEstimate:
-    """Peak activation bytes per rank of restoring ``frames`` frames of ``height x width`` (the working size) with a
-    VAE whose first level has ``vae_channels`` channels (temporal chunks of 4 frames) and a DiT of ``dit_width``.
+    """Peak bytes one rank adds restoring ``frames`` frames of ``height x width`` (the working size) with a VAE whose
+    first level has ``vae_channels`` channels (temporal chunks of 4 frames) and a DiT of ``dit_width``.
 
-    An estimate from the shapes only, made before anything is allocated so that an oversized request can be refused
-    with a message instead of dying in the allocator. The VAE part was calibrated on the demo models (see the
-    constants above; ``tests/test_pipeline.py`` checks it bounds the measured peak); it scales with the frame area,
-    which ``"height"`` sharding divides by ``sp_size`` and ``"tiled"`` caps at ``tile`` (with its overlap).
+    An estimate from the shapes only, made before anything is allocated so that a request can be fitted to the memory
+    it may use (see :mod:`.memory_fit`) or refused with a message instead of dying in the allocator. Calibrated
+    against peak RSS (see the constants above); the VAE part follows the area one rank's VAE works on
+    (:func:`vae_work_area`). ``tile_overlap`` is accepted for the callers' convenience (a tile's memory is its size).
     """
+    del tile_overlap
     padded = causal_frame_count(frames, temporal_factor)
     units = _VAE_UNITS_ONE_FRAME if padded == 1 else _VAE_UNITS_FIVE if padded <= 5 else _VAE_UNITS_CHUNKED
-    area = height * width
-    if vae_parallel == "height":
-        area = math.ceil(height / sp_size) * width
-    elif vae_parallel == "tiled" and tile is not None:
-        area = min(height, tile[0]) * min(width, tile[1])
+    area = vae_work_area(height, width, vae_parallel, sp_size, tile, spatial_factor)
+    if vae_parallel == "tiled":
+        units += _VAE_TILED_UNITS_PER_FRAME * padded
     vae = units * vae_channels * area * element_bytes
     latent_frames = 1 + (padded - 1) // temporal_factor
     tokens = math.ceil(latent_frames / patch[0]) * math.ceil(height / spatial_factor / patch[1]) * math.ceil(
         width / spatial_factor / patch[2])
     dit = _DIT_UNITS_PER_TOKEN * math.ceil(tokens / sp_size) * dit_width * element_bytes
     frame_bytes = _FRAME_COPIES * 3 * padded * height * width * 4
-    return MemoryEstimate(vae=int(vae), dit=int(dit), frames=int(frame_bytes))
+    overhead = _OVERHEAD_BYTES + (_GROUP_OVERHEAD_BYTES if sp_size > 1 else 0)
+    return MemoryEstimate(vae=int(vae), dit=int(dit), frames=int(frame_bytes), overhead=overhead)
 
 
 # ---- the pipeline -------------------------------------------------------------------------------------------------

@@ -59,9 +59,9 @@ def swin3d_plan(model: nn.Module) -> winsp.ParallelPlan:
               for s, blocks in enumerate(model.features[0::2])]
     return winsp.ParallelPlan(
         region=winsp.Region("features", "features"), stages=stages,
-        attention="features.*.attn", make_attention=SwinAttention3d,
+        attention="features.*.*.attn", make_attention=SwinAttention3d,
         grid_changes="features.[135]", make_grid_change=SwinPatchMerging,
-        swaps=[("features.*.stochastic_depth", lambda m: winsp.SampleDropPath(m.p))])
+        swaps=[("features.*.*.stochastic_depth", lambda m: winsp.SampleDropPath(m.p))])
 
 
 def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None = None, *, group=None) -> nn.Module:

@@ -123,8 +123,13 @@ class Modulation(nn.Module):
 
     @staticmethod
     def split_embedding(emb: Tensor, dim: int) -> Tensor:
-        """``emb [b, 6 * dim]`` -> ``[b, 2 (slot), 3 (shift, scale, gate), dim]``."""
-        return emb.view(emb.shape[0], dim, 2, 3).permute(0, 2, 3, 1)
+        """``emb [b, 6 * dim]`` -> ``[b, 2 (slot), 3 (shift, scale, gate), dim]``, contiguous.
+
+        Contiguous rather than a permuted view (channel stride 6): a norm fused with per-channel values read at a
+        stride makes torch 2.13's CPU inductor tile the row loop of the norm's outer-loop-fused kernel, whose local
+        buffer then holds one row for 16 (pytorch/pytorch#185702, silently wrong output; see docs/torch_compile.md).
+        """
+        return emb.view(emb.shape[0], dim, 2, 3).permute(0, 2, 3, 1).contiguous()
 
     def scale_shift(self, name: str, slot_emb: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample ``(scale, shift)``, each ``[b, dim]``, for sub-layer ``name`` from its slot ``[b, 3, dim]``."""

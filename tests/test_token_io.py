@@ -1,0 +1,44 @@
+"""winsp.FlatTokens: a region's tokens as [B, L, C] with the grid as another argument (HF vision encoders)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import winsp
+
+
+def test_reads_rows_and_grids_and_puts_local_rows_back():
+    io = winsp.FlatTokens()
+    x = torch.arange(2 * 6 * 3.0).view(2, 6, 3)
+    rows, grids = io.read((x, (2, 3), "flag"), {})
+    assert torch.equal(rows, x.reshape(12, 3)) and grids == [(1, 2, 3), (1, 2, 3)]
+    args, kwargs = io.with_rows((x, (2, 3), "flag"), {"k": 1}, rows[:5])
+    assert args[0].shape == (5, 3) and args[1:] == ((2, 3), "flag") and kwargs == {"k": 1}
+    _, grids3 = winsp.FlatTokens().read((torch.zeros(1, 24, 2), (2, 3, 4)), {})
+    assert grids3 == [(2, 3, 4)]
+
+
+def test_rebuilds_tensor_tuple_and_mapping_outputs():
+    io, rows = winsp.FlatTokens(), torch.arange(8.0).view(4, 2)
+    grids = [(1, 1, 2), (1, 1, 2)]
+    assert io.with_output(torch.zeros(4, 2), rows, grids).shape == (2, 2, 2)
+    out = io.with_output((torch.zeros(4, 2), "extra"), rows, grids)
+    assert torch.equal(out[0], rows.view(2, 2, 2)) and out[1] == "extra"
+    mapping = OrderedDict(last_hidden_state=torch.zeros(4, 2), other=1)
+    assert torch.equal(io.with_output(mapping, rows, grids)["last_hidden_state"], rows.view(2, 2, 2))
+    assert torch.equal(io.output_rows((rows, None)), rows) and io.output_rows(rows) is rows
+
+
+def test_refuses_bad_input_clearly():
+    with pytest.raises(ValueError, match="does not describe the 6 tokens"):
+        winsp.FlatTokens().read((torch.zeros(1, 6, 2), (2, 2)), {})
+    with pytest.raises(ValueError, match="tokens \\[B, L, C\\] first"):
+        winsp.FlatTokens().read((torch.zeros(6, 2),), {})
+    with pytest.raises(ValueError, match="output_hidden_states=True"):
+        winsp.FlatTokens(refuse=("output_hidden_states",)).read((torch.zeros(1, 4, 2), (2, 2)),
+                                                                {"output_hidden_states": True})
+    with pytest.raises(ValueError, match="different grids"):
+        winsp.FlatTokens().with_output(torch.zeros(3, 2), torch.zeros(3, 2), [(1, 1, 1), (1, 1, 2)])
