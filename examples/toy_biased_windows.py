@@ -105,7 +105,9 @@ class BiasedWindows(winsp.WindowParallel, PlainBiasedWindows):
         return runtime
 
     def forward(self, vid, txt, grids, text_lengths):
-        request = self.require_runtime().request(grids, text_lengths, device=vid.device, dtype=vid.dtype)
+        # score_mods=True: the bias indexes per-local-row tensors, so the planner keeps windows whole on one rank
+        request = self.require_runtime().request(grids, text_lengths, device=vid.device, dtype=vid.dtype,
+                                                 score_mods=True)
         x = request.scatter(vid)
         for block in self.blocks:
             x = request.to_layer(x, block.layer)

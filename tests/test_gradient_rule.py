@@ -43,6 +43,7 @@ class Chain:
     ops: tuple
     text_loss: bool
     seed: int
+    planner: str = "auto"  # the default splits windows where whole ones cannot balance; "lpt" keeps ranks empty
 
 
 # ---- the model a chain describes ----------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def gradients(chain: Chain, runtime_group: SPGroup | None, data_seed: int = 0, s
     """
     model = ChainModel(chain)
     schedule = model.window_schedule()
-    runtime = winsp.WindowRuntime(schedule, group=runtime_group or SPGroup(None))
+    runtime = winsp.WindowRuntime(schedule, group=runtime_group or SPGroup(None), planner=chain.planner)
     object.__setattr__(model, "_winsp_runtime", runtime)  # as build_runtime attaches it
     vid, txt, timestep = _inputs(chain, data_seed)
     out, txt_out = model(vid, txt, timestep)
@@ -226,7 +227,7 @@ STAGE_BOUNDARY = Chain(((1, 4, 6), (2, 2, 4)), (2, 3),
                        (("rep", "linear"), ("scatter",), BLOCK, ("gather",), ("rep", "mix"), ("txt",), ("merge",),
                         ("scatter",), SHIFTED_SHARED, ("gather",), ("head",)), True, 2)
 NO_WINDOWS = Chain(TINY, (2,), (("scatter",), ("block", False, True, (2, 4, 4), False), ("gather",), ("rep", "mix"),
-                               ("scatter",), SHIFTED_SHARED, ("gather",), ("head",)), True, 3)
+                               ("scatter",), SHIFTED_SHARED, ("gather",), ("head",)), True, 3, planner="lpt")
 EXAMPLES_PER_GROUP = 6
 
 
@@ -335,7 +336,7 @@ def _rank_main(rank: int, world_size: int):
         if rank >= size:
             continue
         sp = SPGroup(groups[size]) if size < world_size else SPGroup.world()
-        plans = winsp.plan_schedule(TINY, [winsp.FixedWindows((2, 4, 4))], size)
+        plans = winsp.plan_schedule(TINY, [winsp.FixedWindows((2, 4, 4))], size, NO_WINDOWS.planner)
         no_windows = 0 in plans[0].rank_token_counts
         failures: list = []
         if size == 3:

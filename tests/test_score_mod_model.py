@@ -50,7 +50,7 @@ def _parallel(rank, world_size, grids=GRIDS, backend="auto"):
     out, vid_grad, txt_grad, grads = _run(model, *_inputs(), grids=grids)
     winsp.sync_gradients([p for p in model.parameters()] , model.runtime)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    empty = any(c == 0 for c in model.runtime.plans(grids)[0].rank_token_counts)
+    empty = any(c == 0 for c in model.runtime.plans(grids, split_windows=False)[0].rank_token_counts)
     return out, grads, empty
 
 
@@ -91,7 +91,7 @@ def _parallel_small(rank, world_size):
     out, _, _, _ = _run(model, vid[:24], txt[:3], grids=[(2, 3, 4)])
     winsp.sync_gradients(list(model.parameters()), model.runtime)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    empty = any(c == 0 for c in model.runtime.plans([(2, 3, 4)])[0].rank_token_counts)
+    empty = any(c == 0 for c in model.runtime.plans([(2, 3, 4)], split_windows=False)[0].rank_token_counts)
     return out, grads, empty
 
 

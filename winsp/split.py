@@ -46,8 +46,9 @@ def refuse_score_mods(plan: Plan, score_mod, mask_mod) -> None:
     if plan.has_split_windows and (score_mod is not None or mask_mod is not None):
         raise ValueError(
             f"this layout splits {len(plan.window_holders)} window(s) across ranks, and score_mod / mask_mod index "
-            "per-local-row tensors that a split window does not have on one rank; build the runtime with "
-            "split_windows=False (the default planner then keeps whole windows) or planner='lpt' / 'locality'"
+            "per-local-row tensors that a split window does not have on one rank; make the request with "
+            "score_mods=True, or build the runtime with split_windows=False (the default planner then keeps whole "
+            "windows) or planner='lpt' / 'locality'"
         )
 
 
