@@ -176,6 +176,18 @@ class SeedVR2Windows(WindowGeometry):
         return _boxes(grid, _shifted_cuts if self.shifted else _regular_cuts, win)
 
 
+def _check_window_and_shift(geometry: WindowGeometry) -> None:
+    """Validate and normalise ``geometry.window_size`` / ``geometry.shift`` (three ints, 0 <= shift < window)."""
+    object.__setattr__(geometry, "window_size", _positive_int_triple(geometry.window_size, "window_size"))
+    shift = tuple(geometry.shift)
+    if len(shift) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shift):
+        raise ValueError(f"shift must be three non-negative integers, got {geometry.shift!r}")
+    for axis, s, k in zip("thw", shift, geometry.window_size):
+        if s >= k:
+            raise ValueError(f"shift[{axis}]={s} must be smaller than window_size[{axis}]={k}")
+    object.__setattr__(geometry, "shift", shift)
+
+
 @dataclass(frozen=True)
 class FixedWindows(WindowGeometry):
     """Swin-style windows of a fixed token size, optionally shifted (clipped at the borders, no cyclic roll).
@@ -187,14 +199,7 @@ class FixedWindows(WindowGeometry):
     shift: Grid = (0, 0, 0)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "window_size", _positive_int_triple(self.window_size, "window_size"))
-        shift = tuple(self.shift)
-        if len(shift) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shift):
-            raise ValueError(f"shift must be three non-negative integers, got {self.shift!r}")
-        for axis, s, k in zip("thw", shift, self.window_size):
-            if s >= k:
-                raise ValueError(f"shift[{axis}]={s} must be smaller than window_size[{axis}]={k}")
-        object.__setattr__(self, "shift", shift)
+        _check_window_and_shift(self)
 
     def slices(self, grid: Grid) -> list[WindowSlices]:
         grid = check_grid(grid)

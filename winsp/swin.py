@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .geometry import FixedWindows, Grid, WindowGeometry, WindowSlices, _positive_int_triple, check_grid
+from .geometry import FixedWindows, Grid, WindowGeometry, WindowSlices, _check_window_and_shift, check_grid
 
 __all__ = ["SwinWindows", "window_raster", "relative_position_score_mod"]
 
@@ -56,14 +56,7 @@ class SwinWindows(WindowGeometry):
     clamp: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "window_size", _positive_int_triple(self.window_size, "window_size"))
-        shift = tuple(self.shift)
-        if len(shift) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shift):
-            raise ValueError(f"shift must be three non-negative integers, got {self.shift!r}")
-        for axis, s, k in zip("thw", shift, self.window_size):
-            if s >= k:
-                raise ValueError(f"shift[{axis}]={s} must be smaller than window_size[{axis}]={k}")
-        object.__setattr__(self, "shift", shift)
+        _check_window_and_shift(self)
         for name in ("pad", "clamp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
