@@ -1,6 +1,7 @@
 """Reading a checkpoint file into ``{name: tensor}`` without ever running code from it.
 
-Shared by the DiT and VAE loaders. ``.safetensors`` files hold only tensors; ``.pth``/``.pt`` files are pickles and
+Shared by the DiT and VAE loaders. ``.gguf`` files are read by :mod:`.gguf_file` (their quantised tensors come back
+as :class:`~.quantized_linear.PackedWeight`, still packed). ``.safetensors`` files hold only tensors; ``.pth``/``.pt`` files are pickles and
 go through ``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and refuses anything else
 (memory-mapped when the file's format allows it). Every failure is a ``ValueError`` naming the file: a damaged file
 (random bytes, a truncated zip, a wrong magic number, a pickle that breaks anywhere) makes ``torch.load`` raise almost
@@ -13,17 +14,20 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-from typing import Mapping
+from typing import Mapping, Union
 
 import torch
 
+from .quantized_linear import PackedWeight
+
 __all__ = ["CHECKPOINT_SUFFIXES", "read_checkpoint_file", "tensor_state"]
 
-CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt")
+CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".gguf")
+StateValue = Union[torch.Tensor, PackedWeight]
 
 
-def read_checkpoint_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` / ``.pth`` / ``.pt`` checkpoint, on the CPU."""
+def read_checkpoint_file(path: str | os.PathLike) -> dict[str, StateValue]:
+    """The tensors of a ``.safetensors`` / ``.pth`` / ``.pt`` / ``.gguf`` checkpoint, on the CPU."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path!r} does not exist or is not a file")
@@ -34,6 +38,10 @@ def read_checkpoint_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         state = _read_safetensors(path)
     elif suffix in (".pth", ".pt"):
         state = _torch_load_weights_only(path)
+    elif suffix == ".gguf":
+        from .gguf_file import read_gguf_file
+
+        state = read_gguf_file(path)
     else:
         raise ValueError(
             f"checkpoint {path!r}: unsupported file type {suffix!r} (use {', '.join(CHECKPOINT_SUFFIXES)})"
@@ -41,12 +49,12 @@ def read_checkpoint_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return tensor_state(state)
 
 
-def tensor_state(state: Mapping) -> dict[str, torch.Tensor]:
-    """``state`` as a dict, after checking that every key is a string and every value a tensor."""
+def tensor_state(state: Mapping) -> dict[str, StateValue]:
+    """``state`` as a dict, after checking that every key is a string and every value a tensor (or a packed one)."""
     for key, value in state.items():
         if not isinstance(key, str):
             raise ValueError(f"checkpoint key {key!r} is not a string")
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, (torch.Tensor, PackedWeight)):
             raise ValueError(f"checkpoint entry {key!r} is a {type(value).__name__}, not a tensor")
     return dict(state)
 

@@ -5,7 +5,10 @@ and this port as ``blocks.<i>.attn.rope.freqs``. After that, any missing, unexpe
 error, so a checkpoint that does not match the model cannot reach inference. Files are read by
 :mod:`..checkpoint_file` (``.pth``/``.pt`` through ``torch.load(weights_only=True)``, which never runs pickled code).
 
-fp16/bf16 repacks are cast to the model's dtypes and fp8 ones dequantised or refused (:mod:`..checkpoint_dtypes`);
+fp16/bf16 repacks are cast to the model's dtypes; fp8 and GGUF Linear weights stay packed (``weights="stored"``, a
+:class:`..quantized_linear.QuantizedLinear` expands each at call time) or are expanded (:mod:`..checkpoint_dtypes`);
+the input patch projection ``vid_in.proj`` is always expanded (the model reads its compute dtype from it; it holds
+0.01% of the weights).
 RoPE frequency buffers stored in half precision are replaced by their exact float32 values (a fixed function of the
 config) when they agree to that precision, since rounded frequencies would shift every rotation angle.
 """
@@ -22,9 +25,10 @@ from torch import Tensor, nn
 
 from ..checkpoint_dtypes import match_model_dtypes
 from ..checkpoint_file import read_checkpoint_file, tensor_state
+from ..quantized_linear import PackedWeight, linear_weight_keys, pack_linear_layers
 from .rope import RotaryEmbedding3d
 
-__all__ = ["load_dit_checkpoint", "read_state_dict", "normalize_checkpoint_keys"]
+__all__ = ["load_dit_checkpoint", "read_state_dict", "normalize_checkpoint_keys", "packable_dit_weights"]
 
 _REFERENCE_ROPE_KEY = re.compile(r"^(blocks\.\d+\.attn\.rope)\.rope\.freqs$")
 _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
@@ -34,6 +38,13 @@ _TEXT_MLP_PATH = re.compile(r"^blocks\.(\d+)\.(mlp|ada|mlp_norm)\.txt\.")
 Source = Union[str, os.PathLike, Mapping[str, Tensor]]
 _log = logging.getLogger("examples.seedvr2")
 _HALF = (torch.float16, torch.bfloat16)
+#: Linear layers never kept packed: the forward reads the compute dtype from this one's weight
+_ALWAYS_EXPANDED = ("vid_in.proj",)
+
+
+def packable_dit_weights(model: nn.Module) -> set[str]:
+    """Keys of the DiT weights that may stay packed: every Linear weight but ``vid_in.proj``'s."""
+    return linear_weight_keys(model, exclude=_ALWAYS_EXPANDED)
 
 
 def _short(keys, limit: int = 8) -> str:
@@ -101,7 +112,7 @@ def _restore_exact_rope(model: nn.Module, state: dict[str, Tensor]) -> int:
     restored = 0
     for name, module in model.named_modules():
         key = f"{name}.freqs"
-        if isinstance(module, RotaryEmbedding3d) and key in state and state[key].dtype in _HALF:
+        if isinstance(module, RotaryEmbedding3d) and isinstance(state.get(key), Tensor) and state[key].dtype in _HALF:
             exact = module.exact_frequencies()
             stored = state[key].float()
             if stored.shape == exact.shape and torch.allclose(stored, exact, rtol=1e-2, atol=0):
@@ -112,11 +123,13 @@ def _restore_exact_rope(model: nn.Module, state: dict[str, Tensor]) -> int:
 
 def load_dit_checkpoint(
     model: nn.Module, source: Source, *, allow_truncated: bool = False,
-    report: Optional[Callable[[str], None]] = None,
+    report: Optional[Callable[[str], None]] = None, weights: str = "stored",
 ) -> nn.Module:
     """Load a SeedVR2 DiT checkpoint into ``model`` strictly (see the module docstring); returns ``model``.
 
-    ``source`` is a ``.safetensors``/``.pth``/``.pt`` path or a state dict in the reference or the port layout. A
+    ``source`` is a ``.safetensors``/``.pth``/``.pt``/``.gguf`` path or a state dict in the reference or the port
+    layout. ``weights`` (``stored``, ``fp8``, ``compute``; see :mod:`..checkpoint_dtypes`) says which Linear layers
+    become :class:`..quantized_linear.QuantizedLinear` (their ``.weight`` is then a ``.packed`` buffer). A
     checkpoint with more blocks than the model is refused unless ``allow_truncated`` (then extra blocks are dropped).
     A model built on the meta device receives the checkpoint's tensors directly (``assign=True``), after they are
     cast to its dtypes. ``report`` receives one line saying what was cast, if anything (default: the
@@ -128,7 +141,8 @@ def load_dit_checkpoint(
     last_video_only = getattr(config, "last_layer_video_only", True)
     state = _drop_extra_blocks(state, num_layers, allow_truncated, last_video_only)
     exact_rope = _restore_exact_rope(model, state)
-    state, cast = match_model_dtypes(state, model, what="DiT checkpoint")
+    state, cast = match_model_dtypes(state, model, what="DiT checkpoint", packable=packable_dit_weights(model),
+                                     weights=weights)
     if exact_rope:
         cast = (cast or "DiT checkpoint: nothing else cast") + f"; {exact_rope} RoPE frequency buffers set to " \
             "their exact float32 values"
@@ -154,7 +168,13 @@ def load_dit_checkpoint(
         raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
 
     on_meta = any(t.is_meta for t in expected.values())
-    model.load_state_dict(state, strict=True, assign=on_meta)
+    packed = {k: v for k, v in state.items() if isinstance(v, PackedWeight)}
+    pack_linear_layers(model, packed, state)
+    result = model.load_state_dict({k: v for k, v in state.items() if k not in packed}, strict=False,
+                                   assign=on_meta)
+    stray = set(result.missing_keys) - {k[: -len("weight")] + "packed" for k in packed}
+    if stray or result.unexpected_keys:  # the checks above make this unreachable; never run half-loaded
+        raise RuntimeError(f"DiT checkpoint left keys unloaded: {_short(stray | set(result.unexpected_keys))}")
     if on_meta:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding3d) and module.freqs.dtype != torch.float32:
