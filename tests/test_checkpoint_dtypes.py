@@ -1,5 +1,5 @@
-"""Community checkpoints: fp16/bf16 repacks cast to the model's dtypes with a one-line report; fp8 refused or
-dequantised with per-tensor scales."""
+"""Community checkpoints: fp16/bf16 repacks cast to the model's dtypes with a one-line report; fp8 read with its
+per-tensor scales (or as stored without), kept packed or dequantised (more formats: test_checkpoint_formats.py)."""
 
 from __future__ import annotations
 
@@ -69,12 +69,13 @@ def test_matching_dtypes_report_nothing(golden7b):
 
 
 @pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
-def test_fp8_without_scale_is_refused_naming_the_tensor(golden7b, tmp_path):
+def test_fp8_scale_under_an_unknown_name_is_named_not_ignored(golden7b, tmp_path):
     meta, state, _, _ = golden7b
     path = tmp_path / "dit_fp8.safetensors"
-    save_file({k: (v.to(FP8) if v.dim() == 2 else v) for k, v in state.items()}, str(path))
-    with pytest.raises(ValueError, match=r"'blocks\.0\.attn\.proj_out\.txt\.weight' is float8_e4m3fn with no "
-                                         r"per-tensor scale.*fp16, bf16 or fp32"):
+    packed = {k: (v.to(FP8) if v.dim() == 2 else v) for k, v in state.items()}
+    packed["blocks.0.attn.proj_out.txt.weight_scaling"] = torch.ones(1)  # not a layout this loader knows
+    save_file(packed, str(path))
+    with pytest.raises(ValueError, match=r"unexpected keys: blocks\.0\.attn\.proj_out\.txt\.weight_scaling"):
         load_dit_checkpoint(_fresh(meta), path)
 
 
@@ -96,12 +97,15 @@ def test_fp8_with_per_tensor_scales_is_dequantised(golden7b, tmp_path, layout):
     path = tmp_path / "dit_fp8.safetensors"
     save_file(packed, str(path))
     lines = []
-    model = load_dit_checkpoint(_fresh(meta), path, report=lines.append)
+    model = load_dit_checkpoint(_fresh(meta), path, report=lines.append, weights="compute")
     matrices = sum(v.dim() == 2 for v in state.values())
     assert len(lines) == 1 and f"{matrices} tensors float8_e4m3fn -> fp32" in lines[0]
-    assert f"{matrices} fp8 tensors dequantised" in lines[0]
+    assert f"{matrices} fp8 tensors with their per-tensor scales" in lines[0]
     w, ref = model.blocks[1].attn.proj_qkv.vid.weight, state["blocks.1.attn.proj_qkv.vid.weight"]
     assert (w - ref).abs().max().item() <= ref.abs().max().item() / 8  # e4m3 keeps 3 mantissa bits
+    kept = load_dit_checkpoint(_fresh(meta), path)  # weights="stored": the same values, kept in fp8
+    layer = kept.blocks[1].attn.proj_qkv.vid
+    assert layer.kind == "float8_e4m3fn" and torch.equal(layer.expanded_weight(torch.float32), w)
 
 
 @pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
