@@ -293,3 +293,40 @@ def test_vae_from_gguf_and_plain_fp8(tmp_path, fmt):
     ref = ref.latent_dist.mode() if hasattr(ref, "latent_dist") else ref
     out = out.latent_dist.mode() if hasattr(out, "latent_dist") else out
     assert _relative(out, ref) <= tol
+
+
+# ---- resident memory ---------------------------------------------------------------------------------------------
+
+
+def _resident(model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("fmt, weights", [("bf16", "stored"), ("fp8", "stored"), ("Q4_K", "stored"),
+                                          ("Q8_0", "stored"), ("Q8_0", "compute"), ("bf16", "fp8")])
+def test_resident_weight_estimate_matches_the_loaded_model(tmp_path, fmt, weights):
+    from examples.seedvr2.dit import packable_dit_weights
+    from examples.seedvr2.weight_memory import resident_weight_bytes
+
+    cfg, state, _, _ = _golden("3b")
+    if fmt == "bf16":
+        path = tmp_path / "dit.safetensors"
+        save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(path))
+    elif fmt == "fp8":
+        path = tmp_path / "dit.safetensors"
+        save_file({k: (v.to(torch.float8_e4m3fn) if v.dim() == 2 else v) for k, v in state.items()}, str(path))
+    else:
+        path = _gguf_dit(tmp_path, state, fmt)
+    model = load_dit_checkpoint(_fresh(cfg, torch.bfloat16), path, weights=weights)
+    packable = packable_dit_weights(_fresh(cfg))
+    estimate = resident_weight_bytes(str(path), compute_dtype=torch.bfloat16, weights=weights, packable=packable)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    per_call = max((m.out_features * m.in_features * 2 for m in layers), default=0)  # one layer expanded to bf16
+    rope = sum(m.freqs.numel() * 2 for m in model.modules() if hasattr(m, "exact_frequencies"))  # fp32, not bf16
+    assert estimate - per_call + rope == _resident(model)
+    # the ratios the README quotes: Linear weights in fp8 take half of bf16, Q4_K 144/512 of it
+    linear = sum(m.out_features * m.in_features * 2 for m in layers)
+    if fmt in ("fp8",) or weights == "fp8":
+        assert sum(m.packed.numel() for m in layers) * 2 == linear
+    if fmt == "Q4_K":
+        assert sum(m.packed.numel() for m in layers) * 512 == linear * 144

@@ -1,12 +1,13 @@
 """Reading a checkpoint file into ``{name: tensor}`` without ever running code from it.
 
-Shared by the DiT and VAE loaders. ``.gguf`` files are read by :mod:`.gguf_file` (their quantised tensors come back
-as :class:`~.quantized_linear.PackedWeight`, still packed). ``.safetensors`` files hold only tensors; ``.pth``/``.pt``
-files are pickles and go through ``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and refuses anything else
-(memory-mapped when the file's format allows it). Every failure is a ``ValueError`` naming the file: a damaged file
-(random bytes, a truncated zip, a wrong magic number, a pickle that breaks anywhere) makes ``torch.load`` raise almost
-any exception type (``IndexError``, ``KeyError``, ``struct.error``, ``AssertionError``, ...), so every ``Exception``
-from the readers is translated; only interrupts (``KeyboardInterrupt``, ``SystemExit``) pass through.
+Shared by the DiT and VAE loaders. ``.gguf`` files are read by :mod:`.gguf_file` (their quantised tensors come back as
+:class:`~.quantized_linear.PackedWeight`, still packed). ``.safetensors`` files hold only tensors; ``.pth``/``.pt``
+files are pickles and go through ``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and
+refuses anything else (memory-mapped when the file's format allows it). Every failure is a ``ValueError`` naming the
+file: a damaged file (random bytes, a truncated zip, a wrong magic number, a pickle that breaks anywhere) makes
+``torch.load`` raise almost any exception type (``IndexError``, ``KeyError``, ``struct.error``, ``AssertionError``,
+...), so every ``Exception`` from the readers is translated; only interrupts (``KeyboardInterrupt``, ``SystemExit``)
+pass through.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from .media import (
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
+from .checkpoint_dtypes import WEIGHT_MODES
 
 PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
@@ -89,11 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
     size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
     p.add_argument("--model", choices=("3b", "7b"), default="3b", help="which SeedVR2 DiT (default: 3b)")
-    p.add_argument("--dit-checkpoint", metavar="PATH", help="released DiT weights (.pth or .safetensors)")
-    p.add_argument("--vae-checkpoint", metavar="PATH", help="released VAE weights (.pth or .safetensors)")
+    p.add_argument("--dit-checkpoint", metavar="PATH",
+                   help="DiT weights: .pth, .safetensors (fp32, fp16, bf16, fp8) or .gguf (F16, BF16, Q8_0, Q4_K, ...)")
+    p.add_argument("--vae-checkpoint", metavar="PATH", help="VAE weights (the same formats)")
     p.add_argument("--text-embeds", metavar="PATH",
                    help=f"prompt embedding (safetensors key 'pos', or a single tensor) (default: {DEFAULT_TEXT_EMBEDS} "
                         f"with checkpoints, random tiny embeddings with the demo weights)")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default="stored",
+                   help="how the DiT's Linear weights are held: stored (fp8 and GGUF-quantised weights stay as stored "
+                        "and are expanded one layer at a time: about half the memory of bf16 for fp8, a quarter to a "
+                        "third for Q4/Q5), fp8 (also convert fp16/bf16/fp32 weights to fp8 with a per-tensor scale), "
+                        "compute (expand every weight to the compute dtype at load: most memory, no per-layer "
+                        "expansion) (default: stored)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"latent noise seed (default {DEFAULT_SEED})")
     p.add_argument("--dtype", choices=("bf16", "fp32"),
                    help="compute dtype (default: bf16 on GPU with checkpoints, else fp32)")
@@ -342,10 +350,12 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         if not os.path.isfile(path):
             raise InputError(f"{flag}: file not found: {path}")
     dit, vae = released_models_on_meta(args.model, dtype)
-    for flag, loader, model, path in (("--dit-checkpoint", load_dit_checkpoint, dit, args.dit_checkpoint),
-                                      ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint)):
+    weights = {"weights": getattr(args, "weights", "stored")}
+    for flag, loader, model, path, options in (
+            ("--dit-checkpoint", load_dit_checkpoint, dit, args.dit_checkpoint, weights),
+            ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint, {})):
         try:
-            loader(model, path, report=report)
+            loader(model, path, report=report, **options)
         except (ValueError, OSError) as exc:  # the loaders report every checkpoint problem as one of these
             raise InputError(f"{flag} {path}: {exc}") from None
     txt = _read_text_embeds(args.text_embeds or DEFAULT_TEXT_EMBEDS, dit.config.txt_in_dim)
@@ -402,8 +412,8 @@ class MemoryPlan:
         return f"memory: {self.reason}"
 
 
-def _model_sizes(args: argparse.Namespace, demo: bool) -> tuple[int, int, int]:
-    """(first VAE level channels, DiT width, weight bytes) of the models a run will load."""
+def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
+    """(first VAE level channels, DiT width, resident weight bytes in ``dtype``) of the models a run will load."""
     if demo:
         from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
 
@@ -411,7 +421,10 @@ def _model_sizes(args: argparse.Namespace, demo: bool) -> tuple[int, int, int]:
     from .dit import NaDiTConfig
     from .vae import VideoVAEConfig
 
-    weights = sum(os.path.getsize(p) for p in (args.dit_checkpoint, args.vae_checkpoint) if p and os.path.isfile(p))
+    from .weight_memory import run_weight_bytes
+
+    weights = run_weight_bytes(args.model, args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
+                               weights=getattr(args, "weights", "stored"))
     return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model).vid_dim, weights
 
 
@@ -460,7 +473,7 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
     from .memory_limits import usable_memory
     from .pipeline import estimate_restore_bytes
 
-    vae_channels, dit_width, weights = _model_sizes(args, demo)
+    vae_channels, dit_width, weights = _model_sizes(args, demo, dtype)
     height, width = geometry.work
 
     def need(settings) -> int:

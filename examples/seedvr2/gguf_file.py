@@ -54,7 +54,8 @@ def _orig_shape(reader, name: str) -> tuple[int, ...] | None:
         raise ValueError(f"metadata {ORIG_SHAPE_KEY + name!r} is not a list of dimensions ({err})") from None
 
 
-def _strip_prefix(names: list[str]) -> str:
+def strip_prefix(names: list[str]) -> str:
+    """The ``model.diffusion_model.`` / ``model.`` prefix every name carries ("" when none does)."""
     for prefix in _PREFIXES:
         if names and all(n.startswith(prefix) for n in names):
             return prefix
@@ -83,7 +84,7 @@ def read_gguf_file(path: str) -> dict[str, Union[torch.Tensor, PackedWeight]]:
 
 
 def _tensors(reader, path: str) -> dict[str, Union[torch.Tensor, PackedWeight]]:
-    prefix = _strip_prefix([t.name for t in reader.tensors])
+    prefix = strip_prefix([t.name for t in reader.tensors])
     state: dict[str, Union[torch.Tensor, PackedWeight]] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name

@@ -1,0 +1,103 @@
+"""How many bytes a checkpoint's weights will take once loaded, from the file's header alone.
+
+The resident size is not the file size: an fp32 file run in bf16 takes half of it, an fp8 file expanded to bf16 twice
+it, and Linear weights kept packed (``--weights stored`` / ``fp8``, see :mod:`.checkpoint_dtypes`) take their stored
+size, plus one layer's weight expanded to the compute dtype at a time. :func:`resident_weight_bytes` reads only the
+dtypes and shapes (the safetensors header, the GGUF tensor table, a memory-mapped ``.pth``) so that the memory plan is
+made before any weight is read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Collection
+
+import torch
+
+from .gguf_dequant import BLOCK_LAYOUTS, packed_nbytes
+from .quantized_linear import FP8_KINDS
+
+__all__ = ["checkpoint_layout", "resident_weight_bytes", "run_weight_bytes"]
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                      "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_SAFETENSORS_KIND = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_FLOAT_NAMES = {"F64", "F32", "F16", "BF16", "float64", "float32", "float16", "bfloat16"}
+
+
+def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """``{key: (kind, shape, stored bytes)}`` of a checkpoint file without reading its values. ``kind`` is a float
+    name (``F32``, ``float16``, ...), a float8 name, a GGML block type, or an integer type."""
+    suffix = os.path.splitext(path)[1].lower()
+    layout: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    if suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                kind, shape = part.get_dtype(), tuple(part.get_shape())
+                layout[key] = (_SAFETENSORS_KIND.get(kind, kind), shape,
+                               math.prod(shape) * _SAFETENSORS_BYTES.get(kind, 4))
+    elif suffix == ".gguf":
+        import gguf
+
+        from .gguf_file import ORIG_SHAPE_KEY, strip_prefix
+
+        reader = gguf.GGUFReader(path)
+        prefix = strip_prefix([t.name for t in reader.tensors])
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            field = reader.get_field(ORIG_SHAPE_KEY + t.name)
+            if field is not None:
+                shape = tuple(int(v) for v in field.contents())
+            layout[t.name[len(prefix):]] = (t.tensor_type.name, shape, int(t.n_bytes))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                layout[key] = (str(value.dtype).replace("torch.", ""), tuple(value.shape),
+                               value.numel() * value.element_size())
+    return layout
+
+
+def resident_weight_bytes(path: str, *, compute_dtype: torch.dtype, weights: str = "compute",
+                          packable: Collection[str] = ()) -> int:
+    """Bytes the checkpoint at ``path`` takes loaded for ``compute_dtype`` with ``weights`` (``stored``, ``fp8``,
+    ``compute``): keys in ``packable`` that stay packed count their stored size (fp8: one byte a value), the largest
+    of them once more expanded (the per-call copy); every other floating tensor counts in ``compute_dtype``."""
+    element = torch.finfo(compute_dtype).bits // 8
+    total, largest_packed = 0, 0
+    packable = set(packable)
+    for key, (kind, shape, stored) in checkpoint_layout(path).items():
+        numel = math.prod(shape)
+        quantised = kind in FP8_KINDS or kind in BLOCK_LAYOUTS
+        if weights != "compute" and key in packable and (quantised or (weights == "fp8" and kind in _FLOAT_NAMES)):
+            total += packed_nbytes(kind, numel) if kind in BLOCK_LAYOUTS else numel  # fp8: one byte a value
+            largest_packed = max(largest_packed, numel * element)
+        elif quantised or kind in _FLOAT_NAMES:
+            total += numel * element
+        else:
+            total += stored
+    return total + largest_packed
+
+
+def run_weight_bytes(model: str, dit_path: str, vae_path: str, *, compute_dtype: torch.dtype,
+                     weights: str = "stored") -> int:
+    """Resident bytes of a run's DiT (``model`` "3b"/"7b") and VAE checkpoints (see :func:`resident_weight_bytes`).
+
+    A file whose header cannot be read counts its size on disk (the loader then reports what is wrong with it)."""
+    from .dit import NaDiTConfig, SeedVR2NaDiT, packable_dit_weights
+
+    with torch.device("meta"):
+        packable = packable_dit_weights(SeedVR2NaDiT(NaDiTConfig.released(model)))
+    total = 0
+    for path, keys, mode in ((dit_path, packable, weights), (vae_path, (), "compute")):
+        if not path or not os.path.isfile(path):
+            continue  # the loader names the missing file
+        try:
+            total += resident_weight_bytes(path, compute_dtype=compute_dtype, weights=mode, packable=keys)
+        except Exception:  # noqa: BLE001 - an unreadable file is reported by the loader, with its reason
+            total += os.path.getsize(path)
+    return total
