@@ -330,3 +330,41 @@ def test_resident_weight_estimate_matches_the_loaded_model(tmp_path, fmt, weight
         assert sum(m.packed.numel() for m in layers) * 2 == linear
     if fmt == "Q4_K":
         assert sum(m.packed.numel() for m in layers) * 512 == linear * 144
+
+
+def test_fuzzed_gguf_files_only_ever_raise_one_line_value_errors(tmp_path):
+    import random
+    import warnings
+
+    base_path = tmp_path / "base.gguf"
+    write_gguf(base_path, {"a.weight": torch.randn(4, 64), "b": torch.randn(3), "c": torch.randn(2, 2, 64)},
+               lambda k, v: {"a.weight": "Q8_0", "b": "F32", "c": "F16"}[k], flatten=lambda k, v: k == "c")
+    base = base_path.read_bytes()
+    rng = random.Random(20)
+    refused = 0
+    for i in range(150):
+        kind = rng.choice(["truncated", "mutated", "random"])
+        if kind == "truncated":
+            data = base[: rng.randrange(len(base))]
+        elif kind == "random":
+            data = b"GGUF" + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
+        else:
+            mutated = bytearray(base)
+            for _ in range(rng.randrange(1, 6)):
+                mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+            data = bytes(mutated)
+        path = tmp_path / f"case{i}.gguf"
+        path.write_bytes(data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                state = read_checkpoint_file(path)
+            except ValueError as err:
+                refused += 1
+                assert str(path) in str(err) and "\n" not in str(err).strip(), (kind, str(err))
+            except Exception as err:  # noqa: BLE001 - this is what the test is looking for
+                pytest.fail(f"case {i} ({kind}, {len(data)} bytes) escaped as {type(err).__name__}: {err}")
+            else:
+                assert all(isinstance(v, (torch.Tensor, PackedWeight)) for v in state.values())
+        path.unlink()
+    assert refused > 75
