@@ -368,3 +368,29 @@ def test_fuzzed_gguf_files_only_ever_raise_one_line_value_errors(tmp_path):
                 assert all(isinstance(v, (torch.Tensor, PackedWeight)) for v in state.values())
         path.unlink()
     assert refused > 75
+
+
+def test_memory_plan_counts_packed_weights_at_their_stored_size(tmp_path):
+    """The CLI's weight term (``_model_sizes``) reads the headers: an fp8 DiT file counts one byte a Linear value
+    with ``--weights stored``, two (bf16) with ``--weights compute``; the VAE is always in the compute dtype."""
+    import argparse
+
+    from examples.seedvr2.cli import _model_sizes
+
+    from examples.seedvr2.dit import packable_dit_weights
+
+    _, state, _, _ = _golden("3b")  # many of its keys are the released 3B's
+    with torch.device("meta"):
+        released = packable_dit_weights(SeedVR2NaDiT(NaDiTConfig.seedvr2_3b()))
+    dit = tmp_path / "dit_fp8.safetensors"
+    save_file({k: (v.to(torch.float8_e4m3fn) if v.dim() == 2 else v) for k, v in state.items()}, str(dit))
+    vae = tmp_path / "vae.safetensors"
+    save_file({"encoder.conv_in.bias": torch.ones(128)}, str(vae))
+
+    def weight_bytes(weights):
+        args = argparse.Namespace(model="3b", dit_checkpoint=str(dit), vae_checkpoint=str(vae), weights=weights)
+        return _model_sizes(args, False, torch.bfloat16)[2]
+
+    shared = [v.numel() for k, v in state.items() if k in released]
+    assert len(shared) > 20
+    assert weight_bytes("compute") - weight_bytes("stored") == sum(shared) - max(shared) * 2
