@@ -270,12 +270,14 @@ class SeedVR2Pipeline:
     @classmethod
     def from_checkpoints(
         cls, dit_checkpoint=None, vae_checkpoint=None, *, model: str = "3b", device="cpu",
-        dtype: torch.dtype = torch.float32, report: Optional[Callable[[str], None]] = None, **kwargs,
+        dtype: torch.dtype = torch.float32, report: Optional[Callable[[str], None]] = None, weights: str = "stored",
+        **kwargs,
     ) -> "SeedVR2Pipeline":
         """The pipeline of the released ``model`` (``"3b"`` or ``"7b"``): its DiT and the VAE built on the meta device
         in ``dtype``, loaded strictly from the two checkpoints (``report`` gets the loaders' one-line cast notes), on
-        ``device``. With neither checkpoint: the tiny demo weights of that architecture (:mod:`.demo`). ``kwargs`` go
-        to the constructor (``vae_parallel``, ``group``, ...)."""
+        ``device``; ``weights`` (``stored``, ``fp8``, ``compute``) says which DiT Linear weights stay packed (see
+        :mod:`.checkpoint_dtypes`). With neither checkpoint: the tiny demo weights of that architecture
+        (:mod:`.demo`). ``kwargs`` go to the constructor (``vae_parallel``, ``group``, ...)."""
         from .dit import load_dit_checkpoint
         from .vae import load_vae_checkpoint
 
@@ -287,7 +289,7 @@ class SeedVR2Pipeline:
             dit, vae = demo_models(device, dtype, model=model)
             return cls(dit, vae, **kwargs)
         dit, vae = released_models_on_meta(model, dtype)
-        load_dit_checkpoint(dit, dit_checkpoint, report=report)
+        load_dit_checkpoint(dit, dit_checkpoint, report=report, weights=weights)
         load_vae_checkpoint(vae, vae_checkpoint, report=report)
         return cls(dit.to(device).eval(), vae.to(device).eval(), **kwargs)
 
