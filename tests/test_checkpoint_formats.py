@@ -426,3 +426,21 @@ def test_restore_from_gguf_checkpoints_stays_close_to_the_reference(tmp_path):
     err = (out - ref).abs().max().item()
     rel = _relative(out, ref)
     assert err <= 0.2 and rel <= 3e-2, (err, rel)
+
+
+@pytest.mark.parametrize("model", ["3b", "7b"])
+def test_gguf_shapes_land_on_the_released_manifest(tmp_path, model):
+    """The released key names and shapes (tests/golden/seedvr2_*_dit_keys.json) through a GGUF file: every tensor of
+    up to 1M values written as GGUF stores it (dims innermost first) comes back in the manifest's torch shape."""
+    import json
+
+    manifest = json.loads((GOLDEN / f"seedvr2_{model}_dit_keys.json").read_text())["keys"]
+    small = {k: torch.zeros(shape) for k, shape in manifest.items() if 0 < np.prod(shape) <= 2**20}
+    assert any(v.dim() == 2 and v.shape[0] != v.shape[1] for v in small.values())  # a non-square matrix is in
+    path = tmp_path / "dit.gguf"
+    write_gguf(path, small, lambda k, v: "Q8_0" if v.dim() == 2 and v.shape[-1] % 32 == 0 else "F16")
+    stored = {t.name: t.shape.tolist() for t in gguf.GGUFReader(str(path)).tensors}
+    read = read_checkpoint_file(path)
+    for key, value in small.items():
+        assert stored[key] == list(reversed(manifest[key])), key
+        assert tuple(read[key].shape) == tuple(manifest[key]), key
