@@ -51,18 +51,22 @@ def test_the_plan_is_at_most_15_lines():
 
 def _one_region(rank: int, world_size: int) -> dict:
     """One forward at SP = world_size: gathers, the middle level's plan, rows the grid changes move; then a plan in
-    registration order, refused on every rank before the misplaced level moves rows."""
+    registration order, refused on every rank before any rows move (no collective at all)."""
     torch.manual_seed(0)
     model = parallel_model(make_model().eval(), world_size)
-    gathers = []
+    gathers, exchanges = [], []
     group_type = type(model._winsp_runtime.group)
-    original_gather = group_type.all_gather_rows
+    original_gather, original_exchange = group_type.all_gather_rows, group_type.all_to_all_single
 
     def counting(self, tensor, sizes):
         gathers.append(tensor.shape[0])
         return original_gather(self, tensor, sizes)
 
-    group_type.all_gather_rows = counting
+    def counting_exchange(self, tensor, *sizes):
+        exchanges.append(tensor.shape[0])
+        return original_exchange(self, tensor, *sizes)
+
+    group_type.all_gather_rows, group_type.all_to_all_single = counting, counting_exchange
     try:
         x = clip()
         model(x)
@@ -74,17 +78,17 @@ def _one_region(rank: int, world_size: int) -> dict:
         wrong = make_model().eval()
         winsp.parallelize(wrong, winsp.ParallelPlan(**{**hourglass_plan(wrong).__dict__, "forward_order": None}),
                           winsp.DiffusionParallelConfig(ulysses_degree=world_size))
-        gathers_before = len(gathers)
+        gathers_before, exchanges_before = len(gathers), len(exchanges)
         try:
             wrong(x)
             refusal = None
         except ValueError as err:
             refusal = str(err)
     finally:
-        group_type.all_gather_rows = original_gather
+        group_type.all_gather_rows, group_type.all_to_all_single = original_gather, original_exchange
     return dict(gathers=gathers[:gathers_before], mid_split=mid.has_split_windows,
                 mid_rows=mid.rank_token_counts, moved=moved, refusal=refusal,
-                gathers_after_refusal=len(gathers) - gathers_before)
+                moves_after_refusal=len(gathers) - gathers_before + len(exchanges) - exchanges_before)
 
 
 def test_one_region_one_gather_a_split_global_level_and_an_order_refused_on_every_rank():
@@ -95,7 +99,7 @@ def test_one_region_one_gather_a_split_global_level_and_an_order_refused_on_ever
         assert "does not follow the order the model runs its modules in" in result["refusal"]
         assert "'body.mid' (window layer 8)" in result["refusal"]
         assert "'body.up.0.blocks.0' (window layer 4)" in result["refusal"]
-        assert result["gathers_after_refusal"] == 0
+        assert "before any rows moved" in result["refusal"] and result["moves_after_refusal"] == 0
 
 
 def test_a_forward_order_that_does_not_match_the_forward_is_refused_naming_both_steps():
@@ -104,7 +108,11 @@ def test_a_forward_order_that_does_not_match_the_forward_is_refused_naming_both_
     order = ("body.down", "body.merges", "body.mid", "body.splits.0", "body.up.0", "body.splits.1", "body.up.1")
     winsp.parallelize(model, winsp.ParallelPlan(**{**plan.__dict__, "forward_order": order}))
     with pytest.raises(ValueError, match=r"runs 'body.splits.1' \(the grid change into stage 4\) where the plan "
-                                         r"expects 'body.splits.0' \(the grid change into stage 3\)"):
+                                         r"expects 'body.splits.0' \(the grid change into stage 3\).*meta tensors"):
+        model(clip())
+    assert winsp.context.current_request_or_none() is None
+    model._winsp_parallel.order.dry_run_done = True  # as for a model that cannot run on meta tensors: checked as it runs
+    with pytest.raises(ValueError, match=r"runs 'body.splits.1' .*Refused before 'body.splits.1' moved any rows"):
         model(clip())
     assert winsp.context.current_request_or_none() is None
     with pytest.raises(ValueError, match="'body.up.0.blocks.0.attn', which no glob of ParallelPlan.forward_order"):

@@ -329,9 +329,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         for stage, (path, _) in zip(changing, grid_changes):
             applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
         applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]))
+        step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
+        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes)})
         io = plan.region.tokens
         applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
-            _region_start(runtime, io, applied), with_kwargs=True))
+            _region_start(runtime, io, applied, model, step_paths), with_kwargs=True))
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
             _region_end(io, applied), with_kwargs=True, always_call=True))
     except BaseException:
@@ -396,6 +398,8 @@ def _layer_entry(layer: int, order: ForwardOrder):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first positional argument")
         order.arrive("layer", layer)
+        if order.recording is not None:  # the forward on meta tensors: note the step, move nothing
+            return None
         return (context.current_request().to_layer(args[0], layer),) + tuple(args[1:])
 
     return hook
@@ -408,8 +412,12 @@ def _grid_change(stage: int, order: ForwardOrder):
     return hook
 
 
-def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied):
+def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model: nn.Module, paths: dict):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if applied.order.recording is not None:  # the dry forward below
+            return None
+        if applied.plan.region.start == applied.plan.region.end and not applied.order.dry_run_done:
+            applied.order.check_dry_run(lambda: _forward_on_meta(model, module, applied, paths, args, kwargs))
         rows, grids = io.read(args, kwargs)
         request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
         local = request.scatter(rows)
@@ -418,6 +426,35 @@ def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied):
         return io.with_rows(args, kwargs, local)
 
     return hook
+
+
+def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, paths: dict, args: tuple,
+                     kwargs: dict) -> None:
+    """The region's forward with the original modules back in place, on meta tensors (parameters, buffers and inputs),
+    noting each layer entry and grid change as it starts; the random state is kept."""
+    current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
+    handles = []
+    try:
+        for parent, name, original in applied.swapped:
+            parent._modules[name] = original
+        originals = {id(original) for _, _, original in applied.swapped}
+        for (kind, index), path in paths.items():
+            target = model.get_submodule(path) if path else model
+            if id(target) not in originals:  # still the hooked module: its own hook notes the step
+                continue
+            handles.append(target.register_forward_pre_hook(
+                lambda module, a, kind=kind, index=index: applied.order.arrive(kind, index)))
+        meta = {name: torch.empty_like(t, device="meta")
+                for name, t in list(region.named_parameters()) + list(region.named_buffers())}
+        to_meta = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.func.functional_call(region, meta, tuple(to_meta(a) for a in args),
+                                       {k: to_meta(v) for k, v in kwargs.items()})
+    finally:
+        for handle in handles:
+            handle.remove()
+        for parent, name, module in current:
+            parent._modules[name] = module
 
 
 def _region_end(io: TokenIO, applied: _Applied):

@@ -16,7 +16,7 @@ misfit is, naming the module, instead of a symptom layers later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
@@ -41,10 +41,15 @@ class Step:
 
 @dataclass(eq=False)
 class ForwardOrder:
-    """The plan's steps in forward order, and how far each region call in progress has come."""
+    """The plan's steps in forward order, and how far each region call in progress has come.
+
+    ``recording`` is set during :meth:`check_dry_run`'s forward on meta tensors: steps are then noted, not checked.
+    """
 
     steps: tuple[Step, ...]
     progress: list = field(default_factory=list)  # one position per region call in progress
+    recording: Optional[list] = None
+    dry_run_done: bool = False
 
     def begin(self) -> None:
         self.progress.append(0)
@@ -52,26 +57,60 @@ class ForwardOrder:
     def end(self, completed: bool) -> None:
         pos = self.progress.pop()
         if completed and pos != len(self.steps):
-            raise ValueError(
-                f"winsp.parallelize: the region ended after {pos} of the plan's {len(self.steps)} steps; "
+            raise ValueError(self._short(pos))
+
+    def _short(self, pos: int) -> str:
+        return (f"winsp.parallelize: the region ended after {pos} of the plan's {len(self.steps)} steps; "
                 f"{self.steps[pos]} never ran. The plan lists more attention layers or grid changes than this forward "
                 f"runs (or in another order)")
 
+    def _mismatch(self, pos: int, kind: str, index: int, when: str) -> str:
+        expected = self.steps[pos] if pos < len(self.steps) else None
+        ran = next(s for s in self.steps if (s.kind, s.index) == (kind, index))
+        want = f"expects {expected} next" if expected is not None else "has no step left"
+        return (f"winsp.parallelize: the forward runs {ran} where the plan {want} (step {pos}). The plan's order does "
+                f"not follow the order the model runs its modules in: attention and grid_changes matches are taken in "
+                f"named_modules (registration) order unless ParallelPlan.forward_order lists the model's containers "
+                f"in the order its forward runs them. {when}")
+
     def arrive(self, kind: str, index: int) -> None:
         """Called as ``kind`` / ``index`` starts; raises if the plan expects another step there."""
+        if self.recording is not None:
+            self.recording.append((kind, index))
+            return
         if not self.progress:
             return
         pos = self.progress[-1]
         expected = self.steps[pos] if pos < len(self.steps) else None
         if expected is None or (expected.kind, expected.index) != (kind, index):
-            ran = next(s for s in self.steps if (s.kind, s.index) == (kind, index))
-            want = f"expects {expected} next" if expected is not None else "has no step left"
-            raise ValueError(
-                f"winsp.parallelize: the forward runs {ran} where the plan {want} (step {pos}). The plan's order does "
-                f"not follow the order the model runs its modules in: attention and grid_changes matches are taken "
-                f"in named_modules (registration) order unless ParallelPlan.forward_order lists the model's "
-                f"containers in the order its forward runs them. Refused before {ran.path!r} moved any rows")
+            path = next(s for s in self.steps if (s.kind, s.index) == (kind, index)).path
+            raise ValueError(self._mismatch(pos, kind, index, f"Refused before {path!r} moved any rows"))
         self.progress[-1] = pos + 1
+
+    def check_dry_run(self, run: Callable[[], Any]) -> bool:
+        """Run ``run()`` (the region's forward on meta tensors) once, noting the steps it takes, and raise if they are
+        not the plan's. Returns False (nothing checked) if the model cannot run on meta tensors: the steps are then
+        checked as the real forward takes them."""
+        if self.dry_run_done:
+            return True
+        self.recording = []
+        try:
+            run()
+        except Exception:  # noqa: BLE001 - data-dependent code (an .item(), a nonzero) cannot run on meta tensors
+            return False
+        finally:
+            recorded, self.recording = self.recording, None
+        self.dry_run_done = True
+        for pos, (kind, index) in enumerate(recorded):
+            step = self.steps[pos] if pos < len(self.steps) else None
+            if step is None or (step.kind, step.index) != (kind, index):
+                self.dry_run_done = False
+                raise ValueError(self._mismatch(pos, kind, index, "Found by a forward on meta tensors before any "
+                                                                  "rows moved"))
+        if len(recorded) < len(self.steps):
+            self.dry_run_done = False
+            raise ValueError(self._short(len(recorded)) + "; found by a forward on meta tensors before any rows moved")
+        return True
 
 
 def watch_rows(model: nn.Module, paths: list[str]) -> list:
