@@ -193,3 +193,11 @@ def test_sync_gradients_and_check_parallel_on_a_model_with_two_regions():
     assert winsp.gradients.attached_runtime(model) is not None  # two runtimes, one group: no error
     report = check_parallel(make_two, parallel_two, two_input, world_sizes=(2,), timeout=240)
     assert report.ok and report.max_error("param") > 0
+
+
+def test_the_forward_on_meta_tensors_is_invisible_to_the_models_own_hooks():
+    model = parallelize(make_model().eval())
+    calls = []
+    model.body.mid.register_forward_hook(lambda module, args, output: calls.append(output.device.type))
+    model(clip())
+    assert model._winsp_parallel.order.dry_run_done and calls == ["cpu"]

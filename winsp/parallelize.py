@@ -19,6 +19,7 @@ The runtime is attached to the root module as ``model._winsp_runtime`` (not a pa
 from __future__ import annotations
 
 import fnmatch
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -398,8 +399,6 @@ def _layer_entry(layer: int, order: ForwardOrder):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first positional argument")
         order.arrive("layer", layer)
-        if order.recording is not None:  # the forward on meta tensors: note the step, move nothing
-            return None
         return (context.current_request().to_layer(args[0], layer),) + tuple(args[1:])
 
     return hook
@@ -428,22 +427,27 @@ def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model:
     return hook
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
 def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, paths: dict, args: tuple,
                      kwargs: dict) -> None:
     """The region's forward with the original modules back in place, on meta tensors (parameters, buffers and inputs),
-    noting each layer entry and grid change as it starts; the random state is kept."""
+    noting each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
+    user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
     current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
-    handles = []
+    stash: list = []
     try:
         for parent, name, original in applied.swapped:
             parent._modules[name] = original
-        originals = {id(original) for _, _, original in applied.swapped}
+        for module in region.modules():
+            stash.append((module, {d: getattr(module, d) for d in _HOOK_DICTS if hasattr(module, d)}))
+            for d in stash[-1][1]:
+                object.__setattr__(module, d, OrderedDict())
         for (kind, index), path in paths.items():
             target = model.get_submodule(path) if path else model
-            if id(target) not in originals:  # still the hooked module: its own hook notes the step
-                continue
-            handles.append(target.register_forward_pre_hook(
-                lambda module, a, kind=kind, index=index: applied.order.arrive(kind, index)))
+            target.register_forward_pre_hook(lambda module, a, kind=kind, index=index: applied.order.arrive(kind, index))
         meta = {name: torch.empty_like(t, device="meta")
                 for name, t in list(region.named_parameters()) + list(region.named_buffers())}
         to_meta = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
@@ -451,8 +455,9 @@ def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, pat
             torch.func.functional_call(region, meta, tuple(to_meta(a) for a in args),
                                        {k: to_meta(v) for k, v in kwargs.items()})
     finally:
-        for handle in handles:
-            handle.remove()
+        for module, hooks in stash:
+            for d, value in hooks.items():
+                object.__setattr__(module, d, value)
         for parent, name, module in current:
             parent._modules[name] = module
 
