@@ -86,7 +86,14 @@ def _one_region(rank: int, world_size: int) -> dict:
             refusal = str(err)
     finally:
         group_type.all_gather_rows, group_type.all_to_all_single = original_gather, original_exchange
-    return dict(gathers=gathers[:gathers_before], mid_split=mid.has_split_windows,
+    two_groups = nn.ModuleList([model, nn.Linear(1, 1)])
+    two_groups[1]._winsp_runtime = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))])  # one rank: another group
+    try:
+        winsp.sync_gradients(two_groups)
+        groups_refusal = None
+    except ValueError as err:
+        groups_refusal = str(err)
+    return dict(gathers=gathers[:gathers_before], mid_split=mid.has_split_windows, groups_refusal=groups_refusal,
                 mid_rows=mid.rank_token_counts, moved=moved, refusal=refusal,
                 moves_after_refusal=len(gathers) - gathers_before + len(exchanges) - exchanges_before)
 
@@ -100,6 +107,7 @@ def test_one_region_one_gather_a_split_global_level_and_an_order_refused_on_ever
         assert "'body.mid' (window layer 8)" in result["refusal"]
         assert "'body.up.0.blocks.0' (window layer 4)" in result["refusal"]
         assert "before any rows moved" in result["refusal"] and result["moves_after_refusal"] == 0
+        assert "winsp runtimes on 2 different SP groups" in result["groups_refusal"]
 
 
 def test_a_forward_order_that_does_not_match_the_forward_is_refused_naming_both_steps():
