@@ -153,6 +153,17 @@ class WindowRequest:
         return self._rows().valid
 
     @property
+    def model_rows(self) -> Tensor:
+        """[L_local] canonical id of each local row in the current stage's *model* grids (the row of the original
+        model's ``[N, ...]`` tensor it is; ``num_model_rows`` for a padding row)."""
+        return self._rows().scatter_index
+
+    @property
+    def num_model_rows(self) -> int:
+        """Rows of the original model's tensor on the current stage's grids (padding excluded)."""
+        return sum(t * h * w for t, h, w in self.stage_model_grids[self.stage])
+
+    @property
     def laid_grid(self) -> Tensor:
         """[L_local, 3] the laid-out (padded) grid of each local row's sample (``grid_coords`` live in it)."""
         return self._rows().laid_grid
