@@ -34,6 +34,8 @@ from .compile import planning
 from .config import DiffusionParallelConfig
 from .geometry import WindowGeometry
 from .group import SPGroup
+from .halo_attention import neighborhood_layer
+from .neighborhood import is_neighborhood
 from .layout import check_grids
 from .planner import Plan
 from .score_mods import check_score_mods
@@ -666,6 +668,9 @@ class WindowRequest:
         mods = check_score_mods(score_mod, mask_mod)
         if mods:
             self.runtime._modded_seen = True
+        if is_neighborhood(self.runtime.schedule[layer]):  # halo exchange + local neighbourhoods (winsp.halo)
+            return neighborhood_layer(self, layer, (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), mods,
+                                      softmax_scale, has_text and text_output)
         if lay.plan.has_split_windows:
             refuse_score_mods(lay.plan, score_mod, mask_mod)
             return self._attention_split(lay, self._runner(self._slot, q_vid.dtype, False)[1], (q_vid, k_vid, v_vid),
