@@ -155,6 +155,19 @@ class HaloTensors:
     kernel: int
 
 
+def _rank_boxes(plan: Plan) -> list[dict[int, WindowSlices]]:
+    """Per sample, rank -> the box it owns, read from the plan (so a relabelled plan is followed too)."""
+    lay = plan.layout
+    out: list[dict[int, WindowSlices]] = [{} for _ in lay.grids]
+    for w in range(lay.num_windows):
+        rank, sample = int(plan.window_owner[w]), int(lay.window_sample[w])
+        if rank in out[sample] or plan.has_split_windows:
+            raise ValueError(f"a neighborhood plan gives rank {rank} one box per sample, whole: sample {sample} breaks "
+                             "that")
+        out[sample][rank] = tuple(slice(int(a), int(a + n)) for a, n in zip(lay.window_start[w], lay.window_shape[w]))
+    return out
+
+
 class HaloExchange:
     """What rank ``rank`` of a neighborhood plan does in one neighborhood layer.
 
@@ -168,8 +181,7 @@ class HaloExchange:
     def __init__(self, plan: Plan, rank: int, geometry: Neighborhood) -> None:
         lay = plan.layout
         p = plan.world_size
-        splits = lay.geometry.splits
-        boxes = [dict(_blocks(grid, splits)) for grid in lay.grids]  # per sample: rank -> box
+        boxes = _rank_boxes(plan)
         reach = [{r: [axis_reach(n, k, d, c, s.start, s.stop) for n, k, d, c, s in
                       zip(grid, geometry.kernel, geometry.dilation, geometry.causal, box)]
                   for r, box in sample_boxes.items()} for grid, sample_boxes in zip(lay.grids, boxes)]

@@ -16,6 +16,7 @@ grid; :mod:`winsp.halo` turns them into per-rank key indices.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -91,11 +92,13 @@ def is_neighborhood(geometry: object) -> bool:
     return isinstance(geometry, Neighborhood)
 
 
+@lru_cache(maxsize=256)
 def axis_neighbours(n: int, k: int, d: int, causal: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per-axis neighbourhoods: ``keys[i, m]`` the m-th key position of position ``i`` and ``valid[i, m]`` ([n, k]).
 
     Non-causal neighbourhoods always hold ``k`` valid keys; a causal one's invalid slots (before the axis start)
-    hold the query's own position, masked by ``valid``.
+    hold the query's own position, masked by ``valid``. Cached (read-only arrays): planning asks for the same axes
+    many times.
     """
     i = np.arange(n, dtype=np.int64)
     g, j = i % d, i // d
@@ -111,15 +114,19 @@ def axis_neighbours(n: int, k: int, d: int, causal: bool) -> tuple[np.ndarray, n
         centre = np.clip(j, left, group_size - 1 - right)
         idx = (centre - left)[:, None] + m[None, :]
         valid = np.ones((n, k), dtype=bool)
-    return idx * d + g[:, None], valid
+    keys = idx * d + g[:, None]
+    keys.flags.writeable = False
+    valid.flags.writeable = False
+    return keys, valid
 
 
 def axis_reach(n: int, k: int, d: int, causal: bool, lo: int, hi: int) -> np.ndarray:
     """Sorted positions of one axis that the queries in ``[lo, hi)`` reach (the union of their neighbourhoods)."""
     if hi <= lo:
         return np.empty(0, dtype=np.int64)
-    keys, valid = axis_neighbours(n, k, d, causal)
-    return np.unique(keys[lo:hi][valid[lo:hi]])
+    keys, valid = axis_neighbours(int(n), int(k), int(d), bool(causal))
+    keys, valid = keys[lo:hi], valid[lo:hi]
+    return np.unique(keys if valid.all() else keys[valid])
 
 
 def neighbourhood_ids(coords: np.ndarray, grid: Grid, geometry: Neighborhood) -> tuple[np.ndarray, np.ndarray]:
