@@ -138,21 +138,30 @@ def _box_ids(sets: Sequence[np.ndarray], grid: Grid) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class HaloTensors:
-    """A :class:`HaloExchange` on one device (index tensors; split sizes as Python ints)."""
+    """A :class:`HaloExchange` on one device (index tensors; split sizes as Python ints).
+
+    Query tiles: ``tile_query[g, i]`` is the local row of tile ``g``'s i-th query, ``tile_key[g, j]`` the key row
+    of its j-th key (the product of the tile's per-axis reach), ``tile_mask[g, i, j]`` whether that query attends
+    that key (padding is masked, and a padding query attends key 0 only); ``tile_sample[g]`` the tile's sample,
+    ``row_slot[l]`` where local row ``l`` sits in the flattened ``[tiles * queries]`` output.
+    """
 
     send_index: torch.Tensor
     input_split_sizes: tuple[int, ...]
     output_split_sizes: tuple[int, ...]
     exchange: bool
-    key_index: torch.Tensor
-    key_valid: torch.Tensor
+    tile_query: torch.Tensor
+    tile_key: torch.Tensor
+    tile_mask: torch.Tensor
+    tile_sample: torch.Tensor
+    row_slot: torch.Tensor
     query_coords: torch.Tensor
     key_coords: torch.Tensor
     row_sample: torch.Tensor
     key_sample: torch.Tensor
     num_rows: int
     num_keys: int
-    kernel: int
+    num_samples: int
 
 
 def _rank_boxes(plan: Plan) -> list[dict[int, WindowSlices]]:
@@ -235,12 +244,57 @@ class HaloExchange:
             key_index[mine] = np.where(valid, order[np.minimum(where, sorted_ids.size - 1)], mine[:, None])
             key_valid[mine] = valid
         self.key_index, self.key_valid = key_index, key_valid
-        self.exchange = p > 1 and any(plan_halo for plan_halo in self._global_halo(plan, rank_count=p, fn=rows_from))
+        self.num_samples = len(lay.grids)
+        self.exchange = p > 1 and any(rows_from(s, d).size for s in range(p) for d in range(p) if s != d)
+        self._tiles(plan, rank, geometry, boxes, sorted_ids, order)
 
-    @staticmethod
-    def _global_halo(plan: Plan, rank_count: int, fn) -> list[bool]:
-        # whether any rank receives anything: the same answer on every rank, so no rank skips the collective alone
-        return [fn(s, d).size > 0 for s in range(rank_count) for d in range(rank_count) if s != d]
+    def _tiles(self, plan: Plan, rank: int, geometry: Neighborhood, boxes, sorted_ids, order) -> None:
+        """Cut each of this rank's boxes into query tiles of ``kernel * dilation`` per axis (clamped to the box);
+        a tile attends densely to the box of rows its queries reach, masked to each query's neighbourhood."""
+        lay = plan.layout
+        tiles = []  # (query local rows, key ids, sample)
+        own_sorted = np.argsort(self.token_ids, kind="stable")
+        own_ids_sorted = self.token_ids[own_sorted]
+        for s, grid in enumerate(lay.grids):
+            box = boxes[s].get(rank)
+            if box is None:
+                continue
+            spans = []
+            for a, sl in enumerate(box):
+                step = max(1, min(sl.stop - sl.start, geometry.kernel[a] * geometry.dilation[a]))
+                spans.append([(x, min(x + step, sl.stop)) for x in range(sl.start, sl.stop, step)])
+            for t0, t1 in spans[0]:
+                for h0, h1 in spans[1]:
+                    for w0, w1 in spans[2]:
+                        q_ids = lay.sample_offsets[s] + _box_ids(
+                            [np.arange(t0, t1), np.arange(h0, h1), np.arange(w0, w1)], grid)
+                        reach = [axis_reach(n, k, d, c, lo, hi) for n, k, d, c, (lo, hi) in
+                                 zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
+                                     ((t0, t1), (h0, h1), (w0, w1)))]
+                        k_ids = lay.sample_offsets[s] + _box_ids(reach, grid)
+                        q_rows = own_sorted[np.searchsorted(own_ids_sorted, q_ids)]
+                        tiles.append((q_rows, k_ids, s))
+        g = len(tiles)
+        mq = max((t[0].size for t in tiles), default=1)
+        mk = max((t[1].size for t in tiles), default=1)
+        tile_query = np.zeros((g, mq), np.int64)
+        tile_key = np.zeros((g, mk), np.int64)
+        tile_mask = np.zeros((g, mq, mk), bool)
+        tile_sample = np.zeros(g, np.int64)
+        row_slot = np.zeros(self.token_ids.size, np.int64)
+        nb_ids = self.key_ids[self.key_index]  # [L, K] canonical ids of each query's neighbours
+        for i, (q_rows, k_ids, s) in enumerate(tiles):
+            tile_query[i, :q_rows.size] = q_rows
+            tile_key[i, :k_ids.size] = order[np.searchsorted(sorted_ids, k_ids)]
+            cols = np.searchsorted(k_ids, nb_ids[q_rows])  # [q, K] column of each neighbour in the tile
+            rows = np.broadcast_to(np.arange(q_rows.size)[:, None], cols.shape)
+            valid = self.key_valid[q_rows]
+            tile_mask[i, rows[valid], cols[valid]] = True
+            tile_mask[i, q_rows.size:, 0] = True  # padding queries: one key, so no row is all masked
+            tile_sample[i] = s
+            row_slot[q_rows] = i * mq + np.arange(q_rows.size)
+        self.tile_query, self.tile_key, self.tile_mask = tile_query, tile_key, tile_mask
+        self.tile_sample, self.row_slot = tile_sample, row_slot
 
     @staticmethod
     def _coords(ids: np.ndarray, sample: np.ndarray, lay) -> np.ndarray:
@@ -256,8 +310,9 @@ class HaloExchange:
         return HaloTensors(
             send_index=t(self.send_index), input_split_sizes=self.input_split_sizes,
             output_split_sizes=self.output_split_sizes, exchange=self.exchange,
-            key_index=t(self.key_index), key_valid=t(self.key_valid, torch.bool),
+            tile_query=t(self.tile_query), tile_key=t(self.tile_key), tile_mask=t(self.tile_mask, torch.bool),
+            tile_sample=t(self.tile_sample), row_slot=t(self.row_slot),
             query_coords=t(self.query_coords), key_coords=t(self.key_coords), row_sample=t(self.row_sample),
             key_sample=t(self.key_sample), num_rows=int(self.token_ids.size), num_keys=int(self.key_ids.size),
-            kernel=int(self.key_index.shape[1]),
+            num_samples=self.num_samples,
         )

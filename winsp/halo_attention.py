@@ -1,9 +1,10 @@
 """Neighborhood attention on local rows: exchange the halos, then attend to each query's gathered neighbourhood.
 
-The exact path (every device, every dtype, with backward): the key index of :class:`winsp.halo.HaloExchange` is
-computed once per request shape; a layer then gathers each query's ``prod(kernel)`` key rows from the local rows
-and the received halo rows, adds the sample's text keys, and runs a masked softmax, in query chunks so that the
-gathered keys stay within a memory budget. Only k and v travel (one variable-split all-to-all of both); its backward
+The exact path (every device, every dtype, with backward) is tiled masked SDPA: :class:`winsp.halo.HaloExchange`
+cuts the rank's block into query tiles of ``kernel * dilation`` per axis, once per request shape; each tile attends
+densely to the box of rows its queries reach (local and received halo rows) plus its sample's text keys, under a
+boolean mask that keeps each query's neighbourhood, in chunks of tiles within a memory budget. Dense tiles trade
+some masked work for GEMM speed (about (2k - 1) / k per axis of extra pairs). Only k and v travel (one variable-split all-to-all of both); its backward
 is the reverse exchange, so halo gradients return to the rows' owners.
 
 Text rows follow window attention's rule taken to a window that covers the grid: every video query attends to its
@@ -12,8 +13,10 @@ rows. The latter is computed exactly across ranks: each rank's partial softmax o
 global maximum (one all-gather of per-rank maxima) and summed with one all-reduce; the same on every rank.
 
 ``score_mod(score, head, q_row, k_row)`` / ``mask_mod(head, q_row, k_row)`` apply to video x video pairs as in
-window attention, with ``score`` ``[C, H, K]``, ``head`` ``[1, H, 1]``, ``q_row`` ``[C, 1, 1]`` (local rows) and
-``k_row`` ``[C, 1, K]``: *key rows* (local rows, then halo rows), whose grid coordinates are
+window attention, per query tile: ``score`` ``[G, H, Q, K]``, ``head`` ``[1, H, 1, 1]``, ``q_row`` ``[G, 1, Q, 1]``
+(local rows) and ``k_row`` ``[G, 1, 1, K]``: *key rows* (local rows, then halo rows). They are evaluated on every
+pair of a tile, neighbours or not (the others are masked afterwards), so they must accept any key row. Key rows'
+grid coordinates are
 ``halo_tensors(request, layer).key_coords``; :func:`neighborhood_rpb_score_mod` builds NATTEN's relative position
 bias from them.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .group import SPGroup
@@ -33,7 +37,7 @@ from .score_mods import ScoreMods
 __all__ = ["exchange_halos", "neighborhood_attention", "halo_tensors", "neighborhood_rpb_score_mod",
            "GATHER_BUDGET"]
 
-#: Elements of gathered keys (chunk rows x kernel x heads x head_dim) one query chunk may hold.
+#: Elements (gathered q / k / v and scores) one chunk of query tiles may hold.
 GATHER_BUDGET = 1 << 24
 
 
@@ -49,38 +53,67 @@ def exchange_halos(k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup) -> t
 
 def _video_queries(q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple[Tensor, Tensor, Tensor]],
                    halo: HaloTensors, scale: float, mods: Optional[ScoreMods]) -> Tensor:
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    """Every query tile against the rows it reaches (and its sample's text), masked, in chunks of tiles."""
     rows, heads, dim = q.shape
-    kernel = halo.kernel
-    chunk = max(1, GATHER_BUDGET // max(1, kernel * heads * dim))
-    head = torch.arange(heads, device=q.device).view(1, -1, 1)
+    tiles, mq = halo.tile_query.shape
+    mk = halo.tile_key.shape[1]
+    if rows == 0:
+        return q.new_zeros((0, heads, v_all.shape[-1]))
+    chunk = max(1, GATHER_BUDGET // max(1, (mq + mk) * heads * dim + mq * mk * heads))
     outs = []
-    for start in range(0, rows, chunk):
-        stop = min(rows, start + chunk)
-        index = halo.key_index[start:stop]
-        qc = q[start:stop].to(compute)
-        kg, vg = k_all.index_select(0, index.reshape(-1)), v_all.index_select(0, index.reshape(-1))
-        kg, vg = kg.view(stop - start, kernel, heads, -1).to(compute), vg.view(stop - start, kernel, heads, -1)
-        scores = torch.einsum("chd,ckhd->chk", qc, kg) * scale
-        if mods is not None:
-            q_row = torch.arange(start, stop, device=q.device).view(-1, 1, 1)
-            k_row = index.view(stop - start, 1, kernel)
-            if mods.score_mod is not None:
-                scores = mods.score_mod(scores, head, q_row, k_row)
-            if mods.mask_mod is not None:
-                scores = scores.masked_fill(~mods.mask_mod(head, q_row, k_row), float("-inf"))
-        scores = scores.masked_fill(~halo.key_valid[start:stop].view(stop - start, 1, kernel), float("-inf"))
+    for start in range(0, tiles, chunk):
+        stop = min(tiles, start + chunk)
+        g = stop - start
+        qi, ki = halo.tile_query[start:stop], halo.tile_key[start:stop]
+        qg = q.index_select(0, qi.reshape(-1)).view(g, mq, heads, -1).transpose(1, 2)
+        kg = k_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
+        vg = v_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
+        mask = halo.tile_mask[start:stop]
         if txt is not None:
-            k_txt, v_txt, txt_sample = txt
-            txt_scores = torch.einsum("chd,thd->cht", qc, k_txt.to(compute)) * scale
-            other = txt_sample.view(1, 1, -1) != halo.row_sample[start:stop].view(-1, 1, 1)
-            scores = torch.cat([scores, txt_scores.masked_fill(other, float("-inf"))], dim=-1)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("chk,ckhd->chd", probs[..., :kernel], vg.to(compute))
-        if txt is not None:
-            out = out + torch.einsum("cht,thd->chd", probs[..., kernel:], txt[1].to(compute))
-        outs.append(out.to(q.dtype))
-    return torch.cat(outs) if outs else q.new_zeros((0, heads, v_all.shape[-1]))
+            k_txt, v_txt, (txt_index, txt_valid) = txt
+            sample = halo.tile_sample[start:stop]
+            ti = txt_index.index_select(0, sample)
+            kg = torch.cat([kg, k_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, kg.shape[-1])], dim=1)
+            vg = torch.cat([vg, v_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, vg.shape[-1])], dim=1)
+            mask = torch.cat([mask, txt_valid.index_select(0, sample)[:, None, :].expand(g, mq, -1)], dim=-1)
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
+        mask = mask[:, None]
+        if mods is None:
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        else:
+            out = _modded_tiles(qg, kg, vg, mask, qi, ki, scale, mods)
+        outs.append(out.transpose(1, 2).reshape(g * mq, heads, -1))
+    return torch.cat(outs).index_select(0, halo.row_slot)
+
+
+def _modded_tiles(qg: Tensor, kg: Tensor, vg: Tensor, mask: Tensor, qi: Tensor, ki: Tensor, scale: float,
+                  mods: ScoreMods) -> Tensor:
+    """Explicit tile attention with ``mods`` on the video x video columns (the first ``ki.shape[1]``)."""
+    compute = torch.float32 if qg.dtype in (torch.float16, torch.bfloat16) else qg.dtype
+    g, heads, mq, _ = qg.shape
+    mk = ki.shape[1]
+    scores = torch.einsum("ghqd,ghkd->ghqk", qg.to(compute), kg.to(compute)) * scale
+    vid = scores[..., :mk]
+    head = torch.arange(heads, device=qg.device).view(1, -1, 1, 1)
+    q_row, k_row = qi.view(g, 1, mq, 1), ki.view(g, 1, 1, mk)
+    if mods.score_mod is not None:
+        vid = mods.score_mod(vid, head, q_row, k_row)
+    if mods.mask_mod is not None:
+        vid = vid.masked_fill(~mods.mask_mod(head, q_row, k_row), float("-inf"))
+    scores = torch.cat([vid, scores[..., mk:]], dim=-1).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("ghqk,ghkd->ghqd", probs, vg.to(compute)).to(qg.dtype)
+
+
+def _text_index(txt_sample: Tensor, samples: int) -> tuple[Tensor, Tensor]:
+    """Per sample, its text rows padded to the longest (``[B, T_max]`` index and validity)."""
+    counts = torch.bincount(txt_sample, minlength=samples)
+    width = max(1, int(counts.max())) if samples else 1
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(width, device=txt_sample.device)
+    valid = pos[None, :] < counts[:, None]
+    index = torch.where(valid, starts[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
+    return index, valid
 
 
 def _text_queries(q_txt: Tensor, k_txt: Tensor, v_txt: Tensor, txt_sample: Tensor, k: Tensor, v: Tensor,
@@ -121,7 +154,8 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
                          f"{halo.num_rows}")
     k_all, v_all = exchange_halos(k, v, halo, group)
     has_text = k_txt is not None and k_txt.shape[0] > 0
-    vid = _video_queries(q, k_all, v_all, (k_txt, v_txt, txt_sample) if has_text else None, halo, scale, mods)
+    vid = _video_queries(q, k_all, v_all, (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None, halo,
+                         scale, mods)
     if q_txt is None or not text_output:
         return vid, None
     return vid, _text_queries(q_txt, k_txt, v_txt, txt_sample, k, v, halo, group, scale)
@@ -161,6 +195,7 @@ def neighborhood_rpb_score_mod(table: Tensor, halo: HaloTensors, geometry: Neigh
 
     def score_mod(score, head, q_row, k_row):
         rel = torch.div(k_coords[k_row] - q_coords[q_row], dil, rounding_mode="floor") + kern - 1
+        rel = torch.minimum(rel.clamp_min(0), 2 * kern - 2)  # pairs outside the neighbourhood are masked anyway
         return score + table[head, rel[..., 0], rel[..., 1], rel[..., 2]]
 
     return score_mod
