@@ -267,3 +267,14 @@ def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):
                 torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
         if name == "tiny":
             assert min(results[0][name][3]) <= 1  # a rank holds (almost) nothing
+
+
+def test_halo_bytes_targets():
+    """benchmarks/bench_neighborhood.py's table: at most 0.25 of Ulysses' bytes at 4K P = 8 with a 3D kernel of 7,
+    and never more than Ulysses anywhere in the table."""
+    from benchmarks.bench_neighborhood import table
+
+    _, ratios = table()
+    assert len(ratios) == 3 * 3 * 4 * 3
+    assert ratios[("4K x21", 3, 7, 8)] <= 0.25
+    assert max(ratios.values()) <= 1.0

@@ -249,7 +249,7 @@ class HaloExchange:
         self._tiles(plan, rank, geometry, boxes, sorted_ids, order)
 
     def _tiles(self, plan: Plan, rank: int, geometry: Neighborhood, boxes, sorted_ids, order) -> None:
-        """Cut each of this rank's boxes into query tiles of ``kernel * dilation`` per axis (clamped to the box);
+        """Cut each of this rank's boxes into near-equal query tiles of at most ``kernel * dilation`` per axis;
         a tile attends densely to the box of rows its queries reach, masked to each query's neighbourhood."""
         lay = plan.layout
         tiles = []  # (query local rows, key ids, sample)
@@ -260,9 +260,10 @@ class HaloExchange:
             if box is None:
                 continue
             spans = []
-            for a, sl in enumerate(box):
-                step = max(1, min(sl.stop - sl.start, geometry.kernel[a] * geometry.dilation[a]))
-                spans.append([(x, min(x + step, sl.stop)) for x in range(sl.start, sl.stop, step)])
+            for a, sl in enumerate(box):  # near-equal tiles of at most kernel * dilation: little padding
+                extent = sl.stop - sl.start
+                parts = -(-extent // max(1, geometry.kernel[a] * geometry.dilation[a]))
+                spans.append([(sl.start + lo, sl.start + hi) for lo, hi in axis_cuts(extent, parts)])
             for t0, t1 in spans[0]:
                 for h0, h1 in spans[1]:
                     for w0, w1 in spans[2]:
