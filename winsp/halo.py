@@ -140,20 +140,17 @@ def _box_ids(sets: Sequence[np.ndarray], grid: Grid) -> np.ndarray:
 class HaloTensors:
     """A :class:`HaloExchange` on one device (index tensors; split sizes as Python ints).
 
-    Query tiles: ``tile_query[g, i]`` is the local row of tile ``g``'s i-th query, ``tile_key[g, j]`` the key row
-    of its j-th key (the product of the tile's per-axis reach), ``tile_mask[g, i, j]`` whether that query attends
-    that key (padding is masked, and a padding query attends key 0 only); ``tile_sample[g]`` the tile's sample,
-    ``row_slot[l]`` where local row ``l`` sits in the flattened ``[tiles * queries]`` output.
+    Query tiles, in groups of one shape: each group is ``(query [G, Q], key [G, K], mask [G, Q, K], sample [G])``:
+    the local row of tile g's i-th query, the key row of its j-th key (the product of the tile's per-axis reach),
+    whether that query attends that key, and the tile's sample. ``row_slot[l]`` is where local row ``l`` sits in the
+    groups' flattened outputs, concatenated.
     """
 
     send_index: torch.Tensor
     input_split_sizes: tuple[int, ...]
     output_split_sizes: tuple[int, ...]
     exchange: bool
-    tile_query: torch.Tensor
-    tile_key: torch.Tensor
-    tile_mask: torch.Tensor
-    tile_sample: torch.Tensor
+    tiles: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
     row_slot: torch.Tensor
     query_coords: torch.Tensor
     key_coords: torch.Tensor
@@ -275,27 +272,25 @@ class HaloExchange:
                         k_ids = lay.sample_offsets[s] + _box_ids(reach, grid)
                         q_rows = own_sorted[np.searchsorted(own_ids_sorted, q_ids)]
                         tiles.append((q_rows, k_ids, s))
-        g = len(tiles)
-        mq = max((t[0].size for t in tiles), default=1)
-        mk = max((t[1].size for t in tiles), default=1)
-        tile_query = np.zeros((g, mq), np.int64)
-        tile_key = np.zeros((g, mk), np.int64)
-        tile_mask = np.zeros((g, mq, mk), bool)
-        tile_sample = np.zeros(g, np.int64)
-        row_slot = np.zeros(self.token_ids.size, np.int64)
         nb_ids = self.key_ids[self.key_index]  # [L, K] canonical ids of each query's neighbours
-        for i, (q_rows, k_ids, s) in enumerate(tiles):
-            tile_query[i, :q_rows.size] = q_rows
-            tile_key[i, :k_ids.size] = order[np.searchsorted(sorted_ids, k_ids)]
-            cols = np.searchsorted(k_ids, nb_ids[q_rows])  # [q, K] column of each neighbour in the tile
-            rows = np.broadcast_to(np.arange(q_rows.size)[:, None], cols.shape)
-            valid = self.key_valid[q_rows]
-            tile_mask[i, rows[valid], cols[valid]] = True
-            tile_mask[i, q_rows.size:, 0] = True  # padding queries: one key, so no row is all masked
-            tile_sample[i] = s
-            row_slot[q_rows] = i * mq + np.arange(q_rows.size)
-        self.tile_query, self.tile_key, self.tile_mask = tile_query, tile_key, tile_mask
-        self.tile_sample, self.row_slot = tile_sample, row_slot
+        by_shape: dict[tuple[int, int], list] = {}
+        for tile in tiles:  # tiles of one shape run as one batch: no padding
+            by_shape.setdefault((tile[0].size, tile[1].size), []).append(tile)
+        groups, slots, offset = [], [], 0
+        row_slot = np.zeros(self.token_ids.size, np.int64)
+        for (nq, nk), members in sorted(by_shape.items()):
+            query = np.stack([q for q, _, _ in members])
+            key = np.stack([order[np.searchsorted(sorted_ids, k)] for _, k, _ in members])
+            mask = np.zeros((len(members), nq, nk), bool)
+            for i, (q_rows, k_ids, _) in enumerate(members):
+                cols = np.searchsorted(k_ids, nb_ids[q_rows])  # [q, K] column of each neighbour in the tile
+                rows = np.broadcast_to(np.arange(nq)[:, None], cols.shape)
+                valid = self.key_valid[q_rows]
+                mask[i, rows[valid], cols[valid]] = True
+            row_slot[query.reshape(-1)] = offset + np.arange(query.size)
+            offset += query.size
+            groups.append((query, key, mask, np.asarray([s for _, _, s in members], np.int64)))
+        self.tiles, self.row_slot = groups, row_slot
 
     @staticmethod
     def _coords(ids: np.ndarray, sample: np.ndarray, lay) -> np.ndarray:
@@ -311,8 +306,8 @@ class HaloExchange:
         return HaloTensors(
             send_index=t(self.send_index), input_split_sizes=self.input_split_sizes,
             output_split_sizes=self.output_split_sizes, exchange=self.exchange,
-            tile_query=t(self.tile_query), tile_key=t(self.tile_key), tile_mask=t(self.tile_mask, torch.bool),
-            tile_sample=t(self.tile_sample), row_slot=t(self.row_slot),
+            tiles=tuple((t(q), t(k), t(m, torch.bool), t(smp)) for q, k, m, smp in self.tiles),
+            row_slot=t(self.row_slot),
             query_coords=t(self.query_coords), key_coords=t(self.key_coords), row_sample=t(self.row_sample),
             key_sample=t(self.key_sample), num_rows=int(self.token_ids.size), num_keys=int(self.key_ids.size),
             num_samples=self.num_samples,

@@ -55,34 +55,35 @@ def _video_queries(q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple[
                    halo: HaloTensors, scale: float, mods: Optional[ScoreMods]) -> Tensor:
     """Every query tile against the rows it reaches (and its sample's text), masked, in chunks of tiles."""
     rows, heads, dim = q.shape
-    tiles, mq = halo.tile_query.shape
-    mk = halo.tile_key.shape[1]
     if rows == 0:
         return q.new_zeros((0, heads, v_all.shape[-1]))
-    chunk = max(1, GATHER_BUDGET // max(1, (mq + mk) * heads * dim + mq * mk * heads))
     outs = []
-    for start in range(0, tiles, chunk):
-        stop = min(tiles, start + chunk)
-        g = stop - start
-        qi, ki = halo.tile_query[start:stop], halo.tile_key[start:stop]
-        qg = q.index_select(0, qi.reshape(-1)).view(g, mq, heads, -1).transpose(1, 2)
-        kg = k_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
-        vg = v_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
-        mask = halo.tile_mask[start:stop]
-        if txt is not None:
-            k_txt, v_txt, (txt_index, txt_valid) = txt
-            sample = halo.tile_sample[start:stop]
-            ti = txt_index.index_select(0, sample)
-            kg = torch.cat([kg, k_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, kg.shape[-1])], dim=1)
-            vg = torch.cat([vg, v_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, vg.shape[-1])], dim=1)
-            mask = torch.cat([mask, txt_valid.index_select(0, sample)[:, None, :].expand(g, mq, -1)], dim=-1)
-        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
-        mask = mask[:, None]
-        if mods is None:
-            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
-        else:
-            out = _modded_tiles(qg, kg, vg, mask, qi, ki, scale, mods)
-        outs.append(out.transpose(1, 2).reshape(g * mq, heads, -1))
+    for query, key, tile_mask, tile_sample in halo.tiles:
+        tiles, mq = query.shape
+        mk = key.shape[1]
+        chunk = max(1, GATHER_BUDGET // max(1, (mq + mk) * heads * dim + mq * mk * heads))
+        for start in range(0, tiles, chunk):
+            stop = min(tiles, start + chunk)
+            g = stop - start
+            qi, ki = query[start:stop], key[start:stop]
+            qg = q.index_select(0, qi.reshape(-1)).view(g, mq, heads, -1).transpose(1, 2)
+            kg = k_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
+            vg = v_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
+            mask = tile_mask[start:stop]
+            if txt is not None:
+                k_txt, v_txt, (txt_index, txt_valid) = txt
+                sample = tile_sample[start:stop]
+                ti = txt_index.index_select(0, sample)
+                kg = torch.cat([kg, k_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, kg.shape[-1])], dim=1)
+                vg = torch.cat([vg, v_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, vg.shape[-1])], dim=1)
+                mask = torch.cat([mask, txt_valid.index_select(0, sample)[:, None, :].expand(g, mq, -1)], dim=-1)
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
+            mask = mask[:, None]
+            if mods is None:
+                out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+            else:
+                out = _modded_tiles(qg, kg, vg, mask, qi, ki, scale, mods)
+            outs.append(out.transpose(1, 2).reshape(g * mq, heads, -1))
     return torch.cat(outs).index_select(0, halo.row_slot)
 
 
