@@ -18,7 +18,7 @@ import torch
 import winsp
 from winsp.halo import HaloExchange, block_halo_rows, choose_splits, neighborhood_plan
 from winsp.halo_attention import halo_tensors, neighborhood_rpb_score_mod
-from winsp.neighborhood import Neighborhood, axis_neighbours
+from winsp.neighborhood import Neighborhood, axis_neighbours, neighbourhood_ids
 from winsp.testing import run_ranks
 
 from tests.na_oracle import _axis_keys, oracle_attention
@@ -85,6 +85,18 @@ def test_axis_neighbours_follow_the_rules():
         for i in range(n):
             assert set(keys[i][valid[i]].tolist()) == _axis_keys(n, k, d, c, i)
             assert c or valid[i].all()  # always kernel keys when not causal
+
+
+def test_neighbourhood_ids_equal_the_oracle_mask():
+    from tests.na_oracle import oracle_mask
+
+    grid, geom = (4, 5, 6), Neighborhood((2, 3, 3), dilation=(1, 1, 2), causal=(True, False, False))
+    coords = np.stack(np.meshgrid(*(np.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
+    ids, valid = neighbourhood_ids(coords, grid, geom)
+    mask = torch.zeros(len(coords), len(coords), dtype=torch.bool)
+    rows = np.broadcast_to(np.arange(len(coords))[:, None], ids.shape)
+    mask[torch.from_numpy(rows[valid]), torch.from_numpy(ids[valid])] = True
+    assert torch.equal(mask, oracle_mask([grid], geom))
 
 
 def test_bad_neighborhoods_are_refused():

@@ -26,7 +26,7 @@ import torch
 from .costs import DEFAULT_COSTS, CostConstants
 from .geometry import Grid, WindowGeometry, WindowSlices, check_grid
 from .layout import build_layout
-from .neighborhood import Neighborhood, axis_reach, neighbourhood_ids
+from .neighborhood import Neighborhood, axis_neighbours, axis_reach
 from .planner import Plan
 
 __all__ = ["NeighborhoodBlocks", "axis_cuts", "choose_splits", "block_halo_rows", "neighborhood_plan",
@@ -161,6 +161,13 @@ class HaloTensors:
     num_samples: int
 
 
+def _axis_mask(n: int, k: int, d: int, causal: bool, lo: int, hi: int, reach: np.ndarray) -> np.ndarray:
+    """[hi - lo, len(reach)]: whether query position ``lo + i`` of one axis has ``reach[j]`` among its neighbours."""
+    keys, valid = axis_neighbours(int(n), int(k), int(d), bool(causal))
+    hit = (keys[lo:hi, :, None] == reach[None, None, :]) & valid[lo:hi, :, None]
+    return hit.any(axis=1)
+
+
 def _rank_boxes(plan: Plan) -> list[dict[int, WindowSlices]]:
     """Per sample, rank -> the box it owns, read from the plan (so a relabelled plan is followed too)."""
     lay = plan.layout
@@ -179,9 +186,8 @@ class HaloExchange:
 
     ``send_index`` picks the local rows other ranks' queries reach, grouped by destination rank (in each group
     ascending canonical id); ``input_split_sizes`` / ``output_split_sizes`` are the exchange's split sizes. The key
-    rows are the local rows followed by the received halo rows (source rank order); ``key_index[i, m]`` is the key
-    row of local query ``i``'s m-th neighbour (kernel row-major) and ``key_valid`` masks a causal axis's missing ones.
-    ``halo_rows`` is how many rows this rank receives.
+    rows are the local rows followed by the received halo rows (source rank order), and ``tiles`` the query tiles
+    (see :class:`HaloTensors`). ``halo_rows`` is how many rows this rank receives.
     """
 
     def __init__(self, plan: Plan, rank: int, geometry: Neighborhood) -> None:
@@ -225,22 +231,6 @@ class HaloExchange:
         row_sample = self.key_sample[:own.size]
         self.row_sample = row_sample
         self.query_coords = self.key_coords[:own.size]
-        kvol = geometry.kernel_volume
-        key_index = np.zeros((own.size, kvol), dtype=np.int64)
-        key_valid = np.zeros((own.size, kvol), dtype=bool)
-        for s, grid in enumerate(lay.grids):
-            mine = np.nonzero(row_sample == s)[0]
-            if not mine.size:
-                continue
-            ids, valid = neighbourhood_ids(self.query_coords[mine], grid, geometry)
-            ids = ids + lay.sample_offsets[s]
-            where = np.searchsorted(sorted_ids, ids)
-            found = sorted_ids[np.minimum(where, sorted_ids.size - 1)] == ids
-            if not found[valid].all():
-                raise AssertionError("halo planning missed a key row a query reaches")  # a winsp bug, never input
-            key_index[mine] = np.where(valid, order[np.minimum(where, sorted_ids.size - 1)], mine[:, None])
-            key_valid[mine] = valid
-        self.key_index, self.key_valid = key_index, key_valid
         self.num_samples = len(lay.grids)
         self.exchange = p > 1 and any(rows_from(s, d).size for s in range(p) for d in range(p) if s != d)
         self._tiles(plan, rank, geometry, boxes, sorted_ids, order)
@@ -271,25 +261,28 @@ class HaloExchange:
                                      ((t0, t1), (h0, h1), (w0, w1)))]
                         k_ids = lay.sample_offsets[s] + _box_ids(reach, grid)
                         q_rows = own_sorted[np.searchsorted(own_ids_sorted, q_ids)]
-                        tiles.append((q_rows, k_ids, s))
-        nb_ids = self.key_ids[self.key_index]  # [L, K] canonical ids of each query's neighbours
+                        # the mask is the outer product of per-axis masks: a neighbourhood is a product over axes
+                        axis_masks = [_axis_mask(n, k, d, c, lo, hi, r) for n, k, d, c, (lo, hi), r in
+                                      zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
+                                          ((t0, t1), (h0, h1), (w0, w1)), reach)]
+                        tiles.append((q_rows, k_ids, s, axis_masks))
         by_shape: dict[tuple[int, int], list] = {}
         for tile in tiles:  # tiles of one shape run as one batch: no padding
             by_shape.setdefault((tile[0].size, tile[1].size), []).append(tile)
-        groups, slots, offset = [], [], 0
+        groups, offset = [], 0
         row_slot = np.zeros(self.token_ids.size, np.int64)
         for (nq, nk), members in sorted(by_shape.items()):
-            query = np.stack([q for q, _, _ in members])
-            key = np.stack([order[np.searchsorted(sorted_ids, k)] for _, k, _ in members])
-            mask = np.zeros((len(members), nq, nk), bool)
-            for i, (q_rows, k_ids, _) in enumerate(members):
-                cols = np.searchsorted(k_ids, nb_ids[q_rows])  # [q, K] column of each neighbour in the tile
-                rows = np.broadcast_to(np.arange(nq)[:, None], cols.shape)
-                valid = self.key_valid[q_rows]
-                mask[i, rows[valid], cols[valid]] = True
+            query = np.stack([m[0] for m in members])
+            where = np.stack([np.searchsorted(sorted_ids, m[1]) for m in members])
+            if where.max() >= sorted_ids.size or not np.array_equal(sorted_ids[where],
+                                                                   np.stack([m[1] for m in members])):
+                raise AssertionError("halo planning missed a key row a query tile reaches")  # a winsp bug
+            key = order[where]
+            mask = np.stack([(mt[:, None, None, :, None, None] & mh[None, :, None, None, :, None]
+                              & mw[None, None, :, None, None, :]).reshape(nq, nk) for *_, (mt, mh, mw) in members])
             row_slot[query.reshape(-1)] = offset + np.arange(query.size)
             offset += query.size
-            groups.append((query, key, mask, np.asarray([s for _, _, s in members], np.int64)))
+            groups.append((query, key, mask, np.asarray([m[2] for m in members], np.int64)))
         self.tiles, self.row_slot = groups, row_slot
 
     @staticmethod
