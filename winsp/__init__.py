@@ -35,10 +35,16 @@ from .drop_path import RowDropout, SampleDropPath
 from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, is_parallelized, parallelize, unparallelize
 from .token_io import FlatTokens
 from .swapped import Swapped, swapped
+from .neighborhood import Neighborhood
+from .halo_attention import halo_tensors, neighborhood_attention, neighborhood_rpb_score_mod
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Neighborhood",
+    "halo_tensors",
+    "neighborhood_attention",
+    "neighborhood_rpb_score_mod",
     "unparallelize",
     "parallelize",
     "is_parallelized",

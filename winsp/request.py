@@ -21,7 +21,9 @@ from .attention import _scale, attend
 from .backends import Runner, bind_backend, explain_backend
 from .geometry import WindowGeometry
 from .grid_step import GridStep, StageRows
+from .halo_attention import neighborhood_layer
 from .local import LayoutTensors, LocalWindows
+from .neighborhood import is_neighborhood
 from .planner import Plan
 from .redistribute import gather_rows, redistribute_rows
 from .score_mods import check_score_mods
@@ -396,6 +398,9 @@ class WindowRequest:
         mods = check_score_mods(score_mod, mask_mod)
         if mods:
             self.runtime._modded_seen = True
+        if is_neighborhood(self.runtime.schedule[layer]):  # halo exchange + local neighbourhoods (winsp.halo)
+            return neighborhood_layer(self, layer, (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), mods,
+                                      softmax_scale, has_text and text_output)
         if lay.plan.has_split_windows:
             refuse_score_mods(lay.plan, score_mod, mask_mod)
             return self._attention_split(lay, self._runner(self._slot, q_vid.dtype, False)[1], (q_vid, k_vid, v_vid),
