@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .balance import choose_placement, heads_placement, split_placement
+from .costs import DEFAULT_COSTS, CostConstants
 from .geometry import WindowGeometry
 from .layout import build_layout, check_grids
 from .locality import locality_placement
@@ -44,10 +45,18 @@ def _check_schedule(schedule: Sequence[WindowGeometry]) -> tuple[WindowGeometry,
 
 
 def schedule_key(grids: Sequence[Sequence[int]], schedule: Sequence[WindowGeometry], world_size: int,
-                 planner: str = "auto", *, split_windows: bool = True) -> tuple:
-    """The identity of ``plan_schedule(grids, schedule, world_size, planner, split_windows=...)``'s result."""
+                 planner: str = "auto", *, split_windows: bool = True, costs: CostConstants = DEFAULT_COSTS) -> tuple:
+    """The identity of ``plan_schedule(grids, schedule, world_size, planner, split_windows=..., costs=...)``'s
+    result."""
     return (check_grids(grids), tuple((g.fingerprint, g.version) for g in _check_schedule(schedule)),
-            _check_world_size(world_size), check_planner(planner), PLANNER_VERSIONS[planner], bool(split_windows))
+            _check_world_size(world_size), check_planner(planner), PLANNER_VERSIONS[planner], bool(split_windows),
+            _check_costs(costs))
+
+
+def _check_costs(costs: object) -> CostConstants:
+    if not isinstance(costs, CostConstants):
+        raise ValueError(f"costs must be a winsp.costs.CostConstants, got {type(costs).__name__}")
+    return costs
 
 
 def plan_schedule(
@@ -57,6 +66,7 @@ def plan_schedule(
     planner: str = "auto",
     *,
     split_windows: bool = True,
+    costs: CostConstants = DEFAULT_COSTS,
 ) -> list[Plan]:
     """One plan per layer of ``schedule`` for a packed batch of ``grids`` on ``world_size`` ranks.
 
@@ -71,11 +81,14 @@ def plan_schedule(
     parallelism (Ulysses) in the same machinery: every window split over all ranks, each computing ``1 / P`` of its
     heads (:func:`winsp.balance.heads_placement`). ``split_windows=False`` (a model whose attention takes a
     ``score_mod`` / ``mask_mod``) keeps ``"auto"`` on whole windows and refuses ``"split"`` and ``"heads"``.
+    ``costs`` are the constants ``"auto"`` and ``"split"`` weigh work and exchanges with (default: SeedVR2 3B on an
+    NVLink GPU node; ``benchmarks/cost_model.py --fit-wall`` refits them on measured wall time).
     """
     grids = check_grids(grids)
     schedule = _check_schedule(schedule)
     world_size = _check_world_size(world_size)
     planner = check_planner(planner)
+    costs = _check_costs(costs)
     if planner in SPLITTING_PLANNERS and not split_windows:
         raise ValueError(f'planner "{planner}" splits windows, but split_windows=False (the model declares a score_mod '
                          'or mask_mod): use planner "auto", "lpt" or "locality"')
@@ -88,11 +101,12 @@ def plan_schedule(
         placements = _locality(layouts, schedule, world_size)
         context: tuple = (tuple(g.fingerprint for g in schedule),)  # the placement depends on the neighbours
     elif planner == "auto":
-        placements = {fp: choose_placement(lay, world_size, allow_split=split_windows) for fp, lay in layouts.items()}
-        context = (bool(split_windows),)
+        placements = {fp: choose_placement(lay, world_size, costs, allow_split=split_windows)
+                      for fp, lay in layouts.items()}
+        context = (bool(split_windows),) + (() if costs == DEFAULT_COSTS else (costs,))
     elif planner == "split":
-        placements = {fp: {"rank_pieces": split_placement(lay, world_size)} for fp, lay in layouts.items()}
-        context = ()
+        placements = {fp: {"rank_pieces": split_placement(lay, world_size, costs)} for fp, lay in layouts.items()}
+        context = () if costs == DEFAULT_COSTS else (costs,)
     elif planner == "heads":
         placements = {fp: {"rank_pieces": heads_placement(lay, world_size)} for fp, lay in layouts.items()}
         context = ()
