@@ -105,3 +105,24 @@ def test_whole_windows_only_keeps_the_best_balanced_whole_placement():
     plan = winsp.Plan(lay, 8, **winsp.balance.choose_placement(lay, 8, allow_split=False))
     assert not plan.has_split_windows
     assert plan.imbalance <= winsp.Plan(lay, 8).imbalance
+
+
+def test_refitted_costs_steer_auto_and_are_part_of_the_key():
+    from winsp.costs import DEFAULT_COSTS, CostConstants
+
+    grid = [(1, 45, 80)]  # a 720p image: its regular layer splits one window at P = 2 under the default constants
+    default = winsp.plan_schedule(grid, SEEDVR2, 2)
+    assert default[0].has_split_windows
+    # a link so slow that any exchange costs more than a whole layer: only balanced placements are still weighed,
+    # and among them the one that splits fewest rows' worth
+    slow = CostConstants(row_s=DEFAULT_COSTS.row_s, pair_s=DEFAULT_COSTS.pair_s, byte_s=1.0, latency_s=1.0,
+                         row_bytes=DEFAULT_COSTS.row_bytes)
+    plans = winsp.plan_schedule(grid, SEEDVR2, 2, costs=slow)
+    assert plans[0].key != default[0].key
+    assert all(p.imbalance <= BALANCE_CAP for p in plans)
+    runtime = winsp.WindowRuntime(SEEDVR2, costs=slow)
+    assert runtime.plans(grid)[0].key == winsp.plan_schedule(grid, SEEDVR2, 1, costs=slow)[0].key
+    with pytest.raises(ValueError, match="costs must be"):
+        winsp.DiffusionParallelConfig(costs=1.0)
+    with pytest.raises(ValueError, match="costs must be"):
+        winsp.plan_schedule(grid, SEEDVR2, 2, costs="fast")

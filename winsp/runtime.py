@@ -32,6 +32,7 @@ from .backends import REGISTRY, Runner, available_backends, bind_backend, check_
 from .checks import count_tuple
 from .compile import planning
 from .config import DiffusionParallelConfig
+from .costs import DEFAULT_COSTS, CostConstants
 from .geometry import WindowGeometry
 from .group import SPGroup
 from .layout import check_grids
@@ -189,6 +190,7 @@ class WindowRuntime:
         store_size: how many entries the runtime's store keeps (LRU).
         split_windows: False for a model whose attention takes a ``score_mod`` / ``mask_mod``: ``"auto"`` then keeps
             whole windows (a split window has no per-local-row tensors for them to index).
+        costs: the cost constants the planner weighs placements with (None: :data:`winsp.costs.DEFAULT_COSTS`).
     """
 
     def __init__(
@@ -200,8 +202,10 @@ class WindowRuntime:
         planner: str = "auto",
         store_size: int = 64,
         split_windows: bool = True,
+        costs: CostConstants | None = None,
     ) -> None:
         self.schedule = _check_schedule(schedule)
+        self.costs = DEFAULT_COSTS if costs is None else costs  # checked by plan_schedule
         if not isinstance(split_windows, bool):
             raise ValueError(f"split_windows must be True or False, got {split_windows!r}")
         self.split_windows = split_windows
@@ -250,7 +254,7 @@ class WindowRuntime:
                 f"ulysses_degree={n} but the SP group has {sp.size} ranks; pass a subgroup of exactly {n} ranks"
             )
         runtime = cls(schedule, group=sp, attention_backend=config.attention_backend, planner=config.planner,
-                      store_size=config.plan_cache_size)
+                      store_size=config.plan_cache_size, costs=config.costs)
         _log.info("winsp rank %d: %s (%d layers, %d layout transitions per forward)", runtime.rank,
                   runtime.execution_path, len(runtime.schedule), runtime.num_transitions)
         return runtime
@@ -333,7 +337,7 @@ class WindowRuntime:
         grids = check_grids(grids)
         split = self.split_windows if split_windows is None else bool(split_windows)
         return self.store.get(("plans", grids, split), lambda: tuple(plan_schedule(
-            grids, self.schedule, self.world_size, self.planner, split_windows=split)))
+            grids, self.schedule, self.world_size, self.planner, split_windows=split, costs=self.costs)))
 
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
