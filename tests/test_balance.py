@@ -126,3 +126,12 @@ def test_refitted_costs_steer_auto_and_are_part_of_the_key():
         winsp.DiffusionParallelConfig(costs=1.0)
     with pytest.raises(ValueError, match="costs must be"):
         winsp.plan_schedule(grid, SEEDVR2, 2, costs="fast")
+
+
+def test_auto_takes_the_mixed_placement_where_only_it_balances():
+    """The toy batch test_split.py runs exactly at P = 3 under auto: both layouts get the mixed placement."""
+    from winsp.balance import choose_placement
+
+    for geometry in (winsp.FixedWindows((2, 5, 6)), winsp.FixedWindows((2, 5, 6), (1, 2, 3))):
+        lay = build_layout([(1, 4, 7)], geometry)
+        assert choose_placement(lay, 3) == {"rank_pieces": mixed_placement(lay, 3)}

@@ -22,6 +22,7 @@ BATCHES = {
     "packed": ([(3, 10, 12), (1, 3, 2), (2, 7, 9)], [5, 3, 8]),
     "tiny": ([(1, 1, 3)], [2]),
     "few": ([(3, 16, 24), (1, 4, 6)], [7, 3]),  # SeedVR2 windows of a 9x256x384 clip: 3 windows, auto splits them
+    "mixed": ([(1, 4, 7)], [4]),  # at P = 3 auto takes the mixed placement (rows and pairs balanced together)
 }
 SEEDVR2 = [winsp.make_geometry("regular", (4, 3, 3)), winsp.make_geometry("shifted", (4, 3, 3))]
 
@@ -154,6 +155,7 @@ def _rank_main(rank, world_size, planner, batch):
 @pytest.mark.parametrize("world_size, planner, batch", [
     (3, "split", "packed"), (4, "split", "tiny"), (2, "auto", "few"),
     (2, "heads", "few"), (3, "heads", "packed"), (4, "heads", "packed"),  # 3 heads: uneven at 2, fewer than 4 ranks
+    (3, "auto", "mixed"),
 ])
 def test_split_windows_equal_one_rank(world_size, planner, batch):
     grids, text_lengths = BATCHES[batch]
