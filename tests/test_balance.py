@@ -135,3 +135,21 @@ def test_auto_takes_the_mixed_placement_where_only_it_balances():
     for geometry in (winsp.FixedWindows((2, 5, 6)), winsp.FixedWindows((2, 5, 6), (1, 2, 3))):
         lay = build_layout([(1, 4, 7)], geometry)
         assert choose_placement(lay, 3) == {"rank_pieces": mixed_placement(lay, 3)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(1, 60), min_size=1, max_size=12), p=st.integers(2, 9))
+def test_mixed_placement_gives_each_rank_one_piece_per_window(counts, p):
+    grid = (1, 1, sum(counts))
+    cuts = np.concatenate([[0], np.cumsum(counts)])
+
+    class Runs(winsp.WindowGeometry):  # windows of the given sizes along w
+        fingerprint = "runs"
+        version = 1
+
+        def slices(self, g):
+            return [(slice(0, 1), slice(0, 1), slice(int(a), int(b))) for a, b in zip(cuts, cuts[1:])]
+
+    lay = build_layout([grid], Runs())
+    plan = winsp.Plan(lay, p, rank_pieces=mixed_placement(lay, p))  # refuses two pieces of a window on one rank
+    assert sum(plan.rank_rows) == lay.num_tokens

@@ -126,6 +126,10 @@ def mixed_placement(layout: Layout, world_size: int) -> list[list[tuple[int, int
             else:
                 a = m + 1
         y = a if a == 0 or abs(got(a) - target) <= abs(got(a - 1) - target) else a - 1
+        if y:  # one piece per window and rank: a window both runs reach has equal pairs per row, take it from above
+            k = int(np.searchsorted(rows_at, lo + y - 1, side="right")) - 1
+            if rows_at[k + 1] > hi - take + y:
+                y = max(int(rows_at[k]) - lo, 0)
         ranges.append([(lo, lo + y), (hi - take + y, hi)])
         lo, hi = lo + y, hi - take + y
     out: list[list[tuple[int, int, int]]] = []

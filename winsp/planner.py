@@ -74,6 +74,11 @@ def _check_rank_pieces(rank_pieces, counts: np.ndarray, world_size: int) -> tupl
     covered = np.zeros(counts.size, dtype=np.int64)
     spans: dict[int, list[tuple[int, int]]] = {}
     for rank, pieces in enumerate(out):
+        seen = [w for w, _, _ in pieces]
+        if len(set(seen)) != len(seen):
+            twice = next(w for w in seen if seen.count(w) > 1)
+            raise ValueError(f"rank_pieces[{rank}] holds two pieces of window {twice}; give each rank one row range "
+                             "of a window")
         for w, a, b in pieces:
             if not (0 <= w < counts.size and 0 <= a < b <= counts[w]):
                 raise ValueError(f"rank_pieces[{rank}] has piece {(w, a, b)}, which is not a non-empty row range of "
