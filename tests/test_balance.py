@@ -153,3 +153,25 @@ def test_mixed_placement_gives_each_rank_one_piece_per_window(counts, p):
     lay = build_layout([grid], Runs())
     plan = winsp.Plan(lay, p, rank_pieces=mixed_placement(lay, p))  # refuses two pieces of a window on one rank
     assert sum(plan.rank_rows) == lay.num_tokens
+
+
+def test_cost_constants_refit_on_wall_times_recovers_known_constants():
+    """``benchmarks/cost_model.py --fit-wall``: forward times made from known constants give those constants back."""
+    from benchmarks.bench_split import plan_stats
+    from benchmarks.cost_model import fit_wall, wall_features
+
+    true = np.array([2e-4, 3e-8, 5e-6, 2e-3, 0.05])  # row, pair, row moved, collective, fixed
+    records = []
+    for grid in [(3, 16, 24), (1, 45, 80), (6, 30, 53)]:
+        rec = {"clip": list(grid), "wall": {}, "stats": {}}
+        for name in ("sp1", "lpt", "split", "heads", "auto"):
+            p = 1 if name == "sp1" else 2
+            stats = plan_stats(winsp.plan_schedule([grid], SEEDVR2, p, "lpt" if name == "sp1" else name))
+            rec["stats"][name] = stats
+            rec["wall"][name] = [float(np.dot(true, wall_features(stats, p)))]
+        records.append(rec)
+    fit = fit_wall(records)
+    got = np.array([fit["constants"][k] for k in ("row_s", "pair_s", "moved_row_s", "latency_s", "fixed_s")])
+    np.testing.assert_allclose(got, true, rtol=1e-6)
+    assert all(abs(model / measured - 1) < 1e-6 for _, measured, model in fit["points"])
+    assert fit["costs"].row_s == pytest.approx(true[0])
