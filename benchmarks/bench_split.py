@@ -4,9 +4,10 @@ Run from the repository root (about 2 minutes on a quiet 2-core machine; one thr
 
 ``OMP_NUM_THREADS=1 python benchmarks/bench_split.py --clips 9x256x384 --repeats 8``
 
-and the four clips of issue 21 (about 5 minutes):
+and the other clips of issue 21, the default against head parallelism (about 5 minutes):
 
-``OMP_NUM_THREADS=1 python benchmarks/bench_split.py --clips 9x256x384 9x512x768 1x720x1280 21x480x848 --repeats 1``
+``OMP_NUM_THREADS=1 python benchmarks/bench_split.py --clips 9x512x768 1x720x1280 21x480x848 --planners heads auto
+--repeats 2``
 
 Model: the released 3B architecture (dim 2560, 20 heads x 128, SwiGLU, mm layers) with 2 blocks and seeded random
 weights, float32; input: one clip of ``frames x height x width`` pixels (latent ``(1 + (f - 1) / 4, h / 8, w / 8)``,
