@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import winsp  # noqa: E402
+import winsp.costs  # noqa: E402
 from winsp.balance import exchange_rows  # noqa: E402
 from winsp.redistribute import Transition  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
@@ -83,7 +84,7 @@ def _timed(model, args) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - start_cpu
 
 
-def _rank(rank: int, world_size: int, clip, layers: int, planners, repeats: int) -> dict:
+def _rank(rank: int, world_size: int, clip, layers: int, planners, repeats: int, costs=None) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -96,7 +97,7 @@ def _rank(rank: int, world_size: int, clip, layers: int, planners, repeats: int)
     runtimes, stats = {}, {}
     for name in ("sp1", *planners):
         cfg_p = winsp.DiffusionParallelConfig(ulysses_degree=1 if name == "sp1" else world_size,
-                                              planner="lpt" if name == "sp1" else name)
+                                              planner="lpt" if name == "sp1" else name, costs=costs)
         runtimes[name] = model.build_runtime(cfg_p)
         stats[name] = plan_stats(runtimes[name].plans(grids))
     configs = list(runtimes)
@@ -123,8 +124,8 @@ def _rank(rank: int, world_size: int, clip, layers: int, planners, repeats: int)
     return {"wall": wall, "cpu": cpu, "stats": stats, "grids": grids}
 
 
-def measure(clip, layers: int = 2, repeats: int = 3, planners=PLANNERS) -> dict:
-    res = run_ranks(_rank, 2, clip, layers, tuple(planners), repeats, timeout=3600)
+def measure(clip, layers: int = 2, repeats: int = 3, planners=PLANNERS, costs=None) -> dict:
+    res = run_ranks(_rank, 2, clip, layers, tuple(planners), repeats, costs, timeout=3600)
     a, b = res
     out = {"clip": list(clip), "grids": a["grids"], "layers": layers, "repeats": repeats, "stats": a["stats"],
            "wall": {"sp1": a["wall"]["sp1"]}, "cpu": {"sp1": a["cpu"]["sp1"]}, "cpu_total": {"sp1": a["cpu"]["sp1"]}}
@@ -168,12 +169,15 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=list(winsp.PLANNERS))
     ap.add_argument("--json", type=Path, help="write every figure and plan statistic here")
+    ap.add_argument("--costs", choices=("default", "gloo-cpu"), default="default",
+                    help="the cost constants auto and split plan with (winsp.costs.DEFAULT_COSTS or GLOO_CPU_COSTS)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     results = []
     for text in args.clips:
         clip = tuple(int(v) for v in text.split("x"))
-        r = measure(clip, args.layers, args.repeats, args.planners)
+        costs = winsp.costs.GLOO_CPU_COSTS if args.costs == "gloo-cpu" else None
+        r = measure(clip, args.layers, args.repeats, args.planners, costs)
         results.append(r)
         print(summary(r) + "\n", flush=True)
         if args.json:

@@ -365,11 +365,13 @@ def wall_features(stats: list[dict], world_size: int) -> list[float]:
     return [float(rows), float(pairs), float(moved), float(coll), 1.0]
 
 
-def fit_wall(records: list[dict], key: str = "min") -> dict:
+def fit_wall(records: list[dict], key: str = "min", measure: str = "wall") -> dict:
     """Non-negative relative-error least squares of measured forward wall times on :func:`wall_features`.
 
     ``records`` is the JSON ``benchmarks/bench_split.py --json`` writes (several clips make the row and pair terms
-    separable). ``key``: ``"min"`` (default, least disturbed by other jobs) or ``"median"``. Returns the constants,
+    separable). ``key``: ``"min"`` (default, least disturbed by other jobs) or ``"median"``; ``measure``: ``"wall"``
+    (what users wait for) or ``"cpu"`` (the slower rank's CPU time: a loaded machine's fallback, blind to waits and
+    latency). Returns the constants,
     a :class:`winsp.costs.CostConstants` built from them (float32 rows of the measured width) and each point's
     model / measured ratio.
     """
@@ -379,7 +381,7 @@ def fit_wall(records: list[dict], key: str = "min") -> dict:
 
     xs, ys, labels = [], [], []
     for r in records:
-        for name, times in r["wall"].items():
+        for name, times in r[measure].items():
             p = 1 if name == "sp1" else 2
             xs.append(wall_features(r["stats"][name], p))
             ys.append(min(times) if key == "min" else statistics.median(times))
@@ -397,13 +399,13 @@ def fit_wall(records: list[dict], key: str = "min") -> dict:
     fitted = dict(zip(WALL_FEATURES, coef.tolist()))
     costs = CostConstants(row_s=fitted["row_s"], pair_s=fitted["pair_s"], byte_s=fitted["moved_row_s"] / (4 * width),
                           latency_s=fitted["latency_s"], row_bytes=4 * width)
-    return {"constants": fitted, "costs": costs,
+    return {"constants": fitted, "costs": costs, "measure": measure,
             "points": [(lab, yy, pp) for lab, yy, pp in zip(labels, y, x @ coef)]}
 
 
 def fit_wall_markdown(fit: dict) -> str:
     c = fit["constants"]
-    lines = [f"fitted on wall time: row {c['row_s'] * 1e6:.2f} us, pair {c['pair_s'] * 1e9:.3f} ns, row moved "
+    lines = [f"fitted on {fit['measure']} time: row {c['row_s'] * 1e6:.2f} us, pair {c['pair_s'] * 1e9:.3f} ns, row moved "
              f"{c['moved_row_s'] * 1e6:.2f} us, collective {c['latency_s'] * 1e3:.2f} ms, fixed {c['fixed_s']:.3f} s "
              f"per forward", "", "| clip | config | measured | model | model / measured |", "|---|---|---:|---:|---:|"]
     for (clip, name), y, pr in fit["points"]:
@@ -415,11 +417,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-gloo", type=Path, help="JSON written by benchmarks/bench_transition.py --json")
     ap.add_argument("--detail", action="store_true", help="per-layer figures at 4K x 121 frames")
-    ap.add_argument("--fit-wall", type=Path, help="JSON written by benchmarks/bench_split.py --json: refit the "
-                    "planner's cost constants (winsp.costs) on measured wall time")
+    ap.add_argument("--fit-wall", type=Path, nargs="+", help="JSON files written by benchmarks/bench_split.py "
+                    "--json: refit the planner's cost constants (winsp.costs) on measured wall time")
+    ap.add_argument("--fit-on", choices=("wall", "cpu"), default="wall",
+                    help="with --fit-wall: fit wall time (default) or the slower rank's CPU time (a loaded machine)")
     args = ap.parse_args(argv)
     if args.fit_wall:
-        print(fit_wall_markdown(fit_wall(json.loads(args.fit_wall.read_text()))))
+        records = [r for path in args.fit_wall for r in json.loads(path.read_text())]
+        print(fit_wall_markdown(fit_wall(records, measure=args.fit_on)))
         return
     if args.fit_gloo:
         print(fit_markdown(fit_gloo(json.loads(args.fit_gloo.read_text()))))

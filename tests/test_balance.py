@@ -39,10 +39,13 @@ def _shares(plan):
     return rows, attention
 
 
+@pytest.mark.parametrize("costs", ["default", "gloo-cpu"])
 @pytest.mark.parametrize("grid, p", PROMISE)
-def test_default_plans_balance_rows_and_attention(grid, p):
+def test_default_plans_balance_rows_and_attention(grid, p, costs):
+    from winsp.costs import DEFAULT_COSTS, GLOO_CPU_COSTS
+
     assert math.prod(grid) // p >= 128
-    plans = winsp.plan_schedule([grid], SCHEDULE, p)
+    plans = winsp.plan_schedule([grid], SCHEDULE, p, costs=GLOO_CPU_COSTS if costs == "gloo-cpu" else DEFAULT_COSTS)
     for plan in {id(pl): pl for pl in plans}.values():
         rows, attention = _shares(plan)  # recomputed here from the plan's per-rank figures
         assert rows <= BALANCE_CAP and attention <= BALANCE_CAP, (plan.layout.geometry, rows, attention)
