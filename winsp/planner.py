@@ -109,8 +109,7 @@ class Plan:
     ``1 / P``, and ``imbalance`` is the worse of the two (what the default planner keeps within 5 %).
     ``work_imbalance`` is the same for the two combined into a layer's predicted work with the cost constants of
     :mod:`winsp.costs` (what a rank's time follows on the modelled GPU). ``window_bound_imbalance`` is the former
-    figure:
-    the largest rank's rows against the best whole windows could do (``max(largest window, ceil(N / P))``).
+    figure: the largest rank's rows against the best whole windows could do (``max(largest window, ceil(N / P))``).
 
     Args:
         layout: the windows.
