@@ -8,6 +8,8 @@ deterministic: every rank computes the same plans with no communication. Caching
 
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 from .balance import choose_placement, heads_placement, split_placement
@@ -15,6 +17,7 @@ from .costs import DEFAULT_COSTS, CostConstants
 from .geometry import WindowGeometry
 from .layout import build_layout, check_grids
 from .locality import locality_placement
+from .neighborhood import is_neighborhood
 from .planner import PLANNER_VERSION, Plan, _check_world_size
 
 __all__ = ["PLANNERS", "PLANNER_VERSIONS", "plan_schedule", "check_planner", "schedule_key"]
@@ -89,6 +92,9 @@ def plan_schedule(
     world_size = _check_world_size(world_size)
     planner = check_planner(planner)
     costs = _check_costs(costs)
+    if any(is_neighborhood(g) for g in schedule):  # neighborhood layers: one shared block plan (winsp.halo)
+        return plan_with_neighborhoods(grids, schedule, world_size, planner, split_windows,
+                                       functools.partial(plan_schedule, costs=costs))
     if planner in SPLITTING_PLANNERS and not split_windows:
         raise ValueError(f'planner "{planner}" splits windows, but split_windows=False (the model declares a score_mod '
                          'or mask_mod): use planner "auto", "lpt" or "locality"')
@@ -118,6 +124,20 @@ def plan_schedule(
         key = (grids, geom.fingerprint, geom.version, world_size, planner, version) + context
         by_geometry[fp] = Plan(layouts[fp], world_size, key=key, **placements[fp])
     return [by_geometry[g.fingerprint] for g in schedule]
+
+
+def plan_with_neighborhoods(grids, schedule, world_size: int, planner: str, split_windows: bool,
+                            plan_windows) -> list[Plan]:
+    """Plans of a schedule with :class:`~winsp.Neighborhood` layers: they share one block plan
+    (:func:`winsp.halo.neighborhood_plan`); the window layers are planned by ``plan_windows`` as a schedule alone."""
+    from .halo import neighborhood_plan
+
+    neighborhoods = list({g.fingerprint: g for g in schedule if is_neighborhood(g)}.values())
+    shared = neighborhood_plan(grids, neighborhoods, world_size)
+    windows = [g for g in schedule if not is_neighborhood(g)]
+    window_plans = iter(plan_windows(grids, windows, world_size, planner, split_windows=split_windows)
+                        if windows else [])
+    return [shared if is_neighborhood(g) else next(window_plans) for g in schedule]
 
 
 def _locality(layouts: dict, schedule: tuple[WindowGeometry, ...], world_size: int) -> dict:
