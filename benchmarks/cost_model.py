@@ -2,7 +2,9 @@
 
 Run from the repository root: ``python benchmarks/cost_model.py`` (prints the crossover tables of
 ``benchmarks/README.md``), ``--fit-gloo FILE`` to refit the communication constants on the JSON that
-``benchmarks/bench_transition.py --json FILE`` writes, ``--detail`` for per-layer figures.
+``benchmarks/bench_transition.py --json FILE`` writes, ``--detail`` for per-layer figures, ``--fit-wall FILE`` to refit
+the planner's own constants (:mod:`winsp.costs`: a row, a pair, a row moved, a collective) on the forward wall times
+that ``benchmarks/bench_split.py --json FILE`` measures for every planner.
 
 What is modelled, per layer, with nothing overlapped (communication and compute add up):
 
@@ -342,11 +344,88 @@ def fit_markdown(fit: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- the planner's constants, refitted on measured wall time ------------------------------------------------
+
+WALL_FEATURES = ("row_s", "pair_s", "moved_row_s", "latency_s", "fixed_s")
+
+
+def wall_features(stats: list[dict], world_size: int) -> list[float]:
+    """What one forward's wall time is made of under a plan, per :data:`WALL_FEATURES` (``bench_split``'s stats).
+
+    Summed over layers: the slowest rank's rows and attention pairs, the rows' worth its in-window exchanges and the
+    transition into the layer move, and the collectives (two per layer with split windows, one per transition that
+    moves rows, the text all-reduce; one all-gather at the end); plus one fixed term per forward.
+    """
+    rows = sum(s["rows"] for s in stats)
+    pairs = sum(s["pairs"] for s in stats)
+    moved = sum(s["exchange_rows"] + s["transition_rows"] for s in stats)
+    coll = 0
+    if world_size > 1:
+        coll = sum(2 * (s["split_windows"] > 0) + (s["transition_rows"] > 0) + 1 for s in stats) + 1
+    return [float(rows), float(pairs), float(moved), float(coll), 1.0]
+
+
+def fit_wall(records: list[dict], key: str = "min", measure: str = "wall") -> dict:
+    """Non-negative relative-error least squares of measured forward wall times on :func:`wall_features`.
+
+    ``records`` is the JSON ``benchmarks/bench_split.py --json`` writes (several clips make the row and pair terms
+    separable). ``key``: ``"min"`` (default, least disturbed by other jobs) or ``"median"``; ``measure``: ``"wall"``
+    (what users wait for) or ``"cpu"`` (the slower rank's CPU time: a loaded machine's fallback, blind to waits and
+    latency). Returns the constants,
+    a :class:`winsp.costs.CostConstants` built from them (float32 rows of the measured width) and each point's
+    model / measured ratio.
+    """
+    import statistics
+
+    from winsp.costs import CostConstants
+
+    xs, ys, labels = [], [], []
+    for r in records:
+        for name, times in r[measure].items():
+            p = 1 if name == "sp1" else 2
+            xs.append(wall_features(r["stats"][name], p))
+            ys.append(min(times) if key == "min" else statistics.median(times))
+            labels.append(("x".join(map(str, r["clip"])), name))
+    x, y = np.asarray(xs), np.asarray(ys)
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:  # drop the most negative term and refit until every constant is >= 0
+        sol, *_ = np.linalg.lstsq(x[:, active] / y[:, None], np.ones_like(y), rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    width = 2560
+    fitted = dict(zip(WALL_FEATURES, coef.tolist()))
+    costs = CostConstants(row_s=fitted["row_s"], pair_s=fitted["pair_s"], byte_s=fitted["moved_row_s"] / (4 * width),
+                          latency_s=fitted["latency_s"], row_bytes=4 * width)
+    return {"constants": fitted, "costs": costs, "measure": measure,
+            "points": [(lab, yy, pp) for lab, yy, pp in zip(labels, y, x @ coef)]}
+
+
+def fit_wall_markdown(fit: dict) -> str:
+    c = fit["constants"]
+    lines = [f"fitted on {fit['measure']} time: row {c['row_s'] * 1e6:.2f} us, pair {c['pair_s'] * 1e9:.3f} ns, row moved "
+             f"{c['moved_row_s'] * 1e6:.2f} us, collective {c['latency_s'] * 1e3:.2f} ms, fixed {c['fixed_s']:.3f} s "
+             f"per forward", "", "| clip | config | measured | model | model / measured |", "|---|---|---:|---:|---:|"]
+    for (clip, name), y, pr in fit["points"]:
+        lines.append(f"| {clip} | {name} | {y:.2f} s | {pr:.2f} s | {pr / y:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-gloo", type=Path, help="JSON written by benchmarks/bench_transition.py --json")
     ap.add_argument("--detail", action="store_true", help="per-layer figures at 4K x 121 frames")
+    ap.add_argument("--fit-wall", type=Path, nargs="+", help="JSON files written by benchmarks/bench_split.py "
+                    "--json: refit the planner's cost constants (winsp.costs) on measured wall time")
+    ap.add_argument("--fit-on", choices=("wall", "cpu"), default="wall",
+                    help="with --fit-wall: fit wall time (default) or the slower rank's CPU time (a loaded machine)")
     args = ap.parse_args(argv)
+    if args.fit_wall:
+        records = [r for path in args.fit_wall for r in json.loads(path.read_text())]
+        print(fit_wall_markdown(fit_wall(records, measure=args.fit_on)))
+        return
     if args.fit_gloo:
         print(fit_markdown(fit_gloo(json.loads(args.fit_gloo.read_text()))))
         return

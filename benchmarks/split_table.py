@@ -4,14 +4,16 @@ Run from the repository root: ``python benchmarks/split_table.py`` (a few second
 ``benchmarks/README.md``). SeedVR2 3B windows ((4, 3, 3), regular and shifted layers alternating), one clip per case,
 post-patch grids (``1 + (frames - 1) / 4`` latent frames, 16x spatial downsampling).
 
-1. Balance: per case and P, whether each layout splits windows, and the ``imbalance`` (slowest rank's predicted work
-   against a perfect split, :attr:`winsp.Plan.imbalance`) of the default (``"auto"``) against whole windows (LPT).
+1. Balance: per case and P, whether each layout splits windows, and the largest rank's rows and attention pairs
+   against a perfect split (:attr:`winsp.Plan.row_imbalance`, :attr:`~winsp.Plan.attention_imbalance`; ``imbalance``
+   is the worse) of the default (``"auto"``) against whole windows (LPT); rows moved per layer also for the
+   ``"heads"`` plan (head parallelism with split windows: its exchanges plus the transitions between layouts).
 2. Bytes per layer, in rows of the hidden state summed over ranks: the transition into the layer's layout (rows that
    change rank) plus its in-window exchanges (:func:`winsp.balance.exchange_rows`), averaged over the two layouts,
    against Ulysses' four all-to-alls (``4 N (P - 1) / P``). Bytes are these rows times ``D x 2`` (bf16).
 3. Planning time of a 32-layer schedule on a cache miss (median of 5).
-4. GPU predictions (not measurements) of one layer from :mod:`benchmarks.cost_model`'s constants: Ulysses, whole
-   windows (LPT) and the default.
+4. GPU predictions (not measurements) of one layer from :mod:`benchmarks.cost_model`'s constants: Ulysses, the
+   ``"heads"`` plan, whole windows (LPT) and the default.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from winsp.redistribute import Transition  # noqa: E402
 
 CASES = {
     "9x256x384": (3, 16, 24), "9x512x768": (3, 32, 48), "720p image": (1, 45, 80), "1080p image": (1, 68, 120),
-    "480p x21": (6, 30, 53), "720p x45": (12, 45, 80),
+    "480p x21": (6, 30, 53), "720p x45": (12, 45, 80), "4K x121": (31, 135, 240),
 }
 DEGREES = (2, 4, 8)
 SCHEDULE = [winsp.make_geometry(m, (4, 3, 3)) for m in ("regular", "shifted")]
@@ -69,34 +71,38 @@ def predicted_ulysses(grid, p: int, heads: int = 20) -> float:
 
 
 def balance_markdown() -> str:
-    lines = ["| case | grid | P | rows / rank | split windows (reg, shift) | imbalance default | imbalance whole (LPT) "
-             "| rows moved / layer default | LPT | Ulysses | default / Ulysses |",
-             "|---|---|---:|---:|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| case | grid | P | rows / rank | split windows (reg, shift) | default rows, attention (reg; shift) "
+             "| whole (LPT) rows, attention (reg; shift) | rows moved / layer default | LPT | heads plan | Ulysses "
+             "| default / Ulysses |",
+             "|---|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    both = lambda ps: "; ".join(f"{pl.row_imbalance:.3f}, {pl.attention_imbalance:.3f}" for pl in ps)  # noqa: E731
     for name, grid in CASES.items():
         n = math.prod(grid)
         for p in DEGREES:
             auto = winsp.plan_schedule([grid], SCHEDULE, p)
             lpt = winsp.plan_schedule([grid], SCHEDULE, p, "lpt")
+            heads = winsp.plan_schedule([grid], SCHEDULE, p, "heads")
             uly = 4 * n * (p - 1) / p
             rows = layer_rows(auto)
             lines.append(
                 f"| {name} | {grid} | {p} | {n // p} | {len(auto[0].window_holders)}, {len(auto[1].window_holders)} "
-                f"| {auto[0].imbalance:.3f}, {auto[1].imbalance:.3f} | {lpt[0].imbalance:.3f}, {lpt[1].imbalance:.3f} "
-                f"| {rows:,.0f} | {layer_rows(lpt):,.0f} | {uly:,.0f} | {rows / uly:.2f} |")
+                f"| {both(auto)} | {both(lpt)} | {rows:,.0f} | {layer_rows(lpt):,.0f} | {layer_rows(heads):,.0f} "
+                f"| {uly:,.0f} | {rows / uly:.2f} |")
     return "\n".join(lines)
 
 
 def crossover_markdown() -> str:
-    lines = ["| case | P | Ulysses (predicted) | whole windows, LPT (predicted) | default (predicted) | fastest |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| case | P | Ulysses (predicted) | heads plan (predicted) | whole windows, LPT (predicted) "
+             "| default (predicted) | fastest |", "|---|---:|---:|---:|---:|---:|---|"]
     for name, grid in CASES.items():
         for p in DEGREES:
             t = {"default": predicted_layer(winsp.plan_schedule([grid], SCHEDULE, p)),
                  "Ulysses": predicted_ulysses(grid, p),
-                 "LPT": predicted_layer(winsp.plan_schedule([grid], SCHEDULE, p, "lpt"))}
+                 "LPT": predicted_layer(winsp.plan_schedule([grid], SCHEDULE, p, "lpt")),
+                 "heads plan": predicted_layer(winsp.plan_schedule([grid], SCHEDULE, p, "heads"))}
             best = min(t, key=t.get)  # the default first: a tie with LPT (the same plans) names the default
-            lines.append(f"| {name} | {p} | {t['Ulysses'] * 1e6:,.0f} us | {t['LPT'] * 1e6:,.0f} us "
-                         f"| {t['default'] * 1e6:,.0f} us | {best} |")
+            lines.append(f"| {name} | {p} | {t['Ulysses'] * 1e6:,.0f} us | {t['heads plan'] * 1e6:,.0f} us "
+                         f"| {t['LPT'] * 1e6:,.0f} us | {t['default'] * 1e6:,.0f} us | {best} |")
     return "\n".join(lines)
 
 

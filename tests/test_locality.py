@@ -37,7 +37,7 @@ def _check_valid(plans, grids, world_size):
 
 
 def test_planner_registry():
-    assert PLANNERS == ("auto", "lpt", "locality", "split")
+    assert PLANNERS == ("auto", "lpt", "locality", "split", "heads")
     assert PLANNER_VERSIONS["lpt"] == winsp.PLANNER_VERSION and PLANNER_VERSIONS["locality"] != PLANNER_VERSIONS["lpt"]
     assert check_planner("locality") == "locality"
     with pytest.raises(ValueError, match="unknown planner 'nearest'.*locality"):

@@ -22,6 +22,7 @@ BATCHES = {
     "packed": ([(3, 10, 12), (1, 3, 2), (2, 7, 9)], [5, 3, 8]),
     "tiny": ([(1, 1, 3)], [2]),
     "few": ([(3, 16, 24), (1, 4, 6)], [7, 3]),  # SeedVR2 windows of a 9x256x384 clip: 3 windows, auto splits them
+    "mixed": ([(1, 4, 7)], [4]),  # at P = 3 auto takes the mixed placement (rows and pairs balanced together)
 }
 SEEDVR2 = [winsp.make_geometry("regular", (4, 3, 3)), winsp.make_geometry("shifted", (4, 3, 3))]
 
@@ -60,9 +61,10 @@ def test_plan_reports_rows_attention_and_both_bounds():
 
 @pytest.mark.parametrize("pieces, match", [
     ([[(0, 0, 9), (1, 0, 9), (2, 0, 9)], [(3, 0, 8)]], "not covered"),
-    ([[(0, 0, 9), (1, 0, 9), (2, 0, 9)], [(3, 0, 9), (3, 2, 4)]], "overlap"),
+    ([[(0, 0, 9), (1, 0, 9), (2, 0, 9), (3, 2, 4)], [(3, 0, 9)]], "overlap"),
     ([[(0, 0, 9), (1, 0, 9), (2, 0, 10)], [(3, 0, 9)]], "non-empty row range"),
     ([[(0, 0, 9)]], "2 ranks"),
+    ([[(0, 0, 4), (0, 4, 9), (1, 0, 9)], [(2, 0, 9), (3, 0, 9)]], "two pieces of window 0"),
 ])
 def test_bad_pieces_are_refused(pieces, match):
     with pytest.raises(ValueError, match=match):
@@ -153,6 +155,8 @@ def _rank_main(rank, world_size, planner, batch):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size, planner, batch", [
     (3, "split", "packed"), (4, "split", "tiny"), (2, "auto", "few"),
+    (2, "heads", "few"), (3, "heads", "packed"), (4, "heads", "packed"),  # 3 heads: uneven at 2, fewer than 4 ranks
+    (3, "auto", "mixed"),
 ])
 def test_split_windows_equal_one_rank(world_size, planner, batch):
     grids, text_lengths = BATCHES[batch]
@@ -194,3 +198,41 @@ def test_score_mods_are_refused_on_split_layouts_and_avoided_when_declared():
         assert res["auto_splits"]
         assert res["error"] is not None and "split_windows=False" in res["error"]
         assert not res["declared_splits"]
+
+
+# ---- the split path's local fast paths ------------------------------------------------------------------------
+
+def test_local_rows_of_whole_and_split_windows_are_slices_where_the_order_allows():
+    from winsp.split import SplitAttention, join_local_rows, split_local_rows
+
+    lay = build_layout([(3, 16, 24)], SEEDVR2[0])  # 3 windows of 384 rows
+    small = build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3)))  # 4 windows of 9 rows
+    cases = [(winsp.Plan(lay, 2, rank_pieces=split_placement(lay, 2)), ["whole_first", "split_first"]),
+             (winsp.Plan(small, 3, rank_pieces=[[(0, 0, 9), (1, 0, 3)], [(1, 3, 9), (2, 0, 9), (3, 0, 5)],
+                                                [(3, 5, 9)]]), ["whole_first", "gather", "whole_first"])]
+    for plan, orders in cases:
+        for rank, order in enumerate(orders):
+            split = SplitAttention.build(plan, rank, 4, (5,))
+            assert split.row_order == order, (rank, plan.rank_pieces[rank])
+            tensors = split.to("cpu")
+            x = torch.arange(plan.rank_rows[rank] * 2, dtype=torch.float64).view(-1, 2)
+            whole, pieces = split_local_rows(x, tensors)
+            assert torch.equal(whole, x.index_select(0, tensors.whole_rows))
+            assert torch.equal(pieces, x.index_select(0, tensors.split_rows))
+            assert torch.equal(join_local_rows(whole, pieces, tensors), x)
+    heads = winsp.Plan(lay, 2, rank_pieces=winsp.balance.heads_placement(lay, 2))
+    assert SplitAttention.build(heads, 1, 4, (5,)).row_order == "whole_first"  # no whole window: all slices
+
+
+def test_a_transition_that_keeps_every_row_in_place_does_nothing():
+    from winsp.redistribute import redistribute_rows
+
+    # a 9x256x384 clip's shifted windows are its regular ones (the half-window shift moves no edge)
+    plans = winsp.plan_schedule([(3, 16, 24)], SEEDVR2, 2)
+    assert plans[0] is not plans[1]
+    step = Transition(plans[0], plans[1]).for_rank(0).to("cpu")
+    assert step.keeps_rows
+    x = torch.randn(plans[0].rank_rows[0], 3)
+    assert redistribute_rows(x, step, winsp.SPGroup(None)) is x
+    lpt = winsp.plan_schedule([(3, 10, 12)], GEOMETRIES, 2, "lpt")
+    assert not Transition(lpt[0], lpt[1]).for_rank(0).to("cpu").keeps_rows

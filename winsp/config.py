@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .backends import check_backend_name
+from .costs import CostConstants
 from .schedule import check_planner
 
 __all__ = ["DiffusionParallelConfig"]
@@ -29,11 +30,14 @@ class DiffusionParallelConfig:
         advanced_uaa: must be False (same as ``ulysses_mode="advanced_uaa"``).
         ulysses_a2a_permute: must be False (there is no head all-to-all to permute).
         attention_backend: ``"auto"`` or a backend name of :mod:`winsp.backends` (checked here, at construction).
-        planner: how rows are placed on ranks: ``"auto"`` (the default: per layout, LPT's whole windows or windows
-            split across ranks, whichever the cost constants of :mod:`winsp.costs` predict is faster), ``"lpt"`` or
-            ``"locality"`` (whole windows always), ``"split"`` (always cut the rows evenly, splitting windows); see
-            :data:`winsp.schedule.PLANNERS`. Every planner gives the same output.
+        planner: how rows are placed on ranks: ``"auto"`` (the default: per layout, whole windows, split windows or
+            head parallelism, whichever the cost constants of :mod:`winsp.costs` predict is fastest among those that
+            keep rows and attention within 5 % of a perfect split), ``"lpt"`` or ``"locality"`` (whole windows
+            always), ``"split"`` (always cut the rows evenly, splitting windows), ``"heads"`` (head parallelism:
+            every window over all ranks); see :data:`winsp.schedule.PLANNERS`. Every planner gives the same output.
         plan_cache_size: how many request shapes the runtime's store keeps (plans, transitions, indices).
+        costs: the cost constants ``"auto"`` weighs placements with (None: :data:`winsp.costs.DEFAULT_COSTS`, SeedVR2
+            3B on an NVLink GPU node; ``benchmarks/cost_model.py --fit-wall`` refits them on measured wall time).
     """
 
     ulysses_degree: int = 1
@@ -45,6 +49,7 @@ class DiffusionParallelConfig:
     attention_backend: str = "auto"
     planner: str = "auto"
     plan_cache_size: int = 64
+    costs: CostConstants | None = None
 
     def __post_init__(self) -> None:
         for name in ("ulysses_degree", "ring_degree", "plan_cache_size"):
@@ -63,6 +68,8 @@ class DiffusionParallelConfig:
             raise ValueError(f"ulysses_a2a_permute=True is not supported: {_WHY}")
         check_backend_name(self.attention_backend)
         check_planner(self.planner)
+        if self.costs is not None and not isinstance(self.costs, CostConstants):
+            raise ValueError(f"costs must be a winsp.costs.CostConstants or None, got {type(self.costs).__name__}")
 
     @property
     def sp_degree(self) -> int:

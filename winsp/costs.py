@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CostConstants", "DEFAULT_COSTS", "PEAK_BF16_FLOPS", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
+__all__ = ["CostConstants", "DEFAULT_COSTS", "GLOO_CPU_COSTS", "PEAK_BF16_FLOPS", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
            "ELEMENTWISE_PER_GEMM", "NVLINK_BYTES_PER_S", "NVLINK_LATENCY_S"]
 
 #: Published dense bf16 peak of an H100/H200 SXM (FLOP/s).
@@ -66,3 +66,10 @@ DEFAULT_COSTS = CostConstants(
     latency_s=NVLINK_LATENCY_S,
     row_bytes=2 * _3B_DIM,
 )
+
+
+#: SeedVR2 3B width (float32) on gloo CPU ranks, one thread each, *measured*: ``benchmarks/cost_model.py --fit-wall``
+#: on ``benchmarks/bench_split.py`` runs of 9x256x384 and a 720p image (2 layers, every planner, 2026-12-01; fitted
+#: on the slower rank's CPU time, the machine being loaded; model / measured 0.99-1.02 on all 12 points). Attention
+#: weighs about 10x more against tokenwise work than on a GPU. ``DiffusionParallelConfig(costs=GLOO_CPU_COSTS)``.
+GLOO_CPU_COSTS = CostConstants(row_s=1.683e-3, pair_s=7.056e-7, byte_s=3.973e-9, latency_s=1.479e-2, row_bytes=10240)

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .costs import DEFAULT_COSTS, CostConstants
 from .grid_step import GridStep, StageRows
 from .layout import Layout
 from .locality import SLACK_LIMIT
@@ -139,7 +140,8 @@ def _place_stage(prev: Plan, plans: list[Plan], sources: np.ndarray, planner: st
 
 
 def staged_plans(stages: Sequence[Stage], grids: Sequence[Sequence[int]], world_size: int,
-                 planner: str = "lpt", *, split_windows: bool = False) -> tuple[Plan, ...]:
+                 planner: str = "lpt", *, split_windows: bool = False,
+                 costs: CostConstants = DEFAULT_COSTS) -> tuple[Plan, ...]:
     """One plan per layer over all ``stages`` (what :meth:`WindowRuntime.plans` returns; pure, no process group).
 
     Each stage is planned as a flat schedule (:func:`winsp.plan_schedule` on its laid-out grids, so a single stage
@@ -147,14 +149,14 @@ def staged_plans(stages: Sequence[Stage], grids: Sequence[Sequence[int]], world_
     possibly re-placed) so that the grid change moves few rows. ``split_windows`` (a stage's own
     ``Stage.split_windows`` wins) lets ``"auto"`` / ``"split"`` cut windows across ranks; it is off by default here
     because adopted attention modules commonly take a ``score_mod`` (Swin's relative position bias), which a split
-    window cannot run.
+    window cannot run. ``costs``: the cost constants ``"auto"`` plans with (:func:`winsp.plan_schedule`).
     """
     stages = check_stages(stages)
     model, laid = stage_grids(stages, grids)
     out: list[Plan] = []
     for s, st in enumerate(stages):
         split = split_windows if st.split_windows is None else st.split_windows
-        plans = plan_schedule(laid[s], st.layers, world_size, planner, split_windows=split)
+        plans = plan_schedule(laid[s], st.layers, world_size, planner, split_windows=split, costs=costs)
         if s and st.changes_grid and world_size > 1:
             sources, _ = grid_sources(st, model[s - 1], laid[s - 1], model[s], laid[s])
             plans = _place_stage(out[-1], plans, sources, planner)

@@ -74,6 +74,11 @@ def _check_rank_pieces(rank_pieces, counts: np.ndarray, world_size: int) -> tupl
     covered = np.zeros(counts.size, dtype=np.int64)
     spans: dict[int, list[tuple[int, int]]] = {}
     for rank, pieces in enumerate(out):
+        seen = [w for w, _, _ in pieces]
+        if len(set(seen)) != len(seen):
+            twice = next(w for w in seen if seen.count(w) > 1)
+            raise ValueError(f"rank_pieces[{rank}] holds two pieces of window {twice}; give each rank one row range "
+                             "of a window")
         for w, a, b in pieces:
             if not (0 <= w < counts.size and 0 <= a < b <= counts[w]):
                 raise ValueError(f"rank_pieces[{rank}] has piece {(w, a, b)}, which is not a non-empty row range of "
@@ -101,9 +106,10 @@ class Plan:
     Balance is reported against a perfect split (``N / P``): ``rank_rows`` (tokenwise work) and ``rank_attention``
     (video query x video key pairs summed over heads, a split window's share counted by its rows, which is how its
     heads are shared out); ``row_imbalance`` and ``attention_imbalance`` are the largest rank's share of each against
-    ``1 / P``, and ``imbalance`` is the same for the two combined into a layer's predicted work with the cost
-    constants of :mod:`winsp.costs` (what a rank's time follows). ``window_bound_imbalance`` is the former figure:
-    the largest rank's rows against the best whole windows could do (``max(largest window, ceil(N / P))``).
+    ``1 / P``, and ``imbalance`` is the worse of the two (what the default planner keeps within 5 %).
+    ``work_imbalance`` is the same for the two combined into a layer's predicted work with the cost constants of
+    :mod:`winsp.costs` (what a rank's time follows on the modelled GPU). ``window_bound_imbalance`` is the former
+    figure: the largest rank's rows against the best whole windows could do (``max(largest window, ceil(N / P))``).
 
     Args:
         layout: the windows.
@@ -144,8 +150,9 @@ class Plan:
         total_pairs = int((counts.astype(np.int64) ** 2).sum())
         self.row_imbalance: float = max(self.rank_rows) * p / n if n else 1.0
         self.attention_imbalance: float = max(self.rank_attention) * p / total_pairs if total_pairs else 1.0
+        self.imbalance: float = max(self.row_imbalance, self.attention_imbalance)
         work = np.asarray(self.rank_rows) * DEFAULT_COSTS.row_s + np.asarray(self.rank_attention) * DEFAULT_COSTS.pair_s
-        self.imbalance: float = float(work.max() * p / work.sum()) if work.sum() else 1.0
+        self.work_imbalance: float = float(work.max() * p / work.sum()) if work.sum() else 1.0
 
     @cached_property
     def window_holders(self) -> dict[int, tuple[tuple[int, int, int], ...]]:

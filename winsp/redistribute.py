@@ -50,6 +50,7 @@ class RankTransitionTensors:
     output_split_sizes: tuple[int, ...]
     network_exchange_required: bool
     num_src_rows: int
+    keeps_rows: bool = False  # no row changes rank anywhere and this rank's local order stays: nothing to do
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +76,8 @@ class RankTransition:
             output_split_sizes=self.output_split_sizes,
             network_exchange_required=self.network_exchange_required,
             num_src_rows=int(self.send_index.size),
+            keeps_rows=not self.network_exchange_required and np.array_equal(
+                self.send_index, np.arange(self.send_index.size)),
         )
 
 
@@ -131,6 +134,8 @@ def redistribute_rows(x: torch.Tensor, step: RankTransitionTensors, group: SPGro
             f"rank {group.rank}: redistribute got {x.shape[0]} rows but the source plan gives this rank "
             f"{step.num_src_rows}"
         )
+    if step.keeps_rows:
+        return x  # two layouts that place the same rows in the same order (e.g. a shift that moves no window edge)
     packed = x.index_select(0, step.send_index)
     if not step.network_exchange_required:
         return packed  # nothing changes rank anywhere: the receive gather is the identity

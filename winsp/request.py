@@ -27,7 +27,7 @@ from .neighborhood import is_neighborhood
 from .planner import Plan
 from .redistribute import gather_rows, redistribute_rows
 from .score_mods import check_score_mods
-from .split import refuse_score_mods, split_attention
+from .split import join_local_rows, refuse_score_mods, split_attention, split_local_rows
 from .text import finish_text_reduction, reduce_window_text, sum_window_text
 
 if TYPE_CHECKING:
@@ -420,12 +420,13 @@ class WindowRequest:
         if split is None:  # first call at this head count: prepared once, then a plain look-up like the runners
             split = self.prepared.splits[(self._slot, q.shape[1])] = self.runtime._split(
                 lay.plan, self.text_lengths, q.shape[1], self.device)
-        vid_whole, window_text = attend(*(t.index_select(0, split.whole_rows) for t in qkv), *qkv_txt,
+        parts = [split_local_rows(t, split) for t in qkv]  # slices where the local rows allow (no copy)
+        vid_whole, window_text = attend(*(w for w, _ in parts), *qkv_txt,
                                         lay.segments, lay.index, runner, softmax_scale=softmax_scale)
         txt = tuple(t if t is not None else q.new_zeros((0,) + tuple(q.shape[1:])) for t in qkv_txt)
-        vid_split, txt_split = split_attention(*(t.index_select(0, split.split_rows) for t in qkv), *txt, split,
-                                               self.group, _scale(q, softmax_scale))
-        vid_out = torch.cat([vid_whole, vid_split]).index_select(0, split.restore)
+        vid_split, txt_split = split_attention(*(p for _, p in parts), *txt, split, self.group,
+                                               _scale(q, softmax_scale))
+        vid_out = join_local_rows(vid_whole, vid_split, split)
         if not text_output:
             return vid_out, None
         acc = sum_window_text(window_text, lay.text, self.group)

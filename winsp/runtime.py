@@ -29,6 +29,7 @@ from .backends import REGISTRY, available_backends, check_backend_name
 from .checks import count_tuple
 from .compile import planning
 from .config import DiffusionParallelConfig
+from .costs import DEFAULT_COSTS, CostConstants
 from .geometry import WindowGeometry
 from .grid_step import GridStep, StageRows
 from .group import SPGroup
@@ -74,6 +75,7 @@ class WindowRuntime:
         split_windows: False for a model whose attention takes a ``score_mod`` / ``mask_mod``: ``"auto"`` then keeps
             whole windows (a split window has no per-local-row tensors for them to index); a stage's own
             ``Stage.split_windows`` wins for its layers.
+        costs: the cost constants the planner weighs placements with (None: :data:`winsp.costs.DEFAULT_COSTS`).
     """
 
     def __init__(
@@ -85,8 +87,10 @@ class WindowRuntime:
         planner: str = "auto",
         store_size: int = 64,
         split_windows: bool = True,
+        costs: CostConstants | None = None,
     ) -> None:
         self.stages = as_stages(schedule)
+        self.costs = DEFAULT_COSTS if costs is None else costs  # checked by plan_schedule
         self.schedule = tuple(g for st in self.stages for g in st.layers)
         self.stage_of_layer: tuple[int, ...] = tuple(s for s, st in enumerate(self.stages) for _ in st.layers)
         starts = np.concatenate([[0], np.cumsum([len(st.layers) for st in self.stages])])
@@ -141,7 +145,7 @@ class WindowRuntime:
                 f"ulysses_degree={n} but the SP group has {sp.size} ranks; pass a subgroup of exactly {n} ranks"
             )
         runtime = cls(schedule, group=sp, attention_backend=config.attention_backend, planner=config.planner,
-                      store_size=config.plan_cache_size, **options)
+                      store_size=config.plan_cache_size, **{"costs": config.costs, **options})
         _log.info("winsp rank %d: %s (%d layers, %d layout transitions per forward)", runtime.rank,
                   runtime.execution_path, len(runtime.schedule), runtime.num_transitions)
         return runtime
@@ -239,7 +243,7 @@ class WindowRuntime:
         grids = check_grids(grids)
         split = self.split_windows if split_windows is None else bool(split_windows)
         return self.store.get(("plans", grids, split), lambda: staged_plans(
-            self.stages, grids, self.world_size, self.planner, split_windows=split))
+            self.stages, grids, self.world_size, self.planner, split_windows=split, costs=self.costs))
 
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
@@ -365,9 +369,10 @@ class StagedRuntime(WindowRuntime):
     :class:`WindowRuntime` directly."""
 
     def __init__(self, stages: Sequence[Stage], *, group=None, attention_backend: str = "auto",
-                 planner: str = "lpt", store_size: int = 64, split_windows: bool = False) -> None:
+                 planner: str = "lpt", store_size: int = 64, split_windows: bool = False,
+                 costs: CostConstants | None = None) -> None:
         super().__init__(stages, group=group, attention_backend=attention_backend, planner=planner,
-                         store_size=store_size, split_windows=split_windows)
+                         store_size=store_size, split_windows=split_windows, costs=costs)
 
 
 #: The earlier name of a request over stages: every request is a :class:`WindowRequest`.

@@ -8,9 +8,12 @@ deterministic: every rank computes the same plans with no communication. Caching
 
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
-from .balance import choose_placement, split_placement
+from .balance import choose_placement, heads_placement, split_placement
+from .costs import DEFAULT_COSTS, CostConstants
 from .geometry import WindowGeometry
 from .layout import build_layout, check_grids
 from .locality import locality_placement
@@ -20,9 +23,11 @@ from .planner import PLANNER_VERSION, Plan, _check_world_size
 __all__ = ["PLANNERS", "PLANNER_VERSIONS", "plan_schedule", "check_planner", "schedule_key"]
 
 #: Planner names in the order they are documented; ``"auto"`` is the default.
-PLANNERS: tuple[str, ...] = ("auto", "lpt", "locality", "split")
+PLANNERS: tuple[str, ...] = ("auto", "lpt", "locality", "split", "heads")
 #: The version of each planner's rule, part of every plan key (bump when a rule's output changes).
-PLANNER_VERSIONS: dict[str, int] = {"auto": 1, "lpt": PLANNER_VERSION, "locality": 2, "split": 1}
+PLANNER_VERSIONS: dict[str, int] = {"auto": 2, "lpt": PLANNER_VERSION, "locality": 2, "split": 1, "heads": 1}
+#: The planners that share windows' rows between ranks (refused for a model whose attention takes score mods).
+SPLITTING_PLANNERS: tuple[str, ...] = ("split", "heads")
 
 
 def check_planner(planner: object) -> str:
@@ -43,10 +48,18 @@ def _check_schedule(schedule: Sequence[WindowGeometry]) -> tuple[WindowGeometry,
 
 
 def schedule_key(grids: Sequence[Sequence[int]], schedule: Sequence[WindowGeometry], world_size: int,
-                 planner: str = "auto", *, split_windows: bool = True) -> tuple:
-    """The identity of ``plan_schedule(grids, schedule, world_size, planner, split_windows=...)``'s result."""
+                 planner: str = "auto", *, split_windows: bool = True, costs: CostConstants = DEFAULT_COSTS) -> tuple:
+    """The identity of ``plan_schedule(grids, schedule, world_size, planner, split_windows=..., costs=...)``'s
+    result."""
     return (check_grids(grids), tuple((g.fingerprint, g.version) for g in _check_schedule(schedule)),
-            _check_world_size(world_size), check_planner(planner), PLANNER_VERSIONS[planner], bool(split_windows))
+            _check_world_size(world_size), check_planner(planner), PLANNER_VERSIONS[planner], bool(split_windows),
+            _check_costs(costs))
+
+
+def _check_costs(costs: object) -> CostConstants:
+    if not isinstance(costs, CostConstants):
+        raise ValueError(f"costs must be a winsp.costs.CostConstants, got {type(costs).__name__}")
+    return costs
 
 
 def plan_schedule(
@@ -56,28 +69,35 @@ def plan_schedule(
     planner: str = "auto",
     *,
     split_windows: bool = True,
+    costs: CostConstants = DEFAULT_COSTS,
 ) -> list[Plan]:
     """One plan per layer of ``schedule`` for a packed batch of ``grids`` on ``world_size`` ranks.
 
     Layers with equal geometry (equal fingerprints) get the same :class:`Plan` object. ``"auto"`` (the default)
-    chooses per layout between LPT's whole windows and the split placement, whichever the cost constants predict is
-    faster (:func:`winsp.balance.choose_placement`). ``"lpt"`` places each layout's windows whole and independently by
+    chooses per layout among whole windows, split windows and head parallelism: the fastest the cost constants
+    predict among the placements that keep rows and attention within 5 % of a perfect split
+    (:func:`winsp.balance.choose_placement`). ``"lpt"`` places each layout's windows whole and independently by
     the LPT rule (:func:`winsp.lpt_assign`). ``"locality"`` places all the schedule's whole windows together so that
     few rows change rank between consecutive layers (:func:`winsp.locality.locality_placement`); its plans depend on
     the whole schedule, and their keys say so. ``"split"`` always cuts the rows into equal contiguous runs
-    (:func:`winsp.balance.split_placement`), splitting the windows that straddle a cut. ``split_windows=False`` (a
-    model whose attention takes a ``score_mod`` / ``mask_mod``) keeps ``"auto"`` on whole windows and refuses
-    ``"split"``.
+    (:func:`winsp.balance.split_placement`), splitting the windows that straddle a cut. ``"heads"`` is head
+    parallelism (Ulysses) in the same machinery: every window split over all ranks, each computing ``1 / P`` of its
+    heads (:func:`winsp.balance.heads_placement`). ``split_windows=False`` (a model whose attention takes a
+    ``score_mod`` / ``mask_mod``) keeps ``"auto"`` on whole windows and refuses ``"split"`` and ``"heads"``.
+    ``costs`` are the constants ``"auto"`` and ``"split"`` weigh work and exchanges with (default: SeedVR2 3B on an
+    NVLink GPU node; ``benchmarks/cost_model.py --fit-wall`` refits them on measured wall time).
     """
     grids = check_grids(grids)
     schedule = _check_schedule(schedule)
     world_size = _check_world_size(world_size)
     planner = check_planner(planner)
+    costs = _check_costs(costs)
     if any(is_neighborhood(g) for g in schedule):  # neighborhood layers: one shared block plan (winsp.halo)
-        return plan_with_neighborhoods(grids, schedule, world_size, planner, split_windows, plan_schedule)
-    if planner == "split" and not split_windows:
-        raise ValueError('planner "split" splits windows, but split_windows=False (the model declares a score_mod or '
-                         'mask_mod): use planner "auto", "lpt" or "locality"')
+        return plan_with_neighborhoods(grids, schedule, world_size, planner, split_windows,
+                                       functools.partial(plan_schedule, costs=costs))
+    if planner in SPLITTING_PLANNERS and not split_windows:
+        raise ValueError(f'planner "{planner}" splits windows, but split_windows=False (the model declares a score_mod '
+                         'or mask_mod): use planner "auto", "lpt" or "locality"')
     version = PLANNER_VERSIONS[planner]
     distinct: dict[str, WindowGeometry] = {}
     for geom in schedule:
@@ -87,10 +107,14 @@ def plan_schedule(
         placements = _locality(layouts, schedule, world_size)
         context: tuple = (tuple(g.fingerprint for g in schedule),)  # the placement depends on the neighbours
     elif planner == "auto":
-        placements = {fp: choose_placement(lay, world_size, allow_split=split_windows) for fp, lay in layouts.items()}
-        context = (bool(split_windows),)
+        placements = {fp: choose_placement(lay, world_size, costs, allow_split=split_windows)
+                      for fp, lay in layouts.items()}
+        context = (bool(split_windows),) + (() if costs == DEFAULT_COSTS else (costs,))
     elif planner == "split":
-        placements = {fp: {"rank_pieces": split_placement(lay, world_size)} for fp, lay in layouts.items()}
+        placements = {fp: {"rank_pieces": split_placement(lay, world_size, costs)} for fp, lay in layouts.items()}
+        context = () if costs == DEFAULT_COSTS else (costs,)
+    elif planner == "heads":
+        placements = {fp: {"rank_pieces": heads_placement(lay, world_size)} for fp, lay in layouts.items()}
         context = ()
     else:
         placements = {fp: {"rank_windows": None} for fp in layouts}

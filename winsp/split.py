@@ -33,7 +33,8 @@ from .group import SPGroup
 from .layout import inverse_permutation
 from .planner import Plan
 
-__all__ = ["SplitAttention", "SplitAttentionTensors", "head_bounds", "split_attention", "refuse_score_mods"]
+__all__ = ["SplitAttention", "SplitAttentionTensors", "head_bounds", "split_attention", "refuse_score_mods",
+           "split_local_rows", "join_local_rows"]
 
 
 def head_bounds(first: int, end: int, rows: int, heads: int) -> tuple[int, int]:
@@ -188,6 +189,17 @@ class SplitAttention:
             out_gather=cat(out_gather), text_index=cat(text_index),
         )
 
+    @property
+    def row_order(self) -> str:
+        """``"whole_first"`` / ``"split_first"`` where local rows are one run of whole windows' rows and one of split
+        pieces' (in that order), so both are slices and need no gather; else ``"gather"``."""
+        nw, ns = self.whole_rows.size, self.split_rows.size
+        if np.array_equal(self.whole_rows, np.arange(nw)) and np.array_equal(self.split_rows, np.arange(nw, nw + ns)):
+            return "whole_first"
+        if np.array_equal(self.split_rows, np.arange(ns)) and np.array_equal(self.whole_rows, np.arange(ns, ns + nw)):
+            return "split_first"
+        return "gather"
+
     def to(self, device: torch.device | str) -> "SplitAttentionTensors":
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
         return SplitAttentionTensors(
@@ -196,6 +208,7 @@ class SplitAttention:
             in_gather=t(self.in_gather), windows=self.windows, out_send=t(self.out_send),
             out_send_sizes=self.out_send_sizes, out_recv_sizes=self.out_recv_sizes, out_gather=t(self.out_gather),
             text_index=t(self.text_index), num_split_rows=int(self.split_rows.size),
+            num_whole_rows=int(self.whole_rows.size), row_order=self.row_order,
         )
 
 
@@ -218,6 +231,26 @@ class SplitAttentionTensors:
     out_gather: Tensor
     text_index: Tensor
     num_split_rows: int
+    num_whole_rows: int = 0
+    row_order: str = "gather"
+
+
+def split_local_rows(x: Tensor, split: SplitAttentionTensors) -> tuple[Tensor, Tensor]:
+    """``x``'s rows of whole windows and of split pieces: two slices where local rows allow it, else two gathers."""
+    if split.row_order == "whole_first":
+        return x[:split.num_whole_rows], x[split.num_whole_rows:]
+    if split.row_order == "split_first":
+        return x[split.num_split_rows:], x[:split.num_split_rows]
+    return x.index_select(0, split.whole_rows), x.index_select(0, split.split_rows)
+
+
+def join_local_rows(whole: Tensor, pieces: Tensor, split: SplitAttentionTensors) -> Tensor:
+    """The inverse of :func:`split_local_rows`: whole windows' and split pieces' rows back in local order."""
+    if split.row_order == "whole_first":
+        return torch.cat([whole, pieces])
+    if split.row_order == "split_first":
+        return torch.cat([pieces, whole])
+    return torch.cat([whole, pieces]).index_select(0, split.restore)
 
 
 def split_attention(q: Tensor, k: Tensor, v: Tensor, q_txt: Tensor, k_txt: Tensor, v_txt: Tensor,
@@ -241,7 +274,8 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, q_txt: Tensor, k_txt: Tenso
         start += 3 * rows * h
         qkv = [torch.cat([block[i], txt[t0:t0 + t_len, h0:h0 + h]]).transpose(0, 1)
                for i, txt in enumerate((q_txt, k_txt, v_txt))]
-        out = F.scaled_dot_product_attention(*qkv, scale=scale).transpose(0, 1)  # [rows + T, h, d]
+        # 4-D: CPU SDPA takes its fused (flash) kernel only for [batch, heads, rows, d]; 3-D falls back to the math path
+        out = F.scaled_dot_product_attention(*(t[None] for t in qkv), scale=scale)[0].transpose(0, 1)  # [rows+T, h, d]
         outs.append(out[:rows].reshape(-1, d))
         texts.append(out[rows:].reshape(-1, d))
     # every rank's graph reaches both exchanges (the backward runs them as collectives too), even without a block
