@@ -52,7 +52,7 @@ class CausalConv3d(nn.Conv3d):
     def _extend_time(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         cache = ctx.cache
         if cache is not None and not cache.first:
-            tail = cache.tails.get(self)
+            tail = cache.take(self, x)
             if tail is not None:
                 x = torch.cat([tail.to(x.dtype), x], dim=2)
         elif self.time_lookback:
@@ -67,10 +67,7 @@ class CausalConv3d(nn.Conv3d):
                     f"{kernel_t}-frame kernel; use a larger chunk size"
                 )
             next_start = outputs * stride_t  # first frame the next chunk's first output window reads
-            if next_start < x.shape[2]:
-                cache.tails[self] = x[:, :, next_start:].clone()
-            else:
-                cache.tails.pop(self, None)
+            cache.keep(self, x, next_start)
         return x
 
     def forward(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:  # type: ignore[override]
