@@ -35,7 +35,8 @@ from .context import CausalCache, RunContext
 from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent
 from .sharding import RowBands
 
-__all__ = ["VAESplit", "RelayCache", "WaveStats", "choose_split", "encode_wavefront", "decode_wavefront"]
+__all__ = ["VAESplit", "RelayCache", "WaveStats", "choose_split", "split_for_clip", "encode_wavefront",
+           "decode_wavefront"]
 
 _ROWS = 3  # the height dim of [b, c, t, h, w]
 #: relative cost of one extra height rank (halo exchanges and norm statistics every layer), against one
@@ -284,3 +285,15 @@ def decode_wavefront(
         return _run(vae, latent, group, plan, vae._decode_step, in_scale=1, out_scale=factor,
                     out_channels=vae.config.out_channels, out_width=latent.shape[4] * factor,
                     gather=gather, stats=stats)
+
+
+def split_for_clip(world: int, frames: int, latent_rows: int, *, temporal_chunk: int | None = 4,
+                   temporal_factor: int = 4) -> VAESplit:
+    """The split the wavefront mode uses for a clip of ``frames`` video frames (1 + 4k), encode and decode
+    alike; of the two choices the one with fewer height ranks (the larger band, for a memory estimate)."""
+    video = [b - a for a, b in _chunk_bounds(frames, temporal_chunk)]
+    latent_frames = 1 + (frames - 1) // temporal_factor
+    latent_chunk = None if temporal_chunk is None else temporal_chunk // temporal_factor
+    latent = [b - a for a, b in _chunk_bounds(latent_frames, latent_chunk)]
+    splits = [choose_split(world, video, latent_rows), choose_split(world, latent, latent_rows)]
+    return min(splits, key=lambda s: s.height)
