@@ -105,21 +105,22 @@ def test_wavefront_six_ranks_three_by_two():
     _check([r[1:] for r in results], cases[1:], exact=True)
 
 
-def _runner_rank(rank: int, world: int) -> bool:
+def _runner_rank(rank: int, world: int) -> float:
     from examples.seedvr2.vae import make_vae_runner
 
     torch.set_num_threads(1)
     vae = tiny_vae()
     vae.set_temporal_chunking(4)
     video = random_video(9, 16, 16)
-    runner = make_vae_runner("wavefront", vae, group=SPGroup.world())
+    runner = make_vae_runner("wavefront", vae, group=SPGroup.world())  # the split chosen by the cost model
     latent = runner.encode(video)
-    return torch.equal(latent, vae.encode(video)) and torch.equal(runner.decode(latent), vae.decode(latent))
+    return max((latent - vae.encode(video)).abs().max().item(),
+               (runner.decode(latent) - vae.decode(latent)).abs().max().item())
 
 
 @pytest.mark.multirank
 def test_wavefront_runner_by_name():
-    assert all(run_ranks(_runner_rank, 2, timeout=TIMEOUT))
+    assert max(run_ranks(_runner_rank, 2, timeout=TIMEOUT)) <= HEIGHT_TOL
 
 
 def _bad_split_rank(rank: int, world: int, split) -> None:
