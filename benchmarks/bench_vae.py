@@ -2,9 +2,10 @@
 
     python benchmarks/bench_vae.py [--frames 17] [--height 64] [--width 96] [--json out.json]
     python benchmarks/bench_vae.py --scaling [--clips 9x128x192 5x720x64 33x64x96] [--worlds 2 4]
-        [--modes height wavefront] [--channels 128,256,512,512] [--json out.json]
+        [--modes height wavefront time] [--channels 128,256,512,512] [--json out.json]
 
-``--scaling`` runs the released VAE architecture (``--channels`` scales its widths; random weights, float32, one
+``--scaling`` (modes ``height``; ``wavefront``, the split :func:`choose_split` picks; ``time``, the wavefront alone)
+runs the released VAE architecture (``--channels`` scales its widths; random weights, float32, one
 thread a rank, gloo, temporal chunks of 4) on each clip: one rank (``vae.encode`` / ``vae.decode``), then every mode at
 every world size, one process a rank. Per rank it records wall time (after a barrier), process CPU time, and the time
 spent inside collectives and point-to-point waits; *busy* = wall - that, and *busy CPU* = the rank's main-thread CPU
@@ -40,7 +41,13 @@ from examples.seedvr2.vae import CausalVideoVAE  # noqa: E402
 from examples.seedvr2.vae.memory import peak_tensor_bytes  # noqa: E402
 from examples.seedvr2.vae.sharding import decode_sharded, encode_sharded  # noqa: E402
 from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled  # noqa: E402
-from examples.seedvr2.vae.wavefront import RelayCache, decode_wavefront, encode_wavefront  # noqa: E402
+from examples.seedvr2.vae.wavefront import (  # noqa: E402
+    RelayCache,
+    VAESplit,
+    decode_wavefront,
+    encode_wavefront,
+    split_for_clip,
+)
 from tests.helpers import random_video, tiny_vae  # noqa: E402
 from winsp.group import SPGroup  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
@@ -180,7 +187,10 @@ def _run_mode(mode: str, vae, x, group, what: str):
         return vae.encode(x) if what == "encode" else vae.decode(x)
     if mode == "height":
         return encode_sharded(vae, x, group) if what == "encode" else decode_sharded(vae, x, group)
-    return encode_wavefront(vae, x, group) if what == "encode" else decode_wavefront(vae, x, group)
+    split = VAESplit(group.size, 1) if mode == "time" else None  # "wavefront": the split choose_split picks
+    if what == "encode":
+        return encode_wavefront(vae, x, group, split=split)
+    return decode_wavefront(vae, x, group, split=split)
 
 
 def _scaling_rank(rank: int, world: int, mode: str, clip: tuple[int, int, int], channels: list[int]) -> dict:
@@ -244,6 +254,9 @@ def bench_scaling(clips, worlds, modes, channels) -> dict:
                     row[f"{what}_busy_cpu_speedup"] = round(single[what]["busy_cpu_s"] / max(busy_cpu), 3)
                     row[f"{what}_calls"] = per_rank[0][what]["calls"]
                     row[f"{what}_max_err"] = max(r[what]["max_err"] for r in per_rank)
+                if mode != "height":
+                    split = VAESplit(world, 1) if mode == "time" else split_for_clip(world, clip[0], clip[1] // 8)
+                    row["split"] = f"{split.time}x{split.height}"
                 rows[f"{name} {mode} P={world}"] = row
         os.unlink(f.name)
     return rows
@@ -271,7 +284,9 @@ def main() -> None:
     parser.add_argument("--clips", nargs="+", default=["9x128x192", "5x720x64", "33x64x96"],
                         help="FRAMESxHEIGHTxWIDTH clips of --scaling")
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--modes", nargs="+", default=["height", "wavefront"], choices=["height", "wavefront"])
+    parser.add_argument("--modes", nargs="+", default=["height", "wavefront", "time"],
+                        choices=["height", "wavefront", "time"],
+                        help="height: height bands; wavefront: the split choose_split picks; time: wavefront only")
     parser.add_argument("--channels", default="128,256,512,512", help="VAE widths of --scaling (released: default)")
     args = parser.parse_args()
     if args.scaling:

@@ -207,11 +207,18 @@ def _run(
                 cache.first = c == 0
             outputs.append(step(band[:, :, start:stop], RunContext(cache=cache, bands=bands)))
     else:
+        # A chunk's sends are waited for only after this rank's next chunk: a send completes when the next rank
+        # has taken it, which that rank does layer by layer while this one goes on.
+        previous = None
         for c in plan.owners[t_rank]:
             start, stop = plan.bounds[c]
             cache = RelayCache(group, first=c == 0, last=c == last, prev=prev, next=nxt, stats=stats)
             outputs.append(step(band[:, :, start:stop], RunContext(cache=cache, bands=bands)))
-            cache.finish()
+            if previous is not None:
+                previous.finish()
+            previous = cache
+        if previous is not None:
+            previous.finish()
     rows = [s * out_scale for s in plan.latent_bands]
     b = x.shape[0]
     for c, out in zip(plan.owners[t_rank], outputs):
