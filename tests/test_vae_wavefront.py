@@ -105,6 +105,26 @@ def test_wavefront_six_ranks_three_by_two():
     _check([r[1:] for r in results], cases[1:], exact=True)
 
 
+def _subgroup_rank(rank: int, world: int) -> bool:
+    """Two SP groups of two ranks (world ranks 0-1 and 2-3), each running its own clip as a wavefront."""
+    from winsp.group import new_subgroup
+
+    torch.set_num_threads(1)
+    groups = [new_subgroup([0, 1]), new_subgroup([2, 3])]
+    group = SPGroup(groups[rank // 2])
+    vae = tiny_vae()
+    vae.set_temporal_chunking(4)
+    video = random_video(13, 16, 16, seed=rank // 2)
+    latent = encode_wavefront(vae, video, group, split=VAESplit(2, 1))
+    return torch.equal(latent, vae.encode(video)) and torch.equal(
+        decode_wavefront(vae, latent, group, split=VAESplit(2, 1)), vae.decode(latent))
+
+
+@pytest.mark.multirank
+def test_wavefront_inside_sp_subgroups():
+    assert all(run_ranks(_subgroup_rank, 4, timeout=TIMEOUT))
+
+
 def _runner_rank(rank: int, world: int) -> float:
     from examples.seedvr2.vae import make_vae_runner
 
