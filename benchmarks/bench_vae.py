@@ -235,6 +235,7 @@ def bench_scaling(clips, worlds, modes, channels) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f:
             torch.save({"latent": single.pop("latent"), "decoded": single.pop("decoded")}, f.name)
         os.environ["BENCH_VAE_REFERENCE"] = f.name
+        print(f"  {name} P=1: {single['encode']} {single['decode']}", flush=True)
         rows[f"{name} P=1"] = {f"{w}_{k}": round(single[w][k], 3) for w in ("encode", "decode")
                                for k in ("wall_s", "cpu_s", "busy_cpu_s")}
         for world in worlds:
@@ -258,6 +259,7 @@ def bench_scaling(clips, worlds, modes, channels) -> dict:
                     split = VAESplit(world, 1) if mode == "time" else split_for_clip(world, clip[0], clip[1] // 8)
                     row["split"] = f"{split.time}x{split.height}"
                 rows[f"{name} {mode} P={world}"] = row
+                print(f"  {name} {mode} P={world}: {row}", flush=True)
         os.unlink(f.name)
     return rows
 

@@ -172,3 +172,12 @@ def test_split_validation():
     with pytest.raises(ValueError, match="must be >= 1"):
         VAESplit(0, 2)
     assert VAESplit(2, 3).coords(4) == (1, 1) and VAESplit(2, 3).size == 6
+
+
+def test_memory_area_follows_the_chosen_split():
+    from examples.seedvr2.pipeline import vae_work_area
+
+    # 33 frames on 2 ranks: time 2 x height 1, a rank works on whole frames; 21 frames: the height is split
+    assert vae_work_area(128, 96, "wavefront", 2, frames=33) == 128 * 96
+    assert vae_work_area(128, 96, "wavefront", 2, frames=21) == vae_work_area(128, 96, "height", 2)
+    assert vae_work_area(128, 96, "wavefront", 1, frames=33) == 128 * 96
