@@ -12,7 +12,8 @@ spent inside collectives and point-to-point waits; *busy* = wall - that, and *bu
 time outside them (what a rank computes, which predicts a machine with a core per rank and, unlike wall time, holds
 on a loaded machine). Reported: wall speed-up over one rank (the slowest rank's wall), total CPU over the ranks / one
 rank's CPU, each rank's busy and busy-CPU time and the busiest rank's speed-up (one rank's wall or main-thread CPU over
-it), collective counts, and the max error against the single-rank result (0 means bit for bit). A tiny untimed run first warms every rank (kernels, connections).
+it), collective counts, and the max error against the single-rank result (0 means bit for bit). A tiny untimed run
+first warms every rank (kernels, connections).
 
 Memory is the peak of live activation bytes (``examples.seedvr2.vae.memory.peak_tensor_bytes``: every tensor an
 operator creates, counted while alive; parameters and the input are excluded), which is deterministic on CPU.

@@ -51,7 +51,8 @@ def test_tile_overlap_is_64_or_a_quarter_of_a_small_tile():
 def _need(settings: RunSettings) -> int:
     """A made-up memory model: 10 per frame, VAE replicated or wavefront 100, height 50, tiled the tile in units of
     10 pixels."""
-    vae = {"replicated": 100, "wavefront": 100, "height": 50}.get(settings.vae_parallel) or (settings.vae_tile or 0) // 10
+    vae = {"replicated": 100, "wavefront": 100, "height": 50}.get(settings.vae_parallel)
+    vae = vae or (settings.vae_tile or 0) // 10
     return 10 * settings.batch_frames + vae
 
 

@@ -35,7 +35,7 @@ class CausalCache:
         return self.tails.get(conv)
 
     def keep(self, conv: nn.Module, x: torch.Tensor, start: int) -> None:
-        """Leave frames ``start:`` of ``conv``'s (time-extended) input ``x`` for the next chunk (none if past the end)."""
+        """Leave frames ``start:`` of ``conv``'s time-extended input ``x`` for the next chunk (none past the end)."""
         if start < x.shape[2]:
             self.tails[conv] = x[:, :, start:].clone()
         else:
@@ -44,6 +44,8 @@ class CausalCache:
 
 class HeightBands(Protocol):
     """A rank's band of rows (dim -2 of a [b, c, t, h, w] activation) and the collectives that complete it."""
+
+    parts: int  # how many bands the frame is split into
 
     def pad_rows(self, x: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
         """``x`` with ``top``/``bottom`` neighbouring rows attached (zeros beyond the frame's edges)."""

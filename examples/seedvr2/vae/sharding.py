@@ -51,6 +51,7 @@ class RowBands:
             raise ValueError(f"RowBands: every rank needs at least one latent row, got bands {latent_sizes}")
         self.group = group
         self.latent_sizes = list(latent_sizes)
+        self.parts = group.size
 
     def sizes_for(self, x: torch.Tensor) -> list[int]:
         """Every rank's band size at the resolution level of ``x`` (inferred from this rank's row count)."""
