@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from . import context
 from .config import DiffusionParallelConfig
 from .geometry import Grid
-from .hierarchy import Stage, StagedRuntime, _check_stages
+from .runtime import WindowRuntime
+from .stages import Stage, check_stages
 
 __all__ = [
     "ParallelPlan",
@@ -151,7 +152,7 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         if not isinstance(self.region, Region):
             raise ValueError(f"ParallelPlan.region must be a winsp.Region, got {type(self.region).__name__}")
-        object.__setattr__(self, "stages", _check_stages(self.stages))
+        object.__setattr__(self, "stages", check_stages(self.stages))
         if (self.grid_changes is None) != (self.make_grid_change is None):
             raise ValueError("ParallelPlan: give grid_changes and make_grid_change together")
         object.__setattr__(self, "swaps", tuple(tuple(s) for s in self.swaps))
@@ -276,7 +277,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
                          f"change the grid (stages {changing})")
     swaps = [(path, factory) for pattern, factory in plan.swaps for path, _ in _matches(model, pattern, "swaps")]
 
-    runtime = StagedRuntime.from_config(config, plan.stages, group=group)
+    runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
     applied = _Applied(plan=plan, swapped=[], handles=[], tokens=[])
     try:
         for layer, (path, original) in enumerate(attention):
@@ -331,7 +332,7 @@ def _layer_entry(layer: int):
     return hook
 
 
-def _region_start(runtime: StagedRuntime, io: TokenIO, applied: _Applied):
+def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         rows, grids = io.read(args, kwargs)
         request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
