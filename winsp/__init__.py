@@ -31,14 +31,20 @@ from .mesh import TemporalMesh, build_temporal_mesh, interleaved_schedule, order
 from .context import active_request, current_request
 from .swin import SwinWindows
 from .stages import Stage
-from .drop_path import SampleDropPath
+from .drop_path import RowDropout, SampleDropPath
 from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, is_parallelized, parallelize, unparallelize
 from .token_io import FlatTokens
 from .swapped import Swapped, swapped
+from .neighborhood import Neighborhood
+from .halo_attention import halo_tensors, neighborhood_attention, neighborhood_rpb_score_mod
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Neighborhood",
+    "halo_tensors",
+    "neighborhood_attention",
+    "neighborhood_rpb_score_mod",
     "unparallelize",
     "parallelize",
     "is_parallelized",
@@ -51,6 +57,7 @@ __all__ = [
     "StagedRequest",
     "Stage",
     "SampleDropPath",
+    "RowDropout",
     "Region",
     "ParallelPlan",
     "ChannelsLast",

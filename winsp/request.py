@@ -21,7 +21,9 @@ from .attention import _scale, attend
 from .backends import Runner, bind_backend, explain_backend
 from .geometry import WindowGeometry
 from .grid_step import GridStep, StageRows
+from .halo_attention import neighborhood_layer
 from .local import LayoutTensors, LocalWindows
+from .neighborhood import is_neighborhood
 from .planner import Plan
 from .redistribute import gather_rows, redistribute_rows
 from .score_mods import check_score_mods
@@ -151,6 +153,17 @@ class WindowRequest:
     def valid_rows(self) -> Tensor:
         """[L_local] bool: True for rows inside the model grid, False for padding rows of a padded stage grid."""
         return self._rows().valid
+
+    @property
+    def model_rows(self) -> Tensor:
+        """[L_local] canonical id of each local row in the current stage's *model* grids (the row of the original
+        model's ``[N, ...]`` tensor it is; ``num_model_rows`` for a padding row)."""
+        return self._rows().scatter_index
+
+    @property
+    def num_model_rows(self) -> int:
+        """Rows of the original model's tensor on the current stage's grids (padding excluded)."""
+        return sum(t * h * w for t, h, w in self.stage_model_grids[self.stage])
 
     @property
     def laid_grid(self) -> Tensor:
@@ -385,6 +398,9 @@ class WindowRequest:
         mods = check_score_mods(score_mod, mask_mod)
         if mods:
             self.runtime._modded_seen = True
+        if is_neighborhood(self.runtime.schedule[layer]):  # halo exchange + local neighbourhoods (winsp.halo)
+            return neighborhood_layer(self, layer, (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), mods,
+                                      softmax_scale, has_text and text_output)
         if lay.plan.has_split_windows:
             refuse_score_mods(lay.plan, score_mod, mask_mod)
             return self._attention_split(lay, self._runner(self._slot, q_vid.dtype, False)[1], (q_vid, k_vid, v_vid),

@@ -14,6 +14,7 @@ from .balance import choose_placement, split_placement
 from .geometry import WindowGeometry
 from .layout import build_layout, check_grids
 from .locality import locality_placement
+from .neighborhood import is_neighborhood
 from .planner import PLANNER_VERSION, Plan, _check_world_size
 
 __all__ = ["PLANNERS", "PLANNER_VERSIONS", "plan_schedule", "check_planner", "schedule_key"]
@@ -72,6 +73,8 @@ def plan_schedule(
     schedule = _check_schedule(schedule)
     world_size = _check_world_size(world_size)
     planner = check_planner(planner)
+    if any(is_neighborhood(g) for g in schedule):  # neighborhood layers: one shared block plan (winsp.halo)
+        return plan_with_neighborhoods(grids, schedule, world_size, planner, split_windows, plan_schedule)
     if planner == "split" and not split_windows:
         raise ValueError('planner "split" splits windows, but split_windows=False (the model declares a score_mod or '
                          'mask_mod): use planner "auto", "lpt" or "locality"')
@@ -97,6 +100,20 @@ def plan_schedule(
         key = (grids, geom.fingerprint, geom.version, world_size, planner, version) + context
         by_geometry[fp] = Plan(layouts[fp], world_size, key=key, **placements[fp])
     return [by_geometry[g.fingerprint] for g in schedule]
+
+
+def plan_with_neighborhoods(grids, schedule, world_size: int, planner: str, split_windows: bool,
+                            plan_windows) -> list[Plan]:
+    """Plans of a schedule with :class:`~winsp.Neighborhood` layers: they share one block plan
+    (:func:`winsp.halo.neighborhood_plan`); the window layers are planned by ``plan_windows`` as a schedule alone."""
+    from .halo import neighborhood_plan
+
+    neighborhoods = list({g.fingerprint: g for g in schedule if is_neighborhood(g)}.values())
+    shared = neighborhood_plan(grids, neighborhoods, world_size)
+    windows = [g for g in schedule if not is_neighborhood(g)]
+    window_plans = iter(plan_windows(grids, windows, world_size, planner, split_windows=split_windows)
+                        if windows else [])
+    return [shared if is_neighborhood(g) else next(window_plans) for g in schedule]
 
 
 def _locality(layouts: dict, schedule: tuple[WindowGeometry, ...], world_size: int) -> dict:

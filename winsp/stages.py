@@ -18,6 +18,7 @@ import numpy as np
 
 from .geometry import Grid, WindowGeometry, _positive_int_triple
 from .layout import check_grids
+from .schedule import _check_schedule
 
 __all__ = ["Stage", "check_stages", "stage_grids", "grid_sources", "logical_ids"]
 
@@ -46,9 +47,10 @@ class Stage:
     split_windows: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        layers = tuple(self.layers)
-        if not layers or not all(isinstance(g, WindowGeometry) for g in layers):
-            raise ValueError(f"Stage.layers must be a non-empty list of WindowGeometry, got {self.layers!r}")
+        try:  # whatever a flat schedule accepts as a layer's geometry, a stage accepts (one rule, in winsp.schedule)
+            layers = _check_schedule(self.layers)
+        except ValueError as err:
+            raise ValueError(f"Stage.layers: {err}") from None
         object.__setattr__(self, "layers", layers)
         merge = _positive_int_triple(self.merge, "Stage.merge")
         split = _positive_int_triple(self.split, "Stage.split")

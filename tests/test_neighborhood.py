@@ -1,0 +1,292 @@
+"""Neighborhood attention: NATTEN's semantics (checked against natten), halo plans, and exact SP = 1..4 execution.
+
+natten (0.21, pure Python on a CPU machine) runs only a float32 forward here. So: winsp's neighborhood layer equals
+``natten.na1d/na2d/na3d`` in float32; a dense masked oracle written below (sets of key positions, no shared index
+code) equals natten too; and the oracle then checks float64 outputs and every gradient, with text rows and a
+relative position bias, at one rank. At 2..4 ranks a mixed model (neighborhood, window and global layers) equals
+its one-rank run in outputs and every gradient, on grids that do and do not divide by the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import winsp
+from winsp.halo import HaloExchange, block_halo_rows, choose_splits, neighborhood_plan
+from winsp.halo_attention import halo_tensors, neighborhood_rpb_score_mod
+from winsp.neighborhood import Neighborhood, axis_neighbours, neighbourhood_ids
+from winsp.testing import run_ranks
+
+from tests.na_oracle import _axis_keys, oracle_attention
+
+HEADS, HEAD_DIM = 2, 4
+NATTEN_HEAD_DIM = 8  # natten's CPU (flex) path wants a power of two >= 8
+
+
+# ---- natten -----------------------------------------------------------------------------------------------------
+
+NATTEN_CASES = [  # (grid, kernel, dilation, causal, na_dim)
+    ((1, 1, 23), (5,), (3,), (False,), 1),
+    ((1, 1, 17), (4,), (2,), (True,), 1),
+    ((1, 9, 13), (4, 3), (2, 3), (False, True), 2),
+    ((1, 8, 8), (7, 7), (1, 1), (False, False), 2),
+    ((6, 8, 7), (3, 4, 3), (2, 2, 2), (True, False, False), 3),
+    ((4, 6, 5), (2, 3, 5), (2, 2, 1), (True, True, False), 3),
+]
+
+
+def _natten(q, k, v, case, extra=None):
+    natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
+                                                  "pip install 'winsp[natten]'")
+    grid, kernel, dilation, causal, nd = case
+    shape = (1,) + grid[3 - nd:] + (HEADS, NATTEN_HEAD_DIM)
+    fn = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[nd]
+    kwargs = {}
+    if extra is not None:
+        kwargs = dict(additional_keys=extra[0].unsqueeze(0), additional_values=extra[1].unsqueeze(0))
+    out = fn(*(x.reshape(shape) for x in (q, k, v)), kernel_size=kernel, dilation=dilation, is_causal=causal,
+             **kwargs)
+    return out.reshape(q.shape)
+
+
+def _qkv(n, seed=0, dtype=torch.float32, txt=0, dim=HEAD_DIM):
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(n, HEADS, dim, generator=g, dtype=dtype) for _ in range(3)]
+    return out + [torch.randn(txt, HEADS, dim, generator=g, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("case", NATTEN_CASES, ids=lambda c: f"{c[4]}d-{c[0]}-k{c[1]}-d{c[2]}-c{c[3]}")
+def test_layer_and_oracle_equal_natten_in_float32(case):
+    grid, kernel, dilation, causal, _ = case
+    geom = Neighborhood(kernel, dilation, causal)
+    n = math.prod(grid)
+    q, k, v, qt, kt, vt = _qkv(n, txt=3, dim=NATTEN_HEAD_DIM)
+    expected = _natten(q, k, v, case)
+    req = winsp.WindowRuntime([geom]).request([grid])
+    out, _ = req.attention(*(req.scatter(x) for x in (q, k, v)), layer=0)
+    torch.testing.assert_close(req.gather(out), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(oracle_attention(q, k, v, [grid], geom)[0], expected, rtol=1e-5, atol=1e-5)
+    # text rows are NATTEN's additional keys / values: every video query attends to them too
+    expected_txt = _natten(q, k, v, case, extra=(kt, vt))
+    req = winsp.WindowRuntime([geom]).request([grid], [3])
+    out, _ = req.attention(*(req.scatter(x) for x in (q, k, v)), qt, kt, vt, layer=0)
+    torch.testing.assert_close(req.gather(out), expected_txt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(oracle_attention(q, k, v, [grid], geom, qt, kt, vt, [3])[0], expected_txt,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_axis_neighbours_follow_the_rules():
+    for n, k, d, c in [(23, 5, 3, False), (17, 4, 2, True), (9, 4, 2, False), (10, 3, 1, True), (7, 7, 1, False)]:
+        keys, valid = axis_neighbours(n, k, d, c)
+        for i in range(n):
+            assert set(keys[i][valid[i]].tolist()) == _axis_keys(n, k, d, c, i)
+            assert c or valid[i].all()  # always kernel keys when not causal
+
+
+def test_neighbourhood_ids_equal_the_oracle_mask():
+    from tests.na_oracle import oracle_mask
+
+    grid, geom = (4, 5, 6), Neighborhood((2, 3, 3), dilation=(1, 1, 2), causal=(True, False, False))
+    coords = np.stack(np.meshgrid(*(np.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
+    ids, valid = neighbourhood_ids(coords, grid, geom)
+    mask = torch.zeros(len(coords), len(coords), dtype=torch.bool)
+    rows = np.broadcast_to(np.arange(len(coords))[:, None], ids.shape)
+    mask[torch.from_numpy(rows[valid]), torch.from_numpy(ids[valid])] = True
+    assert torch.equal(mask, oracle_mask([grid], geom))
+
+
+def test_bad_neighborhoods_are_refused():
+    with pytest.raises(ValueError, match="kernel"):
+        Neighborhood((0, 3, 3))
+    with pytest.raises(ValueError, match="causal"):
+        Neighborhood(3, causal=(1, 0, 0))
+    with pytest.raises(ValueError, match=r"along w needs at least 6 tokens"):
+        winsp.plan_schedule([(2, 8, 5)], [Neighborhood((1, 3, 3), dilation=(1, 1, 2))], 2)
+    with pytest.raises(ValueError, match="not a partition into windows"):
+        winsp.build_layout([(1, 4, 4)], Neighborhood(3))
+    assert Neighborhood((7, 7)) == Neighborhood((1, 7, 7)) and Neighborhood(3).kernel == (3, 3, 3)
+
+
+# ---- one rank: float64 and every gradient against the oracle ------------------------------------------------
+
+ORACLE_CASES = {
+    "2d-dilated": ([(1, 7, 9)], [3], Neighborhood((3, 4), dilation=(2, 1))),
+    "3d-causal-packed": ([(4, 5, 6), (2, 3, 4)], [2, 3], Neighborhood((2, 3, 3), causal=(True, False, False))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ORACLE_CASES))
+def test_one_rank_equals_the_oracle_in_float64_with_gradients(name):
+    grids, text_lengths, geom = ORACLE_CASES[name]
+    n, lt = sum(math.prod(g) for g in grids), sum(text_lengths)
+    inputs = [x.requires_grad_(True) for x in _qkv(n, seed=3, dtype=torch.float64, txt=lt)]
+    table = torch.randn(HEADS, *(2 * k - 1 for k in geom.kernel), dtype=torch.float64, requires_grad=True)
+    req = winsp.WindowRuntime([geom]).request(grids, text_lengths)
+    q, k, v = (req.scatter(x) for x in inputs[:3])
+    mod = neighborhood_rpb_score_mod(table, halo_tensors(req, 0), geom)
+    out, txt = req.attention(q, k, v, *inputs[3:], layer=0, score_mod=mod)
+    out = req.gather(out)
+    ref, ref_txt = oracle_attention(*inputs[:3], grids, geom, *inputs[3:], text_lengths, table=table)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(txt, ref_txt, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out), torch.randn_like(txt)
+    grads = torch.autograd.grad((out * weights[0]).sum() + (txt * weights[1]).sum(), inputs + [table])
+    ref_grads = torch.autograd.grad((ref * weights[0]).sum() + (ref_txt * weights[1]).sum(), inputs + [table])
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+# ---- plans and halos ------------------------------------------------------------------------------------------
+
+def test_neighborhood_layers_share_one_plan_and_move_only_halos():
+    a, b = Neighborhood((1, 3, 3)), Neighborhood((1, 5, 3), dilation=(1, 1, 2))
+    win = winsp.FixedWindows((1, 4, 4))
+    plans = winsp.plan_schedule([(2, 12, 16)], [a, b, a, win, a], 4)
+    assert plans[0] is plans[1] is plans[2] is plans[4] and plans[3] is not plans[0]
+    assert plans[0].rank_rows == (96,) * 4
+    rt = winsp.WindowRuntime([a, b, a, win, a])
+    req = rt.request([(2, 12, 16)])
+    h = req.scatter(torch.zeros(384, 1))
+    for layer in range(5):
+        h = req.to_layer(h, layer)
+    assert req.transitions_done == 2  # into the window layer and back out, never between neighborhood layers
+
+
+def test_halo_is_what_the_block_reaches_and_the_cut_follows_the_kernel():
+    geom = Neighborhood((1, 3, 7))
+    # a wide kernel along w: cutting h moves fewer rows than cutting w
+    assert choose_splits([(1, 32, 32)], [geom], 2) == (1, 2, 1)
+    assert block_halo_rows((1, 32, 32), (1, 2, 1), geom) == [(512, 32), (512, 32)]
+    assert block_halo_rows((1, 32, 32), (1, 1, 2), geom) == [(512, 96), (512, 96)]
+    plan = neighborhood_plan([(1, 32, 32)], [geom], 2)
+    halo = HaloExchange(plan, 0, geom)
+    assert halo.halo_rows == 32 and halo.input_split_sizes == (0, 32) and halo.output_split_sizes == (0, 32)
+    # a causal time kernel reaches only backwards: the first block receives nothing
+    causal = Neighborhood((3, 1, 1), causal=(True, False, False))
+    assert [h for _, h in block_halo_rows((8, 2, 2), (2, 1, 1), causal)] == [0, 8]
+
+
+def test_a_rank_can_hold_nothing():
+    plan = neighborhood_plan([(1, 1, 3)], [Neighborhood((3,))], 4)
+    assert sorted(plan.rank_rows) == [0, 1, 1, 1]
+
+
+# ---- 2..4 ranks: a mixed model equals its one-rank run ----------------------------------------------------------
+
+MODELS = {
+    # grids, text lengths, schedule: neighbourhoods (dilated, causal), windows, a global layer
+    "packed": ([(3, 7, 10), (1, 3, 4)], [4, 2],
+               [Neighborhood((1, 3, 3)), Neighborhood((1, 3, 2), dilation=(1, 1, 2)), winsp.FixedWindows((1, 3, 4)),
+                Neighborhood((1, 3, 3)), winsp.FixedWindows((3, 7, 10))]),
+    "video": ([(5, 6, 9)], [3],
+              [Neighborhood((3, 3, 3), causal=(True, False, False)), Neighborhood((2, 3, 3), dilation=(2, 2, 1)),
+               winsp.FixedWindows((5, 6, 9)), Neighborhood((3, 3, 3), causal=(True, False, False))]),
+    "tiny": ([(1, 1, 5)], [2], [Neighborhood((3,)), Neighborhood((2,), causal=True)]),
+}
+
+
+def _model_inputs(name, seed=0):
+    grids, text_lengths, schedule = MODELS[name]
+    g = torch.Generator().manual_seed(seed)
+    n, c = sum(math.prod(grid) for grid in grids), HEADS * HEAD_DIM
+    x = torch.randn(n, c, dtype=torch.float64, generator=g)
+    txt = torch.randn(sum(text_lengths), c, dtype=torch.float64, generator=g)
+    w = torch.randn(len(schedule), 4, c, c, dtype=torch.float64, generator=g) / 3
+    tables = [torch.randn(HEADS, *(2 * k - 1 for k in geom.kernel), dtype=torch.float64, generator=g)
+              if isinstance(geom, Neighborhood) else torch.zeros(1, dtype=torch.float64) for geom in schedule]
+    return x, txt, w, tables
+
+
+def _model_forward(runtime, name, x, txt, w, tables):
+    grids, text_lengths, schedule = MODELS[name]
+    req = runtime.request(grids, text_lengths, dtype=torch.float64, score_mods=False)
+    h = req.scatter(x)
+    shape = (-1, HEADS, HEAD_DIM)
+    for layer, geom in enumerate(schedule):
+        h = req.to_layer(h, layer)
+        q, k, v = (torch.tanh(h @ w[layer, j]).view(shape) for j in range(3))
+        qt, kt, vt = (torch.tanh(txt @ w[layer, j]).view(shape) for j in range(3))
+        mod = None
+        if isinstance(geom, Neighborhood):
+            mod = neighborhood_rpb_score_mod(tables[layer], halo_tensors(req, layer), geom)
+        out, txt_out = req.attention(q, k, v, qt, kt, vt, layer=layer, score_mod=mod)
+        h = h + out.reshape(h.shape) @ w[layer, 3]
+        txt = txt + txt_out.reshape(txt.shape)
+    return req.gather(h), txt
+
+
+def _model_rank(rank, world_size, names):
+    results = {}
+    for name in names:  # several models per spawn: starting ranks costs more than running them
+        x, txt, w, tables = _model_inputs(name)
+        params = [x, txt, w] + [t for t, geom in zip(tables, MODELS[name][2]) if isinstance(geom, Neighborhood)]
+        for p in params:
+            p.requires_grad_(True)
+        runtime = winsp.WindowRuntime(MODELS[name][2], group=winsp.SPGroup.world())
+        out, txt_out = _model_forward(runtime, name, x, txt, w, tables)
+        (out.square().sum() + txt_out.square().sum()).backward()
+        winsp.sync_gradients(params, runtime)
+        plan = runtime.plans(MODELS[name][0])[0]
+        results[name] = out.detach(), txt_out.detach(), [p.grad.clone() for p in params], plan.rank_rows
+    return results
+
+
+def _one_rank(name):
+    x, txt, w, tables = _model_inputs(name)
+    params = [x, txt, w] + [t for t, geom in zip(tables, MODELS[name][2]) if isinstance(geom, Neighborhood)]
+    for p in params:
+        p.requires_grad_(True)
+    out, txt_out = _model_forward(winsp.WindowRuntime(MODELS[name][2]), name, x, txt, w, tables)
+    (out.square().sum() + txt_out.square().sum()).backward()
+    return out.detach(), txt_out.detach(), [p.grad for p in params]
+
+
+def test_the_model_at_one_rank_equals_the_oracle_layers():
+    """The one-rank reference of the multi-rank test is itself exact: its first layer against the dense oracle."""
+    grids, text_lengths, schedule = MODELS["video"]
+    x, txt, w, tables = _model_inputs("video")
+    shape = (-1, HEADS, HEAD_DIM)
+    q, k, v = (torch.tanh(x @ w[0, j]).view(shape) for j in range(3))
+    qt, kt, vt = (torch.tanh(txt @ w[0, j]).view(shape) for j in range(3))
+    req = winsp.WindowRuntime(schedule).request(grids, text_lengths)
+    mod = neighborhood_rpb_score_mod(tables[0], halo_tensors(req, 0), schedule[0])
+    out, txt_out = req.attention(*(req.scatter(t) for t in (q, k, v)), qt, kt, vt, layer=0, score_mod=mod)
+    out = req.gather(out)
+    ref, ref_txt = oracle_attention(q, k, v, grids, schedule[0], qt, kt, vt, text_lengths, table=tables[0])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(txt_out, ref_txt, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, names", [
+    (2, ("packed",)), (3, ("video", "tiny")), (4, ("packed", "tiny")),
+    pytest.param(4, ("video",), marks=pytest.mark.slow), pytest.param(2, ("video",), marks=pytest.mark.slow),
+])
+def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):
+    results = run_ranks(_model_rank, world_size, names, timeout=240)
+    for name in names:
+        ref_out, ref_txt, ref_grads = _one_rank(name)
+        for rank, by_name in enumerate(results):
+            out, txt_out, grads, rows = by_name[name]
+            torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(txt_out, ref_txt, rtol=1e-12, atol=1e-12)
+            assert len(grads) == len(ref_grads)
+            for g, r in zip(grads, ref_grads):
+                torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+        if name == "tiny":
+            assert min(results[0][name][3]) <= 1  # a rank holds (almost) nothing
+
+
+def test_halo_bytes_targets():
+    """benchmarks/bench_neighborhood.py's table: at most 0.25 of Ulysses' bytes at 4K P = 8 with a 3D kernel of 7,
+    and never more than Ulysses anywhere in the table."""
+    from benchmarks.bench_neighborhood import table
+
+    _, ratios = table()
+    assert len(ratios) == 3 * 3 * 4 * 3
+    assert ratios[("4K x21", 3, 7, 8)] <= 0.25
+    assert max(ratios.values()) <= 1.0

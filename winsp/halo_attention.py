@@ -1,0 +1,221 @@
+"""Neighborhood attention on local rows: exchange the halos, then attend to each query's gathered neighbourhood.
+
+The exact path (every device, every dtype, with backward) is tiled masked SDPA: :class:`winsp.halo.HaloExchange`
+cuts the rank's block into query tiles of ``kernel * dilation`` per axis, once per request shape; each tile attends
+densely to the box of rows its queries reach (local and received halo rows) plus its sample's text keys, under a
+boolean mask that keeps each query's neighbourhood, in chunks of tiles within a memory budget. Dense tiles trade
+some masked work for GEMM speed (about (2k - 1) / k per axis of extra pairs). Only k and v travel (one variable-split all-to-all of both); its backward
+is the reverse exchange, so halo gradients return to the rows' owners.
+
+Text rows follow window attention's rule taken to a window that covers the grid: every video query attends to its
+sample's text keys besides its neighbourhood, and a text query attends to *all* of its sample's video rows and text
+rows. The latter is computed exactly across ranks: each rank's partial softmax over its own rows, shifted by the
+global maximum (one all-gather of per-rank maxima) and summed with one all-reduce; the same on every rank.
+
+``score_mod(score, head, q_row, k_row)`` / ``mask_mod(head, q_row, k_row)`` apply to video x video pairs as in
+window attention, per query tile: ``score`` ``[G, H, Q, K]``, ``head`` ``[1, H, 1, 1]``, ``q_row`` ``[G, 1, Q, 1]``
+(local rows) and ``k_row`` ``[G, 1, 1, K]``: *key rows* (local rows, then halo rows). They are evaluated on every
+pair of a tile, neighbours or not (the others are masked afterwards), so they must accept any key row. Key rows'
+grid coordinates are
+``halo_tensors(request, layer).key_coords``; :func:`neighborhood_rpb_score_mod` builds NATTEN's relative position
+bias from them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .group import SPGroup
+from .halo import HaloExchange, HaloTensors
+from .neighborhood import Neighborhood
+from .score_mods import ScoreMods
+
+__all__ = ["exchange_halos", "neighborhood_attention", "halo_tensors", "neighborhood_rpb_score_mod",
+           "GATHER_BUDGET"]
+
+#: Elements (gathered q / k / v and scores) one chunk of query tiles may hold.
+GATHER_BUDGET = 1 << 24
+
+
+def exchange_halos(k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup) -> tuple[Tensor, Tensor]:
+    """Key rows ``[L + halo, H, D]`` of k and v: the local rows, then the rows received from the neighbours."""
+    if not halo.exchange:
+        return k, v
+    dk = k.shape[-1]
+    packed = torch.cat([k, v.to(k.dtype)], dim=-1).index_select(0, halo.send_index)
+    recv = group.all_to_all_single(packed, halo.output_split_sizes, halo.input_split_sizes)
+    return torch.cat([k, recv[..., :dk]]), torch.cat([v, recv[..., dk:].to(v.dtype)])
+
+
+def _video_queries(q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple[Tensor, Tensor, Tensor]],
+                   halo: HaloTensors, scale: float, mods: Optional[ScoreMods]) -> Tensor:
+    """Every query tile against the rows it reaches (and its sample's text), masked, in chunks of tiles."""
+    rows, heads, dim = q.shape
+    if rows == 0:
+        return q.new_zeros((0, heads, v_all.shape[-1]))
+    outs = []
+    for query, key, tile_mask, tile_sample in halo.tiles:
+        tiles, mq = query.shape
+        mk = key.shape[1]
+        chunk = max(1, GATHER_BUDGET // max(1, (mq + mk) * heads * dim + mq * mk * heads))
+        for start in range(0, tiles, chunk):
+            stop = min(tiles, start + chunk)
+            g = stop - start
+            qi, ki = query[start:stop], key[start:stop]
+            qg = q.index_select(0, qi.reshape(-1)).view(g, mq, heads, -1).transpose(1, 2)
+            kg = k_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
+            vg = v_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
+            mask = tile_mask[start:stop]
+            if txt is not None:
+                k_txt, v_txt, (txt_index, txt_valid) = txt
+                sample = tile_sample[start:stop]
+                ti = txt_index.index_select(0, sample)
+                kg = torch.cat([kg, k_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, kg.shape[-1])], dim=1)
+                vg = torch.cat([vg, v_txt.index_select(0, ti.reshape(-1)).view(g, -1, heads, vg.shape[-1])], dim=1)
+                mask = torch.cat([mask, txt_valid.index_select(0, sample)[:, None, :].expand(g, mq, -1)], dim=-1)
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
+            mask = mask[:, None]
+            if mods is None:
+                out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+            else:
+                out = _modded_tiles(qg, kg, vg, mask, qi, ki, scale, mods)
+            outs.append(out.transpose(1, 2).reshape(g * mq, heads, -1))
+    return torch.cat(outs).index_select(0, halo.row_slot)
+
+
+def _modded_tiles(qg: Tensor, kg: Tensor, vg: Tensor, mask: Tensor, qi: Tensor, ki: Tensor, scale: float,
+                  mods: ScoreMods) -> Tensor:
+    """Explicit tile attention with ``mods`` on the video x video columns (the first ``ki.shape[1]``)."""
+    compute = torch.float32 if qg.dtype in (torch.float16, torch.bfloat16) else qg.dtype
+    g, heads, mq, _ = qg.shape
+    mk = ki.shape[1]
+    scores = torch.einsum("ghqd,ghkd->ghqk", qg.to(compute), kg.to(compute)) * scale
+    vid = scores[..., :mk]
+    head = torch.arange(heads, device=qg.device).view(1, -1, 1, 1)
+    q_row, k_row = qi.view(g, 1, mq, 1), ki.view(g, 1, 1, mk)
+    if mods.score_mod is not None:
+        vid = mods.score_mod(vid, head, q_row, k_row)
+    if mods.mask_mod is not None:
+        vid = vid.masked_fill(~mods.mask_mod(head, q_row, k_row), float("-inf"))
+    scores = torch.cat([vid, scores[..., mk:]], dim=-1).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("ghqk,ghkd->ghqd", probs, vg.to(compute)).to(qg.dtype)
+
+
+def _text_index(txt_sample: Tensor, samples: int) -> tuple[Tensor, Tensor]:
+    """Per sample, its text rows padded to the longest (``[B, T_max]`` index and validity)."""
+    counts = torch.bincount(txt_sample, minlength=samples)
+    width = max(1, int(counts.max())) if samples else 1
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(width, device=txt_sample.device)
+    valid = pos[None, :] < counts[:, None]
+    index = torch.where(valid, starts[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
+    return index, valid
+
+
+def _text_queries(q_txt: Tensor, k_txt: Tensor, v_txt: Tensor, txt_sample: Tensor, k: Tensor, v: Tensor,
+                  halo: HaloTensors, group: SPGroup, scale: float) -> Tensor:
+    """Each text query over all of its sample's video rows (on every rank) and its sample's text rows."""
+    compute = torch.float32 if q_txt.dtype in (torch.float16, torch.bfloat16) else q_txt.dtype
+    qt = q_txt.to(compute)
+    vid = torch.einsum("thd,lhd->thl", qt, k.to(compute)) * scale
+    vid = vid.masked_fill(txt_sample.view(-1, 1, 1) != halo.row_sample.view(1, 1, -1), float("-inf"))
+    txt = torch.einsum("thd,shd->ths", qt, k_txt.to(compute)) * scale
+    txt = txt.masked_fill(txt_sample.view(-1, 1, 1) != txt_sample.view(1, 1, -1), float("-inf"))
+    with torch.no_grad():  # the shift: any common constant gives the same result, so it carries no gradient
+        local_max = vid.amax(dim=-1) if vid.shape[-1] else torch.full_like(txt[..., 0], float("-inf"))
+        if not group.is_single:
+            local_max = group.all_gather_rows(local_max.contiguous(), [local_max.shape[0]] * group.size)
+            local_max = local_max.view(group.size, *txt.shape[:2]).amax(dim=0)
+        shift = torch.maximum(local_max, txt.amax(dim=-1)).unsqueeze(-1)
+    e_vid, e_txt = torch.exp(vid - shift), torch.exp(txt - shift)
+    partial = torch.cat([torch.einsum("thl,lhd->thd", e_vid, v.to(compute)), e_vid.sum(-1, keepdim=True)], dim=-1)
+    if not group.is_single:
+        partial = group.all_reduce_sum(partial)
+    num = partial[..., :-1] + torch.einsum("ths,shd->thd", e_txt, v_txt.to(compute))
+    den = partial[..., -1:] + e_txt.sum(-1, keepdim=True)
+    return (num / den).to(q_txt.dtype)
+
+
+def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup, *,
+                           q_txt: Optional[Tensor] = None, k_txt: Optional[Tensor] = None,
+                           v_txt: Optional[Tensor] = None, txt_sample: Optional[Tensor] = None,
+                           scale: float, mods: Optional[ScoreMods] = None,
+                           text_output: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """One neighborhood layer on local rows ``[L, H, D]``: halo exchange, then attention (and text queries' output).
+
+    ``txt_sample`` [L_txt] is each text row's sample. Returns (video output, text output or None).
+    """
+    if q.shape[0] != halo.num_rows:
+        raise ValueError(f"rank {group.rank}: neighborhood attention got {q.shape[0]} rows, the plan gives this rank "
+                         f"{halo.num_rows}")
+    k_all, v_all = exchange_halos(k, v, halo, group)
+    has_text = k_txt is not None and k_txt.shape[0] > 0
+    vid = _video_queries(q, k_all, v_all, (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None, halo,
+                         scale, mods)
+    if q_txt is None or not text_output:
+        return vid, None
+    return vid, _text_queries(q_txt, k_txt, v_txt, txt_sample, k, v, halo, group, scale)
+
+
+def halo_tensors(request, layer: int) -> HaloTensors:
+    """This rank's prepared halo data for neighborhood layer ``layer`` of ``request`` (built once, in the store).
+
+    ``query_coords`` / ``key_coords`` are the grid (t, h, w) of local rows and of key rows (local, then halo),
+    ``row_sample`` / ``key_sample`` their samples: what a score_mod on a neighborhood layer indexes.
+    """
+    from .neighborhood import is_neighborhood
+
+    layer = request._check_layer(layer)
+    geometry = request.runtime.schedule[layer]
+    if not is_neighborhood(geometry):
+        raise ValueError(f"layer {layer} attends in {geometry!r}, not a winsp.Neighborhood: it has no halos")
+    plan = request.plan(layer)
+    runtime = request.runtime
+    key = ("halo", plan.key or id(plan), geometry.fingerprint, runtime.rank, str(request.device))
+    return runtime.store.get(key, lambda: HaloExchange(plan, runtime.rank, geometry).to(request.device))
+
+
+def neighborhood_rpb_score_mod(table: Tensor, halo: HaloTensors, geometry: Neighborhood):
+    """A score_mod adding NATTEN-style relative position bias ``table[head, dt + kt - 1, dh + kh - 1, dw + kw - 1]``.
+
+    ``table`` is ``[heads, 2 kt - 1, 2 kh - 1, 2 kw - 1]``; ``d`` is (key - query) / dilation per axis, which a
+    neighbourhood keeps within ``(-k, k)``. ``table`` receives its gradient through the score_mod.
+    """
+    kern = torch.tensor(geometry.kernel, device=halo.key_coords.device)
+    dil = torch.tensor(geometry.dilation, device=halo.key_coords.device)
+    expected = (2 * kern - 1).tolist()
+    if table.dim() != 4 or list(table.shape[1:]) != expected:
+        raise ValueError(f"relative position bias table must be [heads, {', '.join(map(str, expected))}] for kernel "
+                         f"{geometry.kernel}, got {list(table.shape)}")
+    q_coords, k_coords = halo.query_coords, halo.key_coords
+
+    def score_mod(score, head, q_row, k_row):
+        rel = torch.div(k_coords[k_row] - q_coords[q_row], dil, rounding_mode="floor") + kern - 1
+        rel = torch.minimum(rel.clamp_min(0), 2 * kern - 2)  # pairs outside the neighbourhood are masked anyway
+        return score + table[head, rel[..., 0], rel[..., 1], rel[..., 2]]
+
+    return score_mod
+
+
+def _text_samples(request) -> Tensor:
+    key = ("halo-text", request.text_lengths, str(request.device))
+    lengths = torch.tensor(request.text_lengths, dtype=torch.int64)
+    return request.runtime.store.get(key, lambda: torch.repeat_interleave(
+        torch.arange(len(lengths)), lengths).to(request.device))
+
+
+def neighborhood_layer(request, layer: int, qkv: tuple, qkv_txt: tuple, mods: Optional[ScoreMods],
+                       softmax_scale: Optional[float], text_output: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """:meth:`winsp.WindowRequest.attention` of a :class:`~winsp.Neighborhood` layer (the runtime's one hook)."""
+    from .attention import _scale
+
+    halo = halo_tensors(request, layer)
+    q_txt, k_txt, v_txt = qkv_txt
+    return neighborhood_attention(*qkv, halo, request.group, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt,
+                                  txt_sample=_text_samples(request) if k_txt is not None else None,
+                                  scale=_scale(qkv[0], softmax_scale), mods=mods, text_output=text_output)
