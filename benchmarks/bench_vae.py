@@ -1,6 +1,19 @@
-"""VAE memory and accuracy of its execution modes, CPU-sized.
+"""VAE memory and accuracy of its execution modes, CPU-sized; and (``--scaling``) how its parallel modes scale.
 
     python benchmarks/bench_vae.py [--frames 17] [--height 64] [--width 96] [--json out.json]
+    python benchmarks/bench_vae.py --scaling [--clips 9x128x192 5x720x64 33x64x96] [--worlds 2 4]
+        [--modes height wavefront time] [--channels 128,256,512,512] [--json out.json]
+
+``--scaling`` (modes ``height``; ``wavefront``, the split :func:`choose_split` picks; ``time``, the wavefront alone)
+runs the released VAE architecture (``--channels`` scales its widths; random weights, float32, one
+thread a rank, gloo, temporal chunks of 4) on each clip: one rank (``vae.encode`` / ``vae.decode``), then every mode at
+every world size, one process a rank. Per rank it records wall time (after a barrier), process CPU time, and the time
+spent inside collectives and point-to-point waits; *busy* = wall - that, and *busy CPU* = the rank's main-thread CPU
+time outside them (what a rank computes, which predicts a machine with a core per rank and, unlike wall time, holds
+on a loaded machine). Reported: wall speed-up over one rank (the slowest rank's wall), total CPU over the ranks / one
+rank's CPU, each rank's busy and busy-CPU time and the busiest rank's speed-up (one rank's wall or main-thread CPU over
+it), collective counts, and the max error against the single-rank result (0 means bit for bit). A tiny untimed run
+first warms every rank (kernels, connections).
 
 Memory is the peak of live activation bytes (``examples.seedvr2.vae.memory.peak_tensor_bytes``: every tensor an
 operator creates, counted while alive; parameters and the input are excluded), which is deterministic on CPU.
@@ -29,6 +42,13 @@ from examples.seedvr2.vae import CausalVideoVAE  # noqa: E402
 from examples.seedvr2.vae.memory import peak_tensor_bytes  # noqa: E402
 from examples.seedvr2.vae.sharding import decode_sharded, encode_sharded  # noqa: E402
 from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled  # noqa: E402
+from examples.seedvr2.vae.wavefront import (  # noqa: E402
+    RelayCache,
+    VAESplit,
+    decode_wavefront,
+    encode_wavefront,
+    split_for_clip,
+)
 from tests.helpers import random_video, tiny_vae  # noqa: E402
 from winsp.group import SPGroup  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
@@ -120,6 +140,131 @@ def bench_tiled(video: torch.Tensor, tiles=((32, 16), (48, 16), (64, 32))) -> di
     return rows
 
 
+# ---- scaling (--scaling) ------------------------------------------------------------------------------------
+
+
+class _CommClock:
+    """Seconds and calls inside every SPGroup collective / receive and every wait for a send, in this process."""
+
+    METHODS = ("all_to_all_single", "all_reduce_sum", "all_gather_rows", "recv_")
+
+    def __init__(self) -> None:
+        self.seconds, self.cpu, self.calls = 0.0, 0.0, {}
+        for name in self.METHODS:
+            self._wrap(SPGroup, name)
+        self._wrap(RelayCache, "finish")
+
+    def _wrap(self, cls, name: str) -> None:
+        original = getattr(cls, name)
+        clock = self
+
+        def timed(*args, **kwargs):
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+                clock.cpu += time.thread_time() - cpu
+                clock.calls[name] = clock.calls.get(name, 0) + 1
+
+        setattr(cls, name, timed)
+
+    def reset(self) -> None:
+        self.seconds, self.cpu, self.calls = 0.0, 0.0, {}
+
+
+def scaled_vae(channels: list[int]) -> CausalVideoVAE:
+    from examples.seedvr2.vae import VideoVAEConfig
+
+    torch.manual_seed(0)
+    groups = 32 if min(channels) >= 32 and all(c % 32 == 0 for c in channels) else 4
+    vae = CausalVideoVAE(VideoVAEConfig(block_out_channels=channels, norm_num_groups=groups)).eval()
+    vae.set_temporal_chunking(4)
+    return vae
+
+
+def _run_mode(mode: str, vae, x, group, what: str):
+    if mode == "single":
+        return vae.encode(x) if what == "encode" else vae.decode(x)
+    if mode == "height":
+        return encode_sharded(vae, x, group) if what == "encode" else decode_sharded(vae, x, group)
+    split = VAESplit(group.size, 1) if mode == "time" else None  # "wavefront": the split choose_split picks
+    if what == "encode":
+        return encode_wavefront(vae, x, group, split=split)
+    return decode_wavefront(vae, x, group, split=split)
+
+
+def _scaling_rank(rank: int, world: int, mode: str, clip: tuple[int, int, int], channels: list[int]) -> dict:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    clock = _CommClock()
+    vae = scaled_vae(channels)
+    group = SPGroup.world()
+    warm = random_video(5, 16 * max(1, world), 16)
+    for what, x in (("encode", warm), ("decode", vae.encode(warm))):
+        _run_mode(mode, vae, x, group, what)
+    video = random_video(*clip)
+    reference = torch.load(os.environ["BENCH_VAE_REFERENCE"]) if mode != "single" else None
+    out = {}
+    for what in ("encode", "decode"):
+        x = video if what == "encode" else (reference["latent"] if reference is not None else out["latent"])
+        if world > 1:
+            dist.barrier()
+        clock.reset()
+        wall0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
+        result = _run_mode(mode, vae, x, group, what)
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        thread = time.thread_time() - thread0
+        out[what] = {"wall_s": wall, "cpu_s": cpu, "comm_s": clock.seconds, "busy_s": wall - clock.seconds,
+                     "busy_cpu_s": thread - clock.cpu, "calls": dict(clock.calls)}
+        if reference is None:
+            out["latent" if what == "encode" else "decoded"] = result
+        else:
+            ref = reference["latent" if what == "encode" else "decoded"]
+            out[what]["max_err"] = (result - ref).abs().max().item()
+    return out
+
+
+def bench_scaling(clips, worlds, modes, channels) -> dict:
+    import tempfile
+
+    rows = {}
+    for clip in clips:
+        name = "x".join(map(str, clip))
+        single = run_ranks(_scaling_rank, 1, "single", clip, channels, timeout=3600)[0]
+        with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f:
+            torch.save({"latent": single.pop("latent"), "decoded": single.pop("decoded")}, f.name)
+        os.environ["BENCH_VAE_REFERENCE"] = f.name
+        print(f"  {name} P=1: {single['encode']} {single['decode']}", flush=True)
+        rows[f"{name} P=1"] = {f"{w}_{k}": round(single[w][k], 3) for w in ("encode", "decode")
+                               for k in ("wall_s", "cpu_s", "busy_cpu_s")}
+        for world in worlds:
+            for mode in modes:
+                per_rank = run_ranks(_scaling_rank, world, mode, clip, channels, timeout=3600)
+                row = {}
+                for what in ("encode", "decode"):
+                    wall = max(r[what]["wall_s"] for r in per_rank)
+                    busy = [r[what]["busy_s"] for r in per_rank]
+                    row[f"{what}_wall_s"] = round(wall, 3)
+                    row[f"{what}_speedup"] = round(single[what]["wall_s"] / wall, 3)
+                    row[f"{what}_cpu_ratio"] = round(sum(r[what]["cpu_s"] for r in per_rank) / single[what]["cpu_s"], 3)
+                    row[f"{what}_busy_s"] = [round(b, 3) for b in busy]
+                    row[f"{what}_busy_speedup"] = round(single[what]["wall_s"] / max(busy), 3)
+                    busy_cpu = [r[what]["busy_cpu_s"] for r in per_rank]
+                    row[f"{what}_busy_cpu_s"] = [round(b, 3) for b in busy_cpu]
+                    row[f"{what}_busy_cpu_speedup"] = round(single[what]["busy_cpu_s"] / max(busy_cpu), 3)
+                    row[f"{what}_calls"] = per_rank[0][what]["calls"]
+                    row[f"{what}_max_err"] = max(r[what]["max_err"] for r in per_rank)
+                if mode != "height":
+                    split = VAESplit(world, 1) if mode == "time" else split_for_clip(world, clip[0], clip[1] // 8)
+                    row["split"] = f"{split.time}x{split.height}"
+                rows[f"{name} {mode} P={world}"] = row
+                print(f"  {name} {mode} P={world}: {row}", flush=True)
+        os.unlink(f.name)
+    return rows
+
+
 def _print(title: str, rows: dict) -> None:
     print(f"\n== {title}")
     for name, row in rows.items():
@@ -138,7 +283,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-sharded", action="store_true")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--scaling", action="store_true", help="time the parallel modes instead (see above)")
+    parser.add_argument("--clips", nargs="+", default=["9x128x192", "5x720x64", "33x64x96"],
+                        help="FRAMESxHEIGHTxWIDTH clips of --scaling")
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--modes", nargs="+", default=["height", "wavefront", "time"],
+                        choices=["height", "wavefront", "time"],
+                        help="height: height bands; wavefront: the split choose_split picks; time: wavefront only")
+    parser.add_argument("--channels", default="128,256,512,512", help="VAE widths of --scaling (released: default)")
     args = parser.parse_args()
+    if args.scaling:
+        clips = [tuple(int(v) for v in c.split("x")) for c in args.clips]
+        channels = [int(c) for c in args.channels.split(",")]
+        print(f"scaling: channels {channels}, clips {args.clips}, worlds {args.worlds}, modes {args.modes}; "
+              f"load {os.getloadavg()}")
+        results = {"scaling": bench_scaling(clips, args.worlds, args.modes, channels)}
+        _print("scaling (wall = slowest rank; busy = wall minus collectives; cpu_ratio = total CPU / one rank's)",
+               results["scaling"])
+        print(f"load after: {os.getloadavg()}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     torch.set_num_threads(args.threads)
     video = random_video(args.frames, args.height, args.width)
     print(f"video {tuple(video.shape)}, tiny VAE, peaks = live activation bytes")

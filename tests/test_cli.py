@@ -113,7 +113,7 @@ def test_restore_is_deterministic_for_a_seed(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("vae_parallel", ["replicated", "height"])
+@pytest.mark.parametrize("vae_parallel", ["replicated", "height", "wavefront"])
 def test_restore_two_ranks_torchrun(tmp_path, vae_parallel):
     src = make_mp4(tmp_path / "in.mp4", t=5, h=32, w=48, fps=Fraction(12))
     single, double = tmp_path / "single.mp4", tmp_path / "double.mp4"

@@ -18,12 +18,15 @@ def candidates(num_frames=40, latent_height=90, sp_size=1, frame_size=(720, 1280
     return make
 
 
-def test_larger_batches_first_then_replicated_height_tiled_largest_tile_first():
+def test_larger_batches_first_then_wavefront_height_tiled_largest_tile_first():
     order = list(candidates(sp_size=2)(PinnedSettings()))
     assert [s.batch_frames for s in order[:11]] == [21] * 11
-    assert [(s.vae_parallel, s.vae_tile) for s in order[:4]] == [("replicated", None), ("height", None),
+    assert [(s.vae_parallel, s.vae_tile) for s in order[:4]] == [("wavefront", None), ("height", None),
                                                                   ("tiled", 1024), ("tiled", 768)]
-    assert order[11] == RunSettings(17, 5, "replicated")
+    assert order[11] == RunSettings(17, 5, "wavefront")
+    single = list(candidates(sp_size=1)(PinnedSettings()))
+    assert single[0] == RunSettings(21, 5, "replicated")
+    assert "wavefront" not in {s.vae_parallel for s in single}
     batches = list(dict.fromkeys(s.batch_frames for s in order))
     assert batches == [21, 17, 13, 9, 5, 1]
     assert {s.overlap for s in order if s.batch_frames == 5} == {1}  # an overlap must leave new frames
@@ -46,14 +49,16 @@ def test_tile_overlap_is_64_or_a_quarter_of_a_small_tile():
 
 
 def _need(settings: RunSettings) -> int:
-    """A made-up memory model: 10 per frame, VAE replicated 100, height 50, tiled the tile in units of 10 pixels."""
-    vae = {"replicated": 100, "height": 50}.get(settings.vae_parallel) or (settings.vae_tile or 0) // 10
+    """A made-up memory model: 10 per frame, VAE replicated or wavefront 100, height 50, tiled the tile in units of
+    10 pixels."""
+    vae = {"replicated": 100, "wavefront": 100, "height": 50}.get(settings.vae_parallel)
+    vae = vae or (settings.vae_tile or 0) // 10
     return 10 * settings.batch_frames + vae
 
 
 def test_the_first_candidate_that_fits_is_chosen():
     fit = fit_settings(candidates(sp_size=2), PinnedSettings(), _need, usable=10**9)
-    assert fit.chosen == RunSettings(21, 5, "replicated") and not fit.changed
+    assert fit.chosen == RunSettings(21, 5, "wavefront") and not fit.changed
     fit = fit_settings(candidates(sp_size=1), PinnedSettings(), _need, usable=290)
     assert fit.chosen == RunSettings(21, 5, "tiled", 768) and fit.changed and fit.need == 210 + 76
     assert fit.first_need == 310

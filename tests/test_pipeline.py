@@ -266,7 +266,7 @@ def _rank_run_modes(rank: int, world: int, modes: tuple, job) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_parallel_restore_equals_single_rank_small(golden_pipeline, world):
     single = restore_small(golden_pipeline)
-    modes = ("replicated", "height")
+    modes = ("replicated", "height", "wavefront")
     results = run_ranks(_rank_run_modes, world, modes, restore_small, timeout=RANK_TIMEOUT)
     for rank, outputs in enumerate(results):
         for mode in modes:

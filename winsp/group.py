@@ -28,13 +28,17 @@ def _process_group(name: str):
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("winsp::all_reduce_sum", mutates_args=())
-def _all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+def _all_reduce_sum_eager(x: Tensor, group) -> Tensor:
     import torch.distributed as dist
 
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_process_group(group_name))
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+@torch.library.custom_op("winsp::all_reduce_sum", mutates_args=())
+def _all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    return _all_reduce_sum_eager(x, _process_group(group_name))
 
 
 @_all_reduce_sum.register_fake
@@ -55,15 +59,18 @@ def _all_reduce_backward(ctx, grad: Tensor):
 _all_reduce_sum.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
 
 
-@torch.library.custom_op("winsp::all_to_all_rows", mutates_args=())
-def _all_to_all_rows(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
-                     group_name: str) -> Tensor:
+def _all_to_all_rows_eager(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> Tensor:
     import torch.distributed as dist
 
     out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), list(output_split_sizes), list(input_split_sizes),
-                           group=_process_group(group_name))
+    dist.all_to_all_single(out, x.contiguous(), list(output_split_sizes), list(input_split_sizes), group=group)
     return out
+
+
+@torch.library.custom_op("winsp::all_to_all_rows", mutates_args=())
+def _all_to_all_rows(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                     group_name: str) -> Tensor:
+    return _all_to_all_rows_eager(x, output_split_sizes, input_split_sizes, _process_group(group_name))
 
 
 @_all_to_all_rows.register_fake
@@ -83,8 +90,7 @@ def _all_to_all_backward(ctx, grad: Tensor):
 _all_to_all_rows.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
 
 
-@torch.library.custom_op("winsp::all_gather_rows", mutates_args=())
-def _all_gather_rows(x: Tensor, sizes: list[int], group_name: str) -> Tensor:
+def _all_gather_rows_eager(x: Tensor, sizes: list[int], group) -> Tensor:
     import torch.distributed as dist
 
     # One all-to-all in which every rank sends its whole block to every rank: uneven sizes (0 included) need no
@@ -92,8 +98,13 @@ def _all_gather_rows(x: Tensor, sizes: list[int], group_name: str) -> Tensor:
     world = len(sizes)
     out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
     send = x.contiguous().repeat((world,) + (1,) * (x.dim() - 1))
-    dist.all_to_all_single(out, send, list(sizes), [x.shape[0]] * world, group=_process_group(group_name))
+    dist.all_to_all_single(out, send, list(sizes), [x.shape[0]] * world, group=group)
     return out
+
+
+@torch.library.custom_op("winsp::all_gather_rows", mutates_args=())
+def _all_gather_rows(x: Tensor, sizes: list[int], group_name: str) -> Tensor:
+    return _all_gather_rows_eager(x, sizes, _process_group(group_name))
 
 
 @_all_gather_rows.register_fake
@@ -170,6 +181,8 @@ class SPGroup:
         """The sum of ``tensor`` over the group, as a new tensor (differentiable; its backward is an all-reduce)."""
         if self.is_single:
             return tensor
+        if _eager(tensor):
+            return _all_reduce_sum_eager(tensor, self.group)
         return torch.ops.winsp.all_reduce_sum(tensor, self.name)
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -190,8 +203,10 @@ class SPGroup:
         """
         if self.is_single:
             return tensor
-        return torch.ops.winsp.all_to_all_rows(tensor.contiguous(), [int(c) for c in output_split_sizes],
-                                               [int(c) for c in input_split_sizes], self.name)
+        outs, ins = [int(c) for c in output_split_sizes], [int(c) for c in input_split_sizes]
+        if _eager(tensor):
+            return _all_to_all_rows_eager(tensor, outs, ins, self.group)
+        return torch.ops.winsp.all_to_all_rows(tensor.contiguous(), outs, ins, self.name)
 
     def all_gather_rows(self, tensor: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along dim 0; rank r holds ``sizes[r]`` rows (may differ, may be 0).
@@ -207,7 +222,63 @@ class SPGroup:
             )
         if self.is_single:
             return tensor
+        if _eager(tensor):
+            return _all_gather_rows_eager(tensor, [int(s) for s in sizes], self.group)
         return torch.ops.winsp.all_gather_rows(tensor, [int(s) for s in sizes], self.name)
+
+    # ---- point-to-point and subgroups (eager; for pipelines such as the VAE's temporal wavefront) -------------
+
+    def global_rank(self, rank: int) -> int:
+        """The world rank of this group's ``rank``."""
+        if self.is_single:
+            return rank
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.group, rank)
+
+    def isend(self, tensor: torch.Tensor, dst: int):
+        """Start sending ``tensor`` (contiguous, its shape known to the receiver) to group rank ``dst``; returns
+        the work handle to ``wait()`` on (keep ``tensor`` alive until then)."""
+        import torch.distributed as dist
+
+        return dist.isend(tensor, self.global_rank(dst))
+
+    def recv_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into ``tensor`` (contiguous, the sender's shape and dtype) from group rank ``src``; returns it."""
+        import torch.distributed as dist
+
+        dist.recv(tensor, self.global_rank(src))
+        return tensor
+
+    def subgroup(self, ranks: Sequence[int]) -> "SPGroup":
+        """The group of this group's ``ranks`` (which must include this rank), created once and cached.
+
+        Only the members call it (a group-local rendezvous), so disjoint subgroups can be made by their own
+        members in any order."""
+        ranks = tuple(int(r) for r in ranks)
+        if self.rank not in ranks:
+            raise ValueError(f"subgroup: rank {self.rank} is not among the members {list(ranks)}")
+        if len(ranks) == self.size and ranks == tuple(range(self.size)):
+            return self
+        if len(ranks) == 1:
+            return SPGroup(None)
+        key = (self.name, ranks)
+        cached = _SUBGROUPS.get(key)
+        if cached is None:
+            import torch.distributed as dist
+
+            members = [self.global_rank(r) for r in ranks]
+            cached = _SUBGROUPS[key] = SPGroup(dist.new_group(members, use_local_synchronization=True))
+        return cached
+
+
+_SUBGROUPS: dict = {}
+
+
+def _eager(tensor: torch.Tensor) -> bool:
+    """Whether a collective can skip its custom op: not traced, and no gradient to record. (The custom op's
+    first call imports the tracing machinery, seconds of one-time cost that an inference run need not pay.)"""
+    return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and tensor.requires_grad)
 
 
 def world_rank_and_size() -> tuple[int, int]:

@@ -95,31 +95,38 @@ def halo_exchange(
             )
     if before == 0 and after == 0:
         return x
-    rows = x.movedim(dim, 0)
-    local = rows.shape[0]
+    local = x.shape[dim]
     has_prev, has_next = rank > 0, rank < n - 1
     send_splits = [0] * n
     recv_splits = [0] * n
     pieces = []
     if has_prev and after:
         send_splits[rank - 1] = after  # my first rows are the previous band's bottom halo
-        pieces.append(rows[:after])
+        pieces.append(x.narrow(dim, 0, after))
     if has_next and before:
         send_splits[rank + 1] = before  # my last rows are the next band's top halo
-        pieces.append(rows[local - before:])
+        pieces.append(x.narrow(dim, local - before, before))
     if has_prev:
         recv_splits[rank - 1] = before
     if has_next:
         recv_splits[rank + 1] = after
-    if n > 1:
-        send = torch.cat(pieces, 0) if pieces else rows[:0]
-        recv = group.all_to_all_single(send, recv_splits, send_splits)
+    # Only the halo rows travel (rows first, as the all-to-all splits dim 0); the band itself is copied once, by
+    # the concatenation, which keeps the input's layout (a convolution then reads it without another copy).
+    if n > 1 and (sum(send_splits) or sum(recv_splits)):
+        send = torch.cat([p.movedim(dim, 0) for p in pieces], 0) if pieces else x.narrow(dim, 0, 0).movedim(dim, 0)
+        recv = group.all_to_all_single(send, recv_splits, send_splits).movedim(0, dim)
     else:
-        recv = rows[:0]
-    zeros_shape = rows.shape[1:]
-    top = recv[:before] if has_prev else rows.new_zeros((before,) + zeros_shape)
-    bottom = recv[recv.shape[0] - after:] if has_next else rows.new_zeros((after,) + zeros_shape)
-    return torch.cat([top, rows, bottom], 0).movedim(0, dim)
+        recv = x.narrow(dim, 0, 0)
+    zeros_shape = list(x.shape)
+    parts = []
+    if before:
+        zeros_shape[dim] = before
+        parts.append(recv.narrow(dim, 0, before) if has_prev else x.new_zeros(zeros_shape))
+    parts.append(x)
+    if after:
+        zeros_shape[dim] = after
+        parts.append(recv.narrow(dim, recv.shape[dim] - after, after) if has_next else x.new_zeros(zeros_shape))
+    return torch.cat(parts, dim)
 
 
 def gather_bands(x: torch.Tensor, dim: int, group: SPGroup, sizes: Sequence[int]) -> torch.Tensor:
@@ -138,9 +145,10 @@ def distributed_mean_var(
     """Mean and (biased) variance of ``x`` over ``dims`` as if the bands of all ranks were one tensor.
 
     Each rank reduces its band locally (``torch.var_mean``: no copy of ``x``, double accumulation on CPU), then
-    the per-band moments are combined in float64 with two small all-reduces: counts and sums give the global
-    mean, then counts times (variance + squared offset from that mean) give the global variance. Combining
-    around the global mean avoids the cancellation of "E[x^2] - mean^2" when the mean dominates. The results
+    one small all-gather gives every rank every band's (count, mean, variance) in float64, combined in rank order
+    (the same arithmetic on every rank): counts and means give the global mean, then counts times (variance +
+    squared offset from that mean) the global variance. Combining around the global mean avoids the
+    cancellation of "E[x^2] - mean^2" when the mean dominates. The results
     keep the reduced dims (size 1) and are float64. A rank whose band is empty contributes nothing.
     """
     dims = sorted({d % x.dim() for d in dims})
@@ -153,12 +161,17 @@ def distributed_mean_var(
     else:
         shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
         mean = var = torch.zeros(shape, dtype=torch.float64, device=x.device)
-    packed = group.all_reduce_sum(torch.stack([mean * count, torch.full_like(mean, float(count))]))
-    total, count_all = packed.unbind(0)
+    if group.is_single:
+        return mean, var
+    # One collective: every rank gets every band's (count, mean, variance) and combines them in rank order.
+    stats = group.all_gather_rows(torch.stack([torch.full_like(mean, float(count)), mean, var]), [3] * group.size)
+    stats = stats.view((group.size, 3) + tuple(mean.shape))
+    counts, means, variances = stats.unbind(1)
+    count_all = counts.sum(0)
     if bool((count_all <= 0).any()):
         raise ValueError("distributed_mean_var: no rank holds any element to take statistics over")
-    global_mean = total / count_all
-    spread = group.all_reduce_sum(count * (var + (mean - global_mean) ** 2))
+    global_mean = (counts * means).sum(0) / count_all
+    spread = (counts * (variances + (means - global_mean) ** 2)).sum(0)
     return global_mean, spread / count_all
 
 

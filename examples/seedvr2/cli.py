@@ -120,13 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         "memory",
         "Left out, these are chosen to fit the memory this process may use (the smallest of free RAM, ulimit -v / -d,\n"
         "the cgroup's limit and free GPU memory; RAM and cgroup shared by the ranks on a host): the fastest settings\n"
-        "that fit, longer temporal batches first, then the VAE replicated, height-sharded (several ranks), tiled with\n"
-        "the largest tile. The summary line says what was chosen and why. Pinned settings that do not fit are\n"
+        "that fit, longer temporal batches first, then the VAE as a wavefront and height-sharded (several ranks) or\n"
+        "replicated (one), tiled with the largest tile. The summary line says what was chosen and why. Pinned settings that do not fit are\n"
         "refused, naming settings that would.")
-    memory.add_argument("--vae-parallel", choices=("replicated", "height", "tiled"),
+    memory.add_argument("--vae-parallel", choices=("replicated", "height", "tiled", "wavefront"),
                         help="how the ranks of an SP group share the VAE: replicated (every rank runs it), height (the "
                              "frame's rows split over the group; exact), tiled (overlapping tiles; approximate, least "
-                             "memory) (default: chosen to fit, replicated when it does)")
+                             "memory), wavefront (the ranks run consecutive causal chunks at once, the rows split too "
+                             "where faster; exact) (default: chosen to fit: wavefront with several ranks, replicated "
+                             "with one, when it does)")
     memory.add_argument("--vae-tile", type=int, metavar="PIXELS",
                         help="tile size of --vae-parallel tiled (square, a multiple of 8; implies tiled) (default: the "
                              "largest that fits)")

@@ -3,9 +3,10 @@
 The settings that decide memory are the temporal batch (``--batch-frames``, with its ``--overlap``), the VAE mode
 (``--vae-parallel``) and, when tiled, the tile size (``--vae-tile``). Whatever the user pinned stays; the rest is
 searched from the fastest to the most frugal: larger temporal batches first (fewer frames computed twice in the
-cross-fades, more temporal context), then for each batch the VAE mode ``replicated`` (no communication, exact),
-``height`` (exact, the frame split over the SP group: only with several ranks), then ``tiled`` with the largest tile
-that fits (approximate). The first candidate whose estimate fits is used.
+cross-fades, more temporal context), then for each batch the VAE mode: with several ranks ``wavefront`` (exact, the
+ranks run consecutive causal chunks, with the height split too where the cost model finds it faster), then ``height``
+(exact, the frame split over all ranks: the smallest exact footprint); with one rank ``replicated``; then ``tiled``
+with the largest tile that fits (approximate). The first candidate whose estimate fits is used.
 
 Pure functions of numbers: the caller supplies the estimate (``need``) and the usable bytes (see
 :mod:`.memory_limits`), which keeps this testable without models or limits.
@@ -95,7 +96,8 @@ def candidate_settings(
 
     Batches longer than ``default_batch`` are not tried (the default is the speed/quality choice); batches longer than
     the clip are tried once (they are all the whole clip). A tile is tried only when smaller than the frame's longer
-    side; ``height`` only when ``sp_size > 1`` and every rank gets a latent row.
+    side; ``wavefront`` and ``height`` only when ``sp_size > 1`` (``height`` when every rank gets a latent row),
+    ``replicated`` only at one rank (a pinned mode is tried whatever the ranks).
     """
     if pinned.batch_frames is not None:
         batches = [pinned.batch_frames]
@@ -112,7 +114,9 @@ def candidate_settings(
     if pinned.vae_parallel is not None:
         modes = [pinned.vae_parallel]
     else:
-        modes = ["replicated"] + (["height"] if 1 < sp_size <= latent_height else []) + ["tiled"]
+        # several ranks: the wavefront (exact, the fastest) first; one rank: the whole VAE
+        modes = (["wavefront"] + (["height"] if sp_size <= latent_height else []) if sp_size > 1
+                 else ["replicated"]) + ["tiled"]
     if pinned.vae_tile is not None:
         tiles = [pinned.vae_tile]
     else:

@@ -157,11 +157,17 @@ _OVERHEAD_BYTES, _GROUP_OVERHEAD_BYTES = 121 * 2**20, 39 * 2**20
 
 
 def vae_work_area(height: int, width: int, vae_parallel: str, sp_size: int = 1,
-                  tile: Optional[tuple[int, int]] = None, spatial_factor: int = 8) -> int:
+                  tile: Optional[tuple[int, int]] = None, spatial_factor: int = 8, *, frames: int = 1) -> int:
     """Pixels one rank's VAE works on at once: the frame (replicated), its band of rows with one latent row of halo on
-    each side (height-sharded), or one tile (tiled)."""
-    if vae_parallel == "height" and sp_size > 1:
-        rows = math.ceil(height / spatial_factor / sp_size) + 2
+    each side (height-sharded), or one tile (tiled); the wavefront works on one chunk of the frame, or of the band
+    when its split (for a clip of ``frames`` frames) shards the height too."""
+    parts = sp_size
+    if vae_parallel == "wavefront" and sp_size > 1:
+        from .vae.wavefront import split_for_clip
+
+        parts = split_for_clip(sp_size, frames, max(1, height // spatial_factor)).height
+    if vae_parallel in ("height", "wavefront") and parts > 1:
+        rows = math.ceil(height / spatial_factor / parts) + 2
         return min(height, rows * spatial_factor) * width
     if vae_parallel == "tiled" and tile is not None:
         return min(height, tile[0]) * min(width, tile[1])
@@ -185,7 +191,7 @@ def estimate_restore_bytes(
     del tile_overlap
     padded = causal_frame_count(frames, temporal_factor)
     units = _VAE_UNITS_ONE_FRAME if padded == 1 else _VAE_UNITS_FIVE if padded <= 5 else _VAE_UNITS_CHUNKED
-    area = vae_work_area(height, width, vae_parallel, sp_size, tile, spatial_factor)
+    area = vae_work_area(height, width, vae_parallel, sp_size, tile, spatial_factor, frames=padded)
     if vae_parallel == "tiled":
         units += _VAE_TILED_UNITS_PER_FRAME * padded
     vae = units * vae_channels * area * element_bytes
@@ -219,7 +225,9 @@ class SeedVR2Pipeline:
         dit, vae: the models, already on their device and in their compute dtype (inputs are cast to them).
         vae_parallel: how the SP ranks share the VAE: ``"replicated"`` (every rank runs the whole VAE; no
             communication), ``"height"`` (every rank encodes/decodes a band of rows, see
-            :mod:`examples.seedvr2.vae.sharding`), or ``"tiled"`` (the VAE package's tiled mode).
+            :mod:`examples.seedvr2.vae.sharding`), ``"tiled"`` (the VAE package's tiled mode), or ``"wavefront"``
+            (the ranks run consecutive causal chunks at once, with the height split too where that is faster; see
+            :mod:`examples.seedvr2.vae.wavefront`).
         group: the SP group (a :class:`winsp.group.SPGroup`, a ``torch.distributed`` process group, or None for a
             single rank). The DiT's window runtime is built over it with ``ulysses_degree`` = its size.
         parallel_config: optional :class:`winsp.DiffusionParallelConfig` (e.g. to pick the attention backend); its
@@ -262,7 +270,7 @@ class SeedVR2Pipeline:
         vae.set_temporal_chunking(vae_temporal_chunk)
         self.vae_tile_size, self.vae_tile_overlap = vae_tile_size, vae_tile_overlap
         # height sharding over one rank is the whole frame: run it as such
-        mode = "replicated" if vae_parallel == "height" and self.group.size == 1 else vae_parallel
+        mode = "replicated" if vae_parallel in ("height", "wavefront") and self.group.size == 1 else vae_parallel
         self.vae_runner = make_vae_runner(
             mode, vae, group=self.group, tile_size=vae_tile_size, overlap=vae_tile_overlap
         )
@@ -315,7 +323,8 @@ class SeedVR2Pipeline:
     def describe(self) -> str:
         """One line: the DiT's execution path and how the VAE runs."""
         vae = {"replicated": "VAE replicated", "height": f"VAE height-sharded x{self.group.size}",
-               "tiled": f"VAE tiled ({self.vae_tile_size}px tiles)"}[self.vae_parallel]
+               "tiled": f"VAE tiled ({self.vae_tile_size}px tiles)",
+               "wavefront": f"VAE temporal wavefront x{self.group.size}"}[self.vae_parallel]
         return f"{self.runtime.describe(self.device)}; {vae}"
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:

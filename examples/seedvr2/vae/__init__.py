@@ -5,7 +5,9 @@
 * :func:`load_vae_checkpoint`: strict loading from ``.safetensors`` / ``.pth`` (no pickled code) or a dict.
 * :func:`encode_sharded` / :func:`decode_sharded`: height split over a window-SP group (exact).
 * :func:`encode_tiled` / :func:`decode_tiled`: overlapping tiles on one device (approximate, bounded memory).
-* :func:`make_vae_runner`: the three execution modes by name ("replicated", "height", "tiled").
+* :func:`encode_wavefront` / :func:`decode_wavefront`: consecutive causal chunks on the group's ranks at once
+  (time x height, :func:`choose_split`; exact).
+* :func:`make_vae_runner`: the execution modes by name ("replicated", "height", "tiled", "wavefront").
 """
 
 from .config import VideoVAEConfig
@@ -15,6 +17,7 @@ from .model import CausalVideoVAE, moments_to_latent
 from .modes import VAE_MODES, VAERunner, make_vae_runner
 from .sharding import decode_sharded, encode_sharded
 from .tiling import decode_tiled, encode_tiled
+from .wavefront import VAESplit, choose_split, decode_wavefront, encode_wavefront
 
 __all__ = [
     "VideoVAEConfig",
@@ -25,6 +28,10 @@ __all__ = [
     "decode_sharded",
     "encode_tiled",
     "decode_tiled",
+    "encode_wavefront",
+    "decode_wavefront",
+    "VAESplit",
+    "choose_split",
     "VAE_MODES",
     "VAERunner",
     "make_vae_runner",

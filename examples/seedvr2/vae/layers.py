@@ -13,7 +13,7 @@ from torch import nn
 
 from .context import RunContext
 
-__all__ = ["CausalConv3d", "frame_group_norm", "pad_frame_edges"]
+__all__ = ["CausalConv3d", "band_conv3d", "frame_group_norm", "pad_frame_edges"]
 
 
 def _triple(value: int | tuple[int, int, int]) -> tuple[int, int, int]:
@@ -52,7 +52,7 @@ class CausalConv3d(nn.Conv3d):
     def _extend_time(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         cache = ctx.cache
         if cache is not None and not cache.first:
-            tail = cache.tails.get(self)
+            tail = cache.take(self, x)
             if tail is not None:
                 x = torch.cat([tail.to(x.dtype), x], dim=2)
         elif self.time_lookback:
@@ -67,21 +67,43 @@ class CausalConv3d(nn.Conv3d):
                     f"{kernel_t}-frame kernel; use a larger chunk size"
                 )
             next_start = outputs * stride_t  # first frame the next chunk's first output window reads
-            if next_start < x.shape[2]:
-                cache.tails[self] = x[:, :, next_start:].clone()
-            else:
-                cache.tails.pop(self, None)
+            cache.keep(self, x, next_start)
         return x
 
     def forward(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:  # type: ignore[override]
         x = self._extend_time(x, ctx)
         pad_h, pad_w = self.padding[1], self.padding[2]
-        if ctx.bands is None or pad_h == 0:
+        if ctx.bands is None:
             return F.conv3d(x, self.weight, self.bias, self.stride, self.padding)
-        if self.stride[1] != 1:
-            raise NotImplementedError("height-sharded convolution with both stride and padding in height")
-        x = ctx.bands.pad_rows(x, pad_h, pad_h)
-        return F.conv3d(x, self.weight, self.bias, self.stride, (0, 0, pad_w))
+        frame_rows = x.shape[3] * ctx.bands.parts  # about the whole frame's rows, halos not counted
+        if pad_h:
+            if self.stride[1] != 1:
+                raise NotImplementedError("height-sharded convolution with both stride and padding in height")
+            x = ctx.bands.pad_rows(x, pad_h, pad_h)
+        return band_conv3d(x, self.weight, self.bias, self.stride, (0, 0, pad_w), frame_rows=frame_rows)
+
+
+#: PyTorch's CPU rule for a 5-D float32 convolution (batch 1, ungrouped 3D kernels): oneDNN when
+#: batch x channels x frames x rows exceeds this, its slower vol2col kernel otherwise (frame width not counted)
+_ONEDNN_MIN_NCTH = 20480
+
+
+def band_conv3d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, *, frame_rows: int
+) -> torch.Tensor:
+    """``F.conv3d`` of one band of rows (halos attached) of a frame of ``frame_rows`` rows, with the CPU kernel
+    the whole frame gets.
+
+    PyTorch picks the CPU kernel by rows, not pixels: a band of a wide frame falls under the oneDNN threshold
+    that the whole frame clears, and its vol2col kernel is 3-6x slower per pixel. So where the whole frame
+    would use oneDNN, the band does too (the same kernel, so also the same arithmetic as the whole frame).
+    """
+    nct = x.shape[0] * x.shape[1] * x.shape[2]
+    if (nct * x.shape[3] <= _ONEDNN_MIN_NCTH < nct * frame_rows and x.device.type == "cpu" and x.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return torch.mkldnn_convolution(x.contiguous(), weight.contiguous(), bias, list(padding), list(stride),
+                                        [1, 1, 1], 1)
+    return F.conv3d(x, weight, bias, stride, padding)
 
 
 def pad_frame_edges(x: torch.Tensor, ctx: RunContext, *, bottom: int, right: int) -> torch.Tensor:

@@ -4,8 +4,12 @@
 * ``"height"``: the frame height is split over the window-SP group (:mod:`.sharding`); exact, memory per
   rank shrinks with the group size, result gathered to every rank.
 * ``"tiled"``: overlapping spatial tiles on one device (:mod:`.tiling`); approximate, bounded memory.
+* ``"wavefront"``: the group's ranks run consecutive causal chunks at once, combined with height sharding as
+  :func:`.wavefront.choose_split` decides for the clip (:mod:`.wavefront`); exact (bit for bit when no height is
+  split), memory per rank that of one chunk (over the band's rows when height is split too).
 
-Temporal chunking (``vae.set_temporal_chunking``) is orthogonal and applies inside every mode.
+Temporal chunking (``vae.set_temporal_chunking``) is orthogonal and applies inside every mode (the wavefront
+distributes its chunks).
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from winsp.group import SPGroup
 from .model import CausalVideoVAE
 from .sharding import decode_sharded, encode_sharded
 from .tiling import check_tiling, decode_tiled, encode_tiled
+from .wavefront import decode_wavefront, encode_wavefront
 
 __all__ = ["VAE_MODES", "VAERunner", "make_vae_runner"]
 
-VAE_MODES = ("replicated", "height", "tiled")
+VAE_MODES = ("replicated", "height", "tiled", "wavefront")
 
 
 @dataclass
@@ -40,6 +45,8 @@ class VAERunner:
     ) -> torch.Tensor:
         if self.mode == "height":
             return encode_sharded(self.vae, video, self.group, sample=sample, generator=generator)
+        if self.mode == "wavefront":
+            return encode_wavefront(self.vae, video, self.group, sample=sample, generator=generator)
         if self.mode == "tiled":
             return encode_tiled(self.vae, video, tile_size=self.tile_size, overlap=self.overlap,
                                 sample=sample, generator=generator)
@@ -48,6 +55,8 @@ class VAERunner:
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
         if self.mode == "height":
             return decode_sharded(self.vae, latent, self.group)
+        if self.mode == "wavefront":
+            return decode_wavefront(self.vae, latent, self.group)
         if self.mode == "tiled":
             return decode_tiled(self.vae, latent, tile_size=self.tile_size, overlap=self.overlap)
         return self.vae.decode(latent)
@@ -57,11 +66,12 @@ def make_vae_runner(
     mode: str, vae: CausalVideoVAE, *, group: SPGroup | None = None, tile_size: int | tuple[int, int] = 256,
     overlap: int | tuple[int, int] = 64,
 ) -> VAERunner:
-    """A :class:`VAERunner` for ``mode`` (one of :data:`VAE_MODES`); ``"height"`` needs the SP ``group``."""
+    """A :class:`VAERunner` for ``mode`` (one of :data:`VAE_MODES`); ``"height"`` and ``"wavefront"`` need the SP
+    ``group``."""
     if mode not in VAE_MODES:
         raise ValueError(f"unknown VAE mode {mode!r}; choose one of {VAE_MODES}")
-    if mode == "height" and group is None:
-        raise ValueError("VAE mode 'height' needs the window-SP group (group=SPGroup(...))")
+    if mode in ("height", "wavefront") and group is None:
+        raise ValueError(f"VAE mode {mode!r} needs the window-SP group (group=SPGroup(...))")
     if mode == "tiled":
         check_tiling(vae, tile_size, overlap)
     return VAERunner(vae=vae, mode=mode, group=group, tile_size=tile_size, overlap=overlap)

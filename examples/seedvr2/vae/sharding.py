@@ -6,7 +6,10 @@ row and every stride-2 convolution starts on an even row. Inside the model (see 
 
 * a 3x3 convolution takes one halo row from each neighbouring band (zeros at the frame's top and bottom);
   the downsampler's extra bottom row of padding is likewise a halo row, so only the last band sees zeros;
-* group norms add their float64 sums, sums of squares and counts over the group (statistics stay per frame);
+* group norms combine every band's float64 count, mean and variance, gathered in one small collective
+  (statistics stay per frame);
+* a halo exchange moves only the halo rows (one all-to-all) and leaves the band in its layout, so the
+  convolution that follows reads it without another copy;
 * the bottleneck attention gathers the normalised full-height frame for its keys and values, while the
   queries (and the output) stay in the band;
 * up-/downsampling shuffles and 1x1 convolutions are local.
@@ -19,7 +22,8 @@ every level); a latent height smaller than the number of ranks raises ``ValueErr
 
 The entry points take the full tensor on every rank (the SP ranks hold the same clip) and return the full
 result on every rank; pass ``gather=False`` to keep only this rank's band. Temporal chunking
-(``vae.set_temporal_chunking``) applies inside each rank as usual. Nothing here calls ``torch.distributed``:
+(``vae.set_temporal_chunking``) applies inside each rank as usual; to spread the chunks over the ranks
+instead (or as well), see :mod:`.wavefront`. Nothing here calls ``torch.distributed``:
 all communication goes through :class:`winsp.group.SPGroup` via :mod:`winsp.spatial`.
 """
 
@@ -47,6 +51,7 @@ class RowBands:
             raise ValueError(f"RowBands: every rank needs at least one latent row, got bands {latent_sizes}")
         self.group = group
         self.latent_sizes = list(latent_sizes)
+        self.parts = group.size
 
     def sizes_for(self, x: torch.Tensor) -> list[int]:
         """Every rank's band size at the resolution level of ``x`` (inferred from this rank's row count)."""

@@ -1,0 +1,306 @@
+"""The temporal wavefront: the ranks of a window-SP group run consecutive causal chunks of one clip at once.
+
+A chunked causal VAE run (``vae.set_temporal_chunking``) carries, from chunk ``c`` to chunk ``c + 1``, only the
+last few input frames of every causal convolution (:class:`.context.CausalCache`); everything else is per frame.
+So chunk ``c + 1`` can start its layer ``l`` as soon as chunk ``c`` has finished its layer ``l``. Here chunk ``c``
+belongs to time rank ``c mod T``: while time rank ``r`` runs layer ``l`` of its chunk, time rank ``r - 1`` is
+already at a later layer of the previous chunk, and every convolution's few cached frames travel forward, point
+to point, as soon as they exist (:class:`RelayCache`). With many layers per chunk and at least ``T`` chunks, this
+approaches ``T``-fold throughput; the chunks, their order and every chunk's arithmetic are the single-rank chunked
+run's, so the result equals it bit for bit.
+
+It combines with height sharding (:mod:`.sharding`): a :class:`VAESplit` of ``T x H = P`` ranks puts rank
+``t * H + h`` on band ``h`` of time rank ``t``'s chunks; the ``H`` ranks of one time rank form a height group
+(halos, norm statistics), and each rank relays its band's cache to band ``h`` of the next time rank.
+:func:`choose_split` picks the split for a clip from a small cost model. A rank that gets no chunk (``T`` larger
+than the chunk count) only takes part in the final gather.
+
+Nothing here calls ``torch.distributed``: communication goes through :class:`winsp.group.SPGroup`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from winsp.group import SPGroup
+from winsp.spatial import band_offsets, band_sizes, take_band
+
+from .context import CausalCache, RunContext
+from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent
+from .sharding import RowBands
+
+__all__ = ["VAESplit", "RelayCache", "WaveStats", "choose_split", "split_for_clip", "encode_wavefront",
+           "decode_wavefront"]
+
+_ROWS = 3  # the height dim of [b, c, t, h, w]
+#: relative cost of one extra height rank (halo exchanges and norm statistics every layer), against one
+#: chunk's compute; it makes the cost model prefer time ranks where both split the work as evenly
+_HEIGHT_COMM = 0.02
+
+
+@dataclass(frozen=True)
+class VAESplit:
+    """``time`` x ``height`` ranks: ``time`` ranks share the chunks, ``height`` ranks each chunk's rows."""
+
+    time: int
+    height: int
+
+    def __post_init__(self) -> None:
+        if self.time < 1 or self.height < 1:
+            raise ValueError(f"VAESplit: time and height must be >= 1, got {self.time} x {self.height}")
+
+    @property
+    def size(self) -> int:
+        return self.time * self.height
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(time rank, height rank) of group rank ``rank``."""
+        return divmod(rank, self.height)
+
+
+@dataclass
+class WaveStats:
+    """Seconds one rank spent waiting for the previous time rank's cache, and messages sent / received."""
+
+    wait_s: float = 0.0
+    sent: int = 0
+    received: int = 0
+
+
+class RelayCache(CausalCache):
+    """A chunk's causal cache whose frames come from the previous chunk's rank and go to the next chunk's rank.
+
+    Each convolution with temporal look-back ``k`` exchanges one fixed-size message per chunk: room for ``k``
+    frames of its input plus the number of frames actually carried (0 .. k), so the receiver needs no header.
+    """
+
+    def __init__(self, group: SPGroup, *, first: bool, last: bool, prev: int, next: int,
+                 stats: WaveStats | None = None) -> None:
+        super().__init__(first=first)
+        self.group, self.last, self.prev, self.next = group, last, prev, next
+        self.stats = stats if stats is not None else WaveStats()
+        self._pending: list[tuple[object, torch.Tensor]] = []
+
+    @staticmethod
+    def _frame_numel(conv: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+        b, c, _, h, w = x.shape
+        return b * c * h * w, conv.time_lookback
+
+    def take(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        frame, lookback = self._frame_numel(conv, x)
+        if lookback == 0:
+            return None  # a one-frame kernel carries nothing
+        buffer = x.new_empty(frame * lookback + 1)
+        start = time.perf_counter()
+        self.group.recv_(buffer, self.prev)
+        self.stats.wait_s += time.perf_counter() - start
+        self.stats.received += 1
+        frames = int(buffer[-1].item())
+        if frames == 0:
+            return None
+        b, c, _, h, w = x.shape
+        return buffer[: frame * frames].view(b, c, frames, h, w)
+
+    def keep(self, conv: nn.Module, x: torch.Tensor, start: int) -> None:
+        frame, lookback = self._frame_numel(conv, x)
+        if self.last or lookback == 0:
+            return
+        frames = max(0, x.shape[2] - start)
+        if frames > lookback:
+            raise AssertionError(f"a causal convolution left {frames} frames, more than its look-back {lookback}")
+        buffer = x.new_empty(frame * lookback + 1)
+        buffer[: frame * frames] = x[:, :, start:].reshape(-1)
+        buffer[-1] = frames
+        self._pending.append((self.group.isend(buffer, self.next), buffer))
+        self.stats.sent += 1
+
+    def finish(self) -> None:
+        """Wait until every message of this chunk has left (their buffers can then go)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+def choose_split(
+    world: int, chunk_frames: list[int], latent_rows: int, *, layers: int = 30, height_comm: float = _HEIGHT_COMM
+) -> VAESplit:
+    """The ``time x height`` split of ``world`` ranks with the lowest modelled run time for a clip.
+
+    ``chunk_frames`` are the causal chunks' lengths (the first one longer), ``latent_rows`` the latent height, and
+    ``layers`` the convolutions a chunk goes through one after another. Modelled, relative to one rank: the busiest
+    time rank's frames, plus the wavefront's fill (``T - 1`` layers of a chunk), times the busiest band's share of
+    the rows, plus ``height_comm`` for each extra height rank. Ties go to more time ranks (no per-layer
+    collectives, and the pipeline's sends are the only communication).
+    """
+    if world < 1:
+        raise ValueError(f"choose_split: world must be >= 1, got {world}")
+    total = float(sum(chunk_frames)) or 1.0
+    mean_chunk = total / max(1, len(chunk_frames))
+    best, best_cost = None, math.inf
+    for height in range(1, world + 1):
+        if world % height or height > latent_rows:
+            continue
+        times = world // height
+        busiest = max(sum(chunk_frames[c::times]) for c in range(times))
+        fill = (times - 1) * mean_chunk / max(1, layers)
+        band = math.ceil(latent_rows / height) / latent_rows
+        cost = (busiest + fill) / total * band + height_comm * (height - 1)
+        if cost < best_cost - 1e-12:
+            best, best_cost = VAESplit(times, height), cost
+    if best is None:
+        raise ValueError(f"choose_split: no split of {world} ranks fits a latent height of {latent_rows} rows")
+    return best
+
+
+def _check_split(split: VAESplit | None, group: SPGroup, chunks: list[int], latent_rows: int) -> VAESplit:
+    if split is None:
+        return choose_split(group.size, chunks, latent_rows)
+    if not isinstance(split, VAESplit):
+        raise TypeError(f"split must be a VAESplit, got {type(split).__name__}")
+    if split.size != group.size:
+        raise ValueError(f"split {split.time} x {split.height} = {split.size} ranks does not match the group's "
+                         f"{group.size} ranks")
+    if split.height > latent_rows:
+        raise ValueError(f"split height {split.height}: a latent height of {latent_rows} rows cannot give every "
+                         f"height rank a row")
+    return split
+
+
+@dataclass
+class _Plan:
+    """Who runs what: the chunk bounds, each time rank's chunks, the height bands, this rank's place."""
+
+    bounds: list[tuple[int, int]]
+    split: VAESplit
+    rank: int
+    latent_bands: list[int]
+    out_frames: list[int]  # output frames of every chunk
+    owners: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.owners = [list(range(t, len(self.bounds), self.split.time)) for t in range(self.split.time)]
+
+
+def _run(
+    vae: CausalVideoVAE, x: torch.Tensor, group: SPGroup, plan: _Plan, step: Callable, *, in_scale: int,
+    out_scale: int, out_channels: int, out_width: int, gather: bool, stats: WaveStats | None,
+) -> torch.Tensor:
+    split = plan.split
+    t_rank, h_rank = split.coords(group.rank)
+    height_group = group.subgroup(range(t_rank * split.height, (t_rank + 1) * split.height))
+    bands = RowBands(height_group, plan.latent_bands) if split.height > 1 else None
+    band = take_band(x, _ROWS, [s * in_scale for s in plan.latent_bands], h_rank).to(vae.dtype)
+    prev = ((t_rank - 1) % split.time) * split.height + h_rank
+    nxt = ((t_rank + 1) % split.time) * split.height + h_rank
+    last = len(plan.bounds) - 1
+    outputs = []
+    if split.time == 1:  # no wavefront: the chunks run here one after another, the cache stays local
+        cache = CausalCache() if len(plan.bounds) > 1 else None
+        for c, (start, stop) in enumerate(plan.bounds):
+            if cache is not None:
+                cache.first = c == 0
+            outputs.append(step(band[:, :, start:stop], RunContext(cache=cache, bands=bands)))
+    else:
+        # A chunk's sends are waited for only after this rank's next chunk: a send completes when the next rank
+        # has taken it, which that rank does layer by layer while this one goes on.
+        previous = None
+        for c in plan.owners[t_rank]:
+            start, stop = plan.bounds[c]
+            cache = RelayCache(group, first=c == 0, last=c == last, prev=prev, next=nxt, stats=stats)
+            outputs.append(step(band[:, :, start:stop], RunContext(cache=cache, bands=bands)))
+            if previous is not None:
+                previous.finish()
+            previous = cache
+        if previous is not None:
+            previous.finish()
+    rows = [s * out_scale for s in plan.latent_bands]
+    b = x.shape[0]
+    for c, out in zip(plan.owners[t_rank], outputs):
+        if out.shape[2] != plan.out_frames[c]:
+            raise AssertionError(f"chunk {c} gave {out.shape[2]} frames, expected {plan.out_frames[c]}")
+    local = torch.cat(outputs, dim=2) if outputs else band.new_zeros((b, out_channels, 0, rows[h_rank], out_width))
+    if not gather:
+        return local
+    # One all-gather of every rank's (chunks x band) block, flattened, then each block to its place.
+    frames_of = [sum(plan.out_frames[c] for c in plan.owners[t]) for t in range(split.time)]
+    block = [b * out_channels * frames_of[t] * rows[h] * out_width
+             for t, h in (split.coords(r) for r in range(group.size))]
+    flat = group.all_gather_rows(local.reshape(-1), block) if not group.is_single else local.reshape(-1)
+    full = local.new_empty((b, out_channels, sum(plan.out_frames), sum(rows), out_width))
+    frame_starts = band_offsets(plan.out_frames)
+    row_starts = band_offsets(rows)
+    offset = 0
+    for r in range(group.size):
+        t, h = split.coords(r)
+        piece = flat[offset:offset + block[r]].view(b, out_channels, frames_of[t], rows[h], out_width)
+        offset += block[r]
+        f = 0
+        for c in plan.owners[t]:
+            n = plan.out_frames[c]
+            full[:, :, frame_starts[c]:frame_starts[c] + n, row_starts[h]:row_starts[h] + rows[h]] = \
+                piece[:, :, f:f + n]
+            f += n
+    return full
+
+
+def _plan(group: SPGroup, frames: int, chunk: int | None, latent_rows: int, split: VAESplit | None,
+          out_frames: Callable[[int, int], int]) -> _Plan:
+    bounds = _chunk_bounds(frames, chunk)
+    lengths = [stop - start for start, stop in bounds]
+    split = _check_split(split, group, lengths, latent_rows)
+    return _Plan(bounds, split, group.rank, band_sizes(latent_rows, split.height),
+                 [out_frames(c, n) for c, n in enumerate(lengths)])
+
+
+def encode_wavefront(
+    vae: CausalVideoVAE, video: torch.Tensor, group: SPGroup, *, split: VAESplit | None = None,
+    sample: bool = False, generator: torch.Generator | None = None, gather: bool = True,
+    stats: WaveStats | None = None,
+) -> torch.Tensor:
+    """``vae.encode(video)`` over ``group`` as a temporal wavefront (``split``: time x height, None: chosen by
+    :func:`choose_split`); ``video`` is the full clip on every rank, the result the full latent on every rank
+    (``gather=False``: this rank's chunks and band only). Equals the single-rank chunked encode; with
+    ``sample=True`` seed ``generator`` identically on every rank."""
+    vae.validate_video(video)
+    factor, tf = vae.config.spatial_downsample_factor, vae.config.temporal_downsample_factor
+    plan = _plan(group, video.shape[2], vae.temporal_chunk, video.shape[_ROWS] // factor, split,
+                 lambda c, n: 1 + (n - 1) // tf if c == 0 else n // tf)
+    with torch.no_grad():
+        moments = _run(vae, video, group, plan, vae._encode_step, in_scale=factor, out_scale=1,
+                       out_channels=2 * vae.config.latent_channels, out_width=video.shape[4] // factor,
+                       gather=gather, stats=stats)
+    return moments_to_latent(moments, sample=sample, generator=generator)
+
+
+def decode_wavefront(
+    vae: CausalVideoVAE, latent: torch.Tensor, group: SPGroup, *, split: VAESplit | None = None,
+    gather: bool = True, stats: WaveStats | None = None,
+) -> torch.Tensor:
+    """``vae.decode(latent)`` over ``group`` as a temporal wavefront (see :func:`encode_wavefront`)."""
+    vae.validate_latent(latent)
+    factor, tf = vae.config.spatial_downsample_factor, vae.config.temporal_downsample_factor
+    chunk = None if vae.temporal_chunk is None else vae.temporal_chunk // tf
+    plan = _plan(group, latent.shape[2], chunk, latent.shape[_ROWS], split,
+                 lambda c, n: 1 + tf * (n - 1) if c == 0 else tf * n)
+    with torch.no_grad():
+        return _run(vae, latent, group, plan, vae._decode_step, in_scale=1, out_scale=factor,
+                    out_channels=vae.config.out_channels, out_width=latent.shape[4] * factor,
+                    gather=gather, stats=stats)
+
+
+def split_for_clip(world: int, frames: int, latent_rows: int, *, temporal_chunk: int | None = 4,
+                   temporal_factor: int = 4) -> VAESplit:
+    """The split the wavefront mode uses for a clip of ``frames`` video frames (1 + 4k), encode and decode
+    alike; of the two choices the one with fewer height ranks (the larger band, for a memory estimate)."""
+    video = [b - a for a, b in _chunk_bounds(frames, temporal_chunk)]
+    latent_frames = 1 + (frames - 1) // temporal_factor
+    latent_chunk = None if temporal_chunk is None else temporal_chunk // temporal_factor
+    latent = [b - a for a, b in _chunk_bounds(latent_frames, latent_chunk)]
+    splits = [choose_split(world, video, latent_rows), choose_split(world, latent, latent_rows)]
+    return min(splits, key=lambda s: s.height)
