@@ -87,7 +87,7 @@ def test_restore_mp4_single_process(tmp_path):
     assert probe(out) == (5, 32, 48, Fraction(24000, 1001))
     assert "DEMO" in result.stderr and "WARNING" in result.stderr  # says loudly that it is the demo
     summary = result.stderr.strip().splitlines()[-1]
-    assert "48x32, 5 frames" in summary and "SP 1" in summary and "1 batch of 21 frames" in summary
+    assert "48x32, 5 frames" in summary and "SP 1" in summary and "| 1 batch of 5 frames |" in summary
     assert "frames/s" in summary and "peak RSS per rank" in summary
     assert leftovers(tmp_path, {"in.mp4", "out.mp4"}) == []
 
@@ -164,7 +164,7 @@ def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_p
     multi = run_cli("restore", src, "-o", four, "--crf", "0", "--sp-size", "2", nproc=4)
     assert multi.returncode == 0, multi.stderr
     summary = multi.stderr.strip().splitlines()[-1]
-    assert "10 batches of 21 frames, overlap 5" in summary  # strides of 16 frames
+    assert "10 batches of 21 frames (the last 16), overlap 5" in summary  # strides of 16 frames: 144 + 16 = 160
     assert "2 temporal groups x SP 2" in summary and "frames/s" in summary
     assert len(summary.split("peak RSS per rank ")[1].split()) == 4 + 1  # four figures and "GiB"
     assert multi.stderr.count("160/160 frames") == 1  # the frame counter, on rank 0 only
@@ -199,7 +199,7 @@ def test_overlapping_batches_write_every_frame_once(tmp_path, capsys):
     out = tmp_path / "o.mp4"
     assert cli.main(["restore", src, "-o", str(out), "--batch-frames", "9", "--overlap", "4", "--crf", "0",
                      "--quiet"]) == 0
-    assert "2 batches of 9 frames, overlap 4" in capsys.readouterr().err
+    assert "2 batches of 9 frames (the last 8), overlap 4" in capsys.readouterr().err
     assert probe(out)[0] == 13
 
 
@@ -616,3 +616,66 @@ def test_height_sharding_needs_a_latent_row_per_rank(tmp_path):
     with pytest.raises(cli.InputError, match="2 rows for 3 ranks"):
         cli.run_restore(args, launch, cli.StageProgress(cli.STAGES, enabled=False))
     assert leftovers(tmp_path, {"in.png"}) == []
+
+
+# ---- options checked against the real input ----------------------------------------------------------------------
+
+
+def test_scale_is_checked_against_the_real_input(tmp_path, capsys, monkeypatch):
+    """--scale 0.2 of 192x128 is 38x26 (allowed); --scale 300 of 32x32 is 9600x9600 (allowed: the memory check is
+    what refuses it here, naming that size); the hints are computed from the input."""
+    from examples.seedvr2 import memory_limits
+
+    wide = make_png(tmp_path / "wide.png", h=128, w=192)
+    assert cli.main(["restore", wide, "-o", str(tmp_path / "o.png"), "--scale", "0.2", "--quiet"]) == 0
+    assert "(38x26, 1 frame; model at 32x16)" in capsys.readouterr().err
+    assert probe(tmp_path / "o.png")[1:3] == (26, 38)
+    tiny = make_png(tmp_path / "tiny.png", h=32, w=32)
+    monkeypatch.setattr(memory_limits, "usable_memory", lambda device: memory_limits.MemoryLimit(2**30, "told"))
+    line = _expect_error(capsys, ["restore", tiny, "-o", tmp_path / "big.png", "--scale", "300"], "nothing fits",
+                         tmp_path, keep={"wide.png", "o.png", "tiny.png"})
+    assert "at 9600x9600" in line and "pixels" not in line
+    line = _expect_error(capsys, ["restore", tiny, "-o", tmp_path / "big.png", "--scale", "600"],
+                         "output height 19200 is over the maximum of 16384", tmp_path,
+                         keep={"wide.png", "o.png", "tiny.png"})
+    assert "the input is 32x32: use --scale 512 or less" in line
+    line = _expect_error(capsys, ["restore", wide, "-o", tmp_path / "small.png", "--scale", "0.1"],
+                         "output height 13 is under the minimum", tmp_path, keep={"wide.png", "o.png", "tiny.png"})
+    assert "the input is 192x128: use --scale 0.13 or more" in line
+
+
+def test_batch_frames_longer_than_the_clip_is_clamped_and_said(tmp_path, capsys):
+    src = make_mp4(tmp_path / "in.mp4", t=6)
+    out = tmp_path / "o.mp4"
+    assert cli.main(["restore", src, "-o", str(out), "--batch-frames", "100001", "--overlap", "8", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --batch-frames 100001 is longer than the clip (6 frames): one batch of 6 frames (--batch-frames 9)" \
+        in err
+    summary = err.strip().splitlines()[-1]
+    assert "| 1 batch of 6 frames |" in summary and "100001" not in summary
+    assert probe(out)[0] == 6
+
+
+def test_summary_reports_the_batches_that_ran_for_an_image(tmp_path, capsys):
+    src = make_png(tmp_path / "in.png")
+    assert cli.main(["restore", src, "-o", str(tmp_path / "o.png"), "--batch-frames", "21", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "| 1 batch of 1 frame |" in err.strip().splitlines()[-1]
+    assert "note: --batch-frames 21 is longer than the clip (1 frame): one batch of 1 frame\n" in err
+
+
+@pytest.mark.parametrize("color_fix", ["adain", "lab", "none"])
+def test_every_color_fix_runs_and_is_said(tmp_path, capsys, color_fix):
+    src = make_png(tmp_path / "in.png")
+    assert cli.main(["restore", src, "-o", str(tmp_path / "o.png"), "--color-fix", color_fix, "--quiet"]) == 0
+    assert f"colour fix {color_fix} |" in capsys.readouterr().err
+
+
+def test_restore_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["restore", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--color-fix {wavelet,adain,lab,none}" in text and "Exit codes" in text
+    for markup in ("``", ":mod:", ":func:", ":class:", ":meth:", "`"):
+        assert markup not in text, f"reST markup {markup!r} in --help"

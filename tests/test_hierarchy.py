@@ -191,3 +191,26 @@ def test_grid_change_rows_reports_each_boundary_against_an_all_gather():
         assert [s for s, _, _ in report] == [1, 2]
         assert all(0 <= moved < all_gather for _, moved, all_gather in report)
         assert report[0][2] == sum(t * h * w for t, h, w in GRIDS) * (world - 1)
+
+
+def test_a_flat_schedule_is_one_stage_of_the_same_runtime():
+    from winsp.hierarchy import staged_plans
+
+    schedule = [winsp.FixedWindows((1, 2, 2)), winsp.FixedWindows((1, 2, 2), shift=(0, 1, 1))]
+    flat, staged = winsp.WindowRuntime(schedule), winsp.WindowRuntime([Stage(schedule)])
+    assert flat.stages == staged.stages and flat.schedule == staged.schedule == tuple(schedule)
+    grids = [(2, 5, 6), (1, 4, 4)]
+    for world in (1, 2, 3):
+        for planner in ("auto", "lpt", "split"):
+            a = plan_schedule(grids, schedule, world, planner)
+            b = staged_plans([Stage(schedule)], grids, world, planner, split_windows=True)
+            assert [p.key for p in a] == [p.key for p in b] and [p.rank_pieces for p in a] == [p.rank_pieces for p in b]
+    assert isinstance(winsp.StagedRuntime([Stage(schedule)]), winsp.WindowRuntime)
+    assert winsp.StagedRequest is winsp.WindowRequest
+    request = flat.request(grids)
+    x = torch.randn(sum(t * h * w for t, h, w in grids), 3)
+    rows = request.scatter(x)
+    assert request.stage == 0 and bool(request.valid_rows.all()) and torch.equal(request.model_rows, request.token_ids)
+    assert torch.equal(request.gather(request.to_layer(rows, 1)), x)
+    with pytest.raises(ValueError, match="not a mix"):
+        winsp.WindowRuntime([Stage(schedule), schedule[0]])

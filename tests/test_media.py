@@ -340,6 +340,32 @@ def test_geometry_rejects_tiny_and_huge_outputs():
         plan_geometry((32, 48), scale=1000.0)
 
 
+def test_geometry_hints_follow_the_input():
+    """The --scale hints are computed from the input, and the sizes at the hint are allowed."""
+    with pytest.raises(MediaError, match=r"the input is 48x32: use --scale 341\.33 or less"):
+        plan_geometry((32, 48), scale=1000.0)
+    assert plan_geometry((32, 48), scale=341.33).output == (10923, 16384)
+    with pytest.raises(MediaError, match=r"the input is 192x128: use --scale 0\.13 or more"):
+        plan_geometry((128, 192), scale=0.1)
+    assert plan_geometry((128, 192), scale=0.13).output == (17, 25)
+    assert plan_geometry((128, 192), scale=0.2).output == (26, 38)
+    assert plan_geometry((32, 32), scale=300).output == (9600, 9600)
+
+
+def test_output_directory_check_and_atomic_output_refuse_a_directory_without_new_files(tmp_path):
+    from examples.seedvr2.media import atomic_output, check_output_directory
+
+    check_output_directory(tmp_path / "o.mp4")
+    assert os.listdir(tmp_path) == []  # the probe file is gone
+    with pytest.raises(MediaError, match="does not exist"):
+        check_output_directory(tmp_path / "nope" / "o.mp4")
+    with pytest.raises(MediaError, match="cannot write to the output directory /proc"):
+        check_output_directory("/proc/o.mp4")
+    with pytest.raises(MediaError, match="cannot write to the output directory /proc"):  # not an OSError traceback
+        with atomic_output("/proc/o.mp4"):
+            pass
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     in_h=st.integers(1, 4000), in_w=st.integers(1, 4000),

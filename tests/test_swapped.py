@@ -47,3 +47,27 @@ def test_refuses_what_would_shadow_the_original():
         winsp.swapped(lambda m, x: x)(HasIndex())
     with pytest.raises(ValueError, match="needs a function"):
         winsp.swapped("not a function")
+
+
+def test_the_swapped_module_keeps_the_originals_plain_attributes():
+    original = _Block()
+    original.n_heads, original.window = 4, (2, 3, 3)
+    new = winsp.swapped(lambda module, x: module.proj(x) * module.n_heads)(original, 1)
+    assert new.n_heads == 4 and new.window == (2, 3, 3) and new.training == original.training
+    assert new.proj is original.proj and "n_heads" not in dict(new.named_parameters())
+
+
+def test_row_dropout_reproduces_the_originals_draws_on_local_rows():
+    drop = winsp.RowDropout.like(nn.Dropout(0.3)).train()
+    x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64)
+    torch.manual_seed(7)
+    want = nn.functional.dropout(x, 0.3, True)
+    runtime = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))])
+    request = runtime.request([(3, 4, 5)] * 2)
+    rows = request.scatter(x.reshape(-1, 6))
+    torch.manual_seed(7)
+    with request.active():
+        got = request.gather(drop(rows))
+    assert torch.equal(got, want.reshape(-1, 6))
+    with pytest.raises(ValueError, match="Dropout2d drops whole channels"):
+        winsp.RowDropout.like(nn.Dropout2d(0.1))

@@ -24,14 +24,14 @@ from .segments import WindowSegments
 from .backends import available_backends
 from .attention import WindowAttention, reference_window_attention, window_attention
 from .store import RuntimeStore
-from .runtime import WindowRequest, WindowRuntime
+from .runtime import StagedRequest, StagedRuntime, WindowRequest, WindowRuntime
 from .gradients import sync_gradients
 from .nn import WindowParallel
 from .mesh import TemporalMesh, build_temporal_mesh, interleaved_schedule, ordered_results
 from .context import active_request, current_request
 from .swin import SwinWindows
-from .hierarchy import Stage, StagedRequest, StagedRuntime
-from .drop_path import SampleDropPath
+from .stages import Stage
+from .drop_path import RowDropout, SampleDropPath
 from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, is_parallelized, parallelize, unparallelize
 from .token_io import FlatTokens
 from .swapped import Swapped, swapped
@@ -51,6 +51,7 @@ __all__ = [
     "StagedRequest",
     "Stage",
     "SampleDropPath",
+    "RowDropout",
     "Region",
     "ParallelPlan",
     "ChannelsLast",

@@ -1,10 +1,14 @@
-"""Stochastic depth per *sample* on local rows: the one tokenwise op that needs to know each row's sample.
+"""Random ops on local rows that draw exactly what the original draws: stochastic depth per *sample*, and
+element-wise dropout.
 
 A drop path (stochastic depth) zeroes a residual branch for whole samples at random while training. On a
 ``[B, ...]`` tensor it draws one number per sample; on window-parallel local rows ``[L, C]`` the batch dimension is
 gone, so :class:`SampleDropPath` draws the same ``B`` numbers, in the same way and order as the original module (every
 rank holds the same generator state, so every rank draws the same ones), and gives each row its sample's number
-through ``request.row_sample``. In eval mode, or with probability 0, it is the identity.
+through ``request.row_sample``. :class:`RowDropout` (element-wise dropout, ``nn.Dropout``) draws the original's mask
+over the whole ``[N, ...]`` tensor of the current grid, row-major as a channels-last original holds it, and keeps
+this rank's rows (``request.model_rows``): every rank draws the full mask, which is the price of equal draws. In eval
+mode, or with probability 0, both are the identity.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from torch import Tensor, nn
 
 from .context import current_request
 
-__all__ = ["SampleDropPath"]
+__all__ = ["SampleDropPath", "RowDropout"]
 
 _DRAWS = ("bernoulli", "rand")
 
@@ -53,3 +57,37 @@ class SampleDropPath(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, draw={self.draw!r}, scale={self.scale}"
+
+
+class RowDropout(nn.Module):
+    """Element-wise dropout on local rows with the original's draws (``F.dropout``: ``bernoulli_(1 - p)`` over the
+    full tensor, kept values scaled by ``1 / (1 - p)``), for an original whose tensor is ``[..., C]`` channels-last with
+    the tokens row-major in (t, h, w), samples one after the other (:class:`winsp.ChannelsLast`, flat tokens)."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {p!r}")
+        self.p = float(p)
+
+    @classmethod
+    def like(cls, original: nn.Module) -> "RowDropout":
+        """The swap for an ``nn.Dropout`` (a plan's ``swaps`` factory); other dropout kinds are refused by name."""
+        if type(original) is not nn.Dropout:
+            raise ValueError(f"RowDropout.like reproduces nn.Dropout (element-wise); {type(original).__name__} drops "
+                             f"whole channels or scales otherwise and has no row-wise equivalent here")
+        return cls(original.p).train(original.training)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        request = current_request()
+        full = torch.empty((request.num_model_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        keep = full.bernoulli_(1.0 - self.p)
+        if self.p < 1.0:
+            keep = keep.div_(1.0 - self.p)
+        keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, request.model_rows)
+        return x * keep
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

@@ -33,20 +33,34 @@ _DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 def attached_runtime(module: nn.Module):
     """The :class:`~winsp.runtime.WindowRuntime` attached to ``module`` (``_winsp_runtime``, as
-    :meth:`winsp.WindowParallel.build_runtime` sets it), else the one attached to its submodules, else None.
+    :meth:`winsp.WindowParallel.build_runtime` and :func:`winsp.parallelize` set it), else one attached to its
+    submodules (a model with several parallel regions carries one runtime per region), else None.
 
-    Raises ValueError when submodules carry different runtimes (the group would be ambiguous).
+    Raises ValueError when submodules carry runtimes on different SP groups (which group to average over would be
+    ambiguous); runtimes on the same ranks are one group, whichever of them is returned.
     """
     own = getattr(module, "_winsp_runtime", None)
     if own is not None:
         return own
     found = {id(r): r for m in module.modules() if (r := getattr(m, "_winsp_runtime", None)) is not None}
-    if len(found) > 1:
+    by_group = {}
+    for runtime in found.values():
+        by_group.setdefault(_group_ranks(runtime.group), runtime)
+    if len(by_group) > 1:
         raise ValueError(
-            f"{type(module).__name__} holds {len(found)} different winsp runtimes in its submodules; pass the group "
-            f"explicitly: sync_gradients(params, runtime)"
+            f"{type(module).__name__} holds winsp runtimes on {len(by_group)} different SP groups (ranks "
+            f"{sorted(by_group)}); pass the group explicitly: sync_gradients(params, runtime)"
         )
-    return next(iter(found.values()), None)
+    return next(iter(by_group.values()), None)
+
+
+def _group_ranks(group: SPGroup) -> tuple[int, ...]:
+    """The global ranks of an SP group (one rank: this process's), to tell groups apart."""
+    if group.is_single or group.group is None:
+        return (world_rank_and_size()[0],)
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group.group))
 
 
 def _as_group(params, group) -> SPGroup:

@@ -295,29 +295,45 @@ def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), True
 
 
-def shutdown_world(timeout_s: float = 60.0) -> None:
+def shutdown_world(timeout_s: float = 10.0) -> None:
     """Tear down the default process group if one is running, after the ranks meet once.
 
     Without the meeting a rank that finishes first closes its connections while a peer's transport may still be
-    using them (gloo then aborts that peer's process at exit). The meeting waits at most ``timeout_s`` on gloo
-    (``monitored_barrier``); if a peer never arrives (it failed), the group is torn down anyway.
+    using them (gloo then aborts that peer's process at exit). The ranks meet through the group's store, not the
+    backend (so on any backend, and whatever state a failed collective left the transport in), and each waits at most
+    ``timeout_s``: if a peer never arrives (it failed, or is stuck), the group is torn down anyway. (gloo's
+    ``monitored_barrier`` bounds only rank 0's wait: a peer of a stuck rank 0 waited forever.)
     """
-    import datetime
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
         if dist.get_world_size() > 1:
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
-            else:
-                dist.barrier()
-    except RuntimeError:
-        pass  # a peer is gone: nothing left to wait for
+            _meet_through_store(timeout_s)
+    except Exception:  # noqa: BLE001 - a peer (or the store's host) is gone, or late: nothing left to wait for
+        pass
     finally:
         dist.destroy_process_group()
+
+
+_MEETINGS = [0]  # meetings this process held, so that each has its own key in a store that outlives a group
+
+
+def _meet_through_store(timeout_s: float) -> None:
+    """Every rank of the default group adds one to a counter in the group's store; the last to arrive says so, and
+    the others wait for that at most ``timeout_s`` (the store raises when it passes)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    _MEETINGS[0] += 1
+    key = f"winsp/shutdown/{_MEETINGS[0]}"
+    if store.add(key, 1) == dist.get_world_size():
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
 
 
 def abort_world() -> None:

@@ -19,6 +19,7 @@ The runtime is attached to the root module as ``model._winsp_runtime`` (not a pa
 from __future__ import annotations
 
 import fnmatch
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -28,7 +29,9 @@ from torch import Tensor, nn
 from . import context
 from .config import DiffusionParallelConfig
 from .geometry import Grid
-from .hierarchy import Stage, StagedRuntime, _check_stages
+from .region_checks import ForwardOrder, Step, watch_rows
+from .runtime import WindowRuntime
+from .stages import Stage, check_stages
 
 __all__ = [
     "ParallelPlan",
@@ -136,7 +139,14 @@ class ParallelPlan:
             into the i-th stage that merges or splits.
         make_grid_change: ``(original, stage) -> module`` (calls ``current_request().to_grid(x, stage)``).
         swaps: ``(glob, factory)`` pairs: every module matching the glob is replaced by ``factory(original)``
-            (e.g. a drop path that must draw per sample: :class:`winsp.SampleDropPath`).
+            (e.g. a drop path that must draw per sample: :class:`winsp.SampleDropPath`; an element-wise dropout:
+            :meth:`winsp.RowDropout.like`).
+        forward_order: globs of the model's containers in the order its forward runs them, for a model whose
+            modules register in another order than they run (a U-net registering its up levels before the middle, or
+            in reverse): each attention (and grid-change, and entry) match is placed by the first glob matching it
+            or one of its parents, matches under one glob keep ``named_modules`` order, and a match under none is
+            refused. None: ``named_modules`` order. Either way the forward is checked against it: a module that runs
+            out of the plan's order is refused before its rows move.
     """
 
     region: Region
@@ -147,14 +157,21 @@ class ParallelPlan:
     grid_changes: Union[str, tuple[str, ...], None] = None
     make_grid_change: Optional[Callable[[nn.Module, int], nn.Module]] = None
     swaps: tuple[tuple[str, Callable[[nn.Module], nn.Module]], ...] = ()
+    forward_order: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.region, Region):
             raise ValueError(f"ParallelPlan.region must be a winsp.Region, got {type(self.region).__name__}")
-        object.__setattr__(self, "stages", _check_stages(self.stages))
+        object.__setattr__(self, "stages", check_stages(self.stages))
         if (self.grid_changes is None) != (self.make_grid_change is None):
             raise ValueError("ParallelPlan: give grid_changes and make_grid_change together")
         object.__setattr__(self, "swaps", tuple(tuple(s) for s in self.swaps))
+        if self.forward_order is not None:
+            order = (self.forward_order,) if isinstance(self.forward_order, str) else tuple(self.forward_order)
+            if not order or not all(isinstance(g, str) and g for g in order):
+                raise ValueError(f"ParallelPlan.forward_order must be non-empty globs of module paths, got "
+                                 f"{self.forward_order!r}")
+            object.__setattr__(self, "forward_order", order)
 
     @property
     def num_layers(self) -> int:
@@ -186,6 +203,7 @@ class _Applied:
     swapped: list  # (parent, name, original) in application order
     handles: list
     tokens: list  # ContextVar tokens of regions in progress
+    order: ForwardOrder
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -212,6 +230,24 @@ def _matches(model: nn.Module, pattern, what: str) -> list[tuple[str, nn.Module]
     if not found:
         raise ValueError(f"ParallelPlan.{what}={pattern!r} matches no module of {type(model).__name__}")
     return found
+
+
+def _in_forward_order(found: list[tuple[str, nn.Module]], order: Optional[tuple[str, ...]],
+                      what: str) -> list[tuple[str, nn.Module]]:
+    """``found`` sorted by the first ``order`` glob matching each path or a parent of it (stable); as is for None."""
+    if order is None:
+        return found
+
+    def rank(path: str) -> int:
+        parts = path.split(".")
+        for i, pattern in enumerate(order):
+            if any(path_matches(".".join(parts[:n]), pattern) for n in range(1, len(parts) + 1)):
+                return i
+        raise ValueError(f"ParallelPlan.{what} matches {path!r}, which no glob of ParallelPlan.forward_order={order!r} "
+                         f"covers; list every container the forward runs, in the order it runs them")
+
+    ranks = {path: rank(path) for path, _ in found}
+    return sorted(found, key=lambda item: ranks[item[0]])
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -254,14 +290,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         path = getattr(plan.region, end)
         if path not in modules:
             raise ValueError(f"Region.{end}={path!r} is not a module path of {type(model).__name__}")
-    attention = _matches(model, plan.attention, "attention")
+    attention = _in_forward_order(_matches(model, plan.attention, "attention"), plan.forward_order, "attention")
     if len(attention) != plan.num_layers:
         raise ValueError(f"ParallelPlan.attention={plan.attention!r} matches {len(attention)} modules but the stages "
                          f"list {plan.num_layers} layers ({[len(s.layers) for s in plan.stages]} per stage)")
     if plan.layer_entry == "parent":
         entry_paths = [path.rpartition(".")[0] for path, _ in attention]
     else:
-        entry_paths = [path for path, _ in _matches(model, plan.layer_entry, "layer_entry")]
+        entry_paths = [path for path, _ in _in_forward_order(_matches(model, plan.layer_entry, "layer_entry"),
+                                                             plan.forward_order, "layer_entry")]
         if len(entry_paths) != len(attention):
             raise ValueError(f"ParallelPlan.layer_entry={plan.layer_entry!r} matches {len(entry_paths)} modules, one "
                              f"per attention layer ({len(attention)}) is needed")
@@ -270,14 +307,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         raise ValueError(f"attention layers share the entry module(s) {shared}: rows can move into one layer's layout "
                          f"per entry; give ParallelPlan.layer_entry a glob matching one module per layer")
     changing = [s for s, st in enumerate(plan.stages) if st.changes_grid]
-    grid_changes = _matches(model, plan.grid_changes, "grid_changes") if plan.grid_changes else []
+    grid_changes = _in_forward_order(_matches(model, plan.grid_changes, "grid_changes"), plan.forward_order,
+                                     "grid_changes") if plan.grid_changes else []
     if len(grid_changes) != len(changing):
         raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
                          f"change the grid (stages {changing})")
     swaps = [(path, factory) for pattern, factory in plan.swaps for path, _ in _matches(model, pattern, "swaps")]
 
-    runtime = StagedRuntime.from_config(config, plan.stages, group=group)
-    applied = _Applied(plan=plan, swapped=[], handles=[], tokens=[])
+    runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
+    order = ForwardOrder(_steps(plan, entry_paths, dict(zip(changing, (p for p, _ in grid_changes)))))
+    applied = _Applied(plan=plan, swapped=[], handles=[], tokens=[], order=order)
     try:
         for layer, (path, original) in enumerate(attention):
             _swap(model, path, plan.make_attention(original, layer), applied, "make_attention")
@@ -287,10 +326,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
             _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
         for layer, path in enumerate(entry_paths):  # looked up after the swaps: an entry may have been swapped
             entry = model.get_submodule(path) if path else model
-            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer)))
+            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer, order)))
+        for stage, (path, _) in zip(changing, grid_changes):
+            applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
+        applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]))
+        step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
+        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes)})
         io = plan.region.tokens
         applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
-            _region_start(runtime, io, applied), with_kwargs=True))
+            _region_start(runtime, io, applied, model, step_paths), with_kwargs=True))
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
             _region_end(io, applied), with_kwargs=True, always_call=True))
     except BaseException:
@@ -321,24 +365,101 @@ def _undo(applied: _Applied) -> None:
     applied.swapped.clear()
 
 
-def _layer_entry(layer: int):
+def _steps(plan: ParallelPlan, entry_paths: list[str], grid_paths: dict[int, str]) -> tuple[Step, ...]:
+    """The plan's steps in the order its forward must run them: per stage, its grid change, then its layers."""
+    steps, layer = [], 0
+    for s, st in enumerate(plan.stages):
+        if st.changes_grid:
+            steps.append(Step("grid", s, grid_paths[s]))
+        for _ in st.layers:
+            steps.append(Step("layer", layer, entry_paths[layer]))
+            layer += 1
+    return tuple(steps)
+
+
+def _inner_paths(model: nn.Module, region: Region, grid_paths: list[str]) -> list[str]:
+    """Modules inside the region whose row shape is checked: below the region's start and end (or their common
+    parent), except the grid changes and their parents (their output is on another grid)."""
+    start, end = region.start.split("."), region.end.split(".")
+    n = 0
+    while n < min(len(start), len(end)) and start[n] == end[n]:
+        n += 1
+    top = ".".join(start[:n]) if region.start and region.end else ""
+    skip = {region.start, region.end}
+    for path in grid_paths:
+        parts = path.split(".")
+        skip |= {".".join(parts[:k]) for k in range(1, len(parts) + 1)}
+    return [path for path, _ in model.named_modules()
+            if path and path not in skip and (not top or path.startswith(top + "."))]
+
+
+def _layer_entry(layer: int, order: ForwardOrder):
     def hook(module: nn.Module, args: tuple):
         if not args or not isinstance(args[0], Tensor):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first positional argument")
+        order.arrive("layer", layer)
         return (context.current_request().to_layer(args[0], layer),) + tuple(args[1:])
 
     return hook
 
 
-def _region_start(runtime: StagedRuntime, io: TokenIO, applied: _Applied):
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        rows, grids = io.read(args, kwargs)
-        request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
-        applied.tokens.append(context._enter(request))
-        return io.with_rows(args, kwargs, request.scatter(rows))
+def _grid_change(stage: int, order: ForwardOrder):
+    def hook(module: nn.Module, args: tuple):
+        order.arrive("grid", stage)
 
     return hook
+
+
+def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model: nn.Module, paths: dict):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if applied.order.recording is not None:  # the dry forward below
+            return None
+        if applied.plan.region.start == applied.plan.region.end and not applied.order.dry_run_done:
+            applied.order.check_dry_run(lambda: _forward_on_meta(model, module, applied, paths, args, kwargs))
+        rows, grids = io.read(args, kwargs)
+        request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
+        local = request.scatter(rows)
+        applied.tokens.append(context._enter(request))
+        applied.order.begin()
+        return io.with_rows(args, kwargs, local)
+
+    return hook
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, paths: dict, args: tuple,
+                     kwargs: dict) -> None:
+    """The region's forward with the original modules back in place, on meta tensors (parameters, buffers and inputs),
+    noting each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
+    user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
+    current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
+    stash: list = []
+    try:
+        for parent, name, original in applied.swapped:
+            parent._modules[name] = original
+        for module in region.modules():
+            stash.append((module, {d: getattr(module, d) for d in _HOOK_DICTS if hasattr(module, d)}))
+            for d in stash[-1][1]:
+                object.__setattr__(module, d, OrderedDict())
+        for (kind, index), path in paths.items():
+            target = model.get_submodule(path) if path else model
+            target.register_forward_pre_hook(lambda module, a, kind=kind, index=index: applied.order.arrive(kind, index))
+        meta = {name: torch.empty_like(t, device="meta")
+                for name, t in list(region.named_parameters()) + list(region.named_buffers())}
+        to_meta = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.func.functional_call(region, meta, tuple(to_meta(a) for a in args),
+                                       {k: to_meta(v) for k, v in kwargs.items()})
+    finally:
+        for module, hooks in stash:
+            for d, value in hooks.items():
+                object.__setattr__(module, d, value)
+        for parent, name, module in current:
+            parent._modules[name] = module
 
 
 def _region_end(io: TokenIO, applied: _Applied):
@@ -347,6 +468,7 @@ def _region_end(io: TokenIO, applied: _Applied):
             return None
         token = applied.tokens.pop()
         try:
+            applied.order.end(completed=output is not None)
             if output is None:  # the region raised; the hook only restores the context
                 return None
             request = context.current_request()

@@ -4,7 +4,8 @@ A swapped module must reuse the original's parameters (``winsp.adopt``) and usua
 (or stage) it is; most adapters then only differ in ``forward``. ``swapped(fn)`` is the factory a plan takes for
 ``make_attention``, ``make_grid_change`` or a ``swaps`` entry: it builds a :class:`Swapped` module that adopts the
 original (same tensors, same state_dict keys, same training mode) and whose forward is ``fn(module, *args, **kwargs)``
-with ``module.index`` the layer or stage index the plan passed (None for ``swaps``).
+with ``module.index`` the layer or stage index the plan passed (None for ``swaps``). The original's plain attributes
+(``n_heads``, ``window_size``, ...) are kept too, so ``fn`` reads them as the original's forward does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ __all__ = ["Swapped", "swapped"]
 
 
 class Swapped(nn.Module):
-    """The original module's parameters, buffers and children, with ``forward = fn(self, *args, **kwargs)``."""
+    """The original module's parameters, buffers, children and plain attributes, with
+    ``forward = fn(self, *args, **kwargs)``."""
 
     def __init__(self, fn: Callable[..., Any], original: nn.Module, index: Optional[int] = None) -> None:
         super().__init__()
@@ -30,6 +32,9 @@ class Swapped(nn.Module):
                 raise ValueError(f"winsp.swapped: {type(original).__name__} has an attribute {name!r}, which the "
                                  f"swapped module uses; write a module with winsp.adopt instead")
         adopt(self, original)
+        for name, value in vars(original).items():  # plain attributes; parameters, buffers and children are adopted
+            if not name.startswith("_") and name != "training" and name not in vars(self):
+                object.__setattr__(self, name, value)
         self.fn, self.index = fn, index
         self.swapped_from = type(original).__name__
 

@@ -1,30 +1,34 @@
-"""Command line: ``python -m examples.seedvr2 restore INPUT -o OUTPUT [options]``.
+"""Command line: python -m examples.seedvr2 restore INPUT -o OUTPUT [options]
 
-Single process, or parallel under ``torchrun --nproc-per-node W`` (gloo on CPU, NCCL on GPUs). The clip is restored in
-temporal batches of ``--batch-frames`` frames that share ``--overlap`` cross-faded frames, decoded lazily from the input
-and encoded to the output as they finish, so memory does not grow with the clip. With ``--sp-size N`` the W ranks form
+Single process, or parallel under torchrun --nproc-per-node W (gloo on CPU, NCCL on GPUs). The clip is restored in
+temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded lazily from the input
+and encoded to the output as they finish, so memory does not grow with the clip. With --sp-size N the W ranks form
 W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
-``--vae-parallel`` mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
-Across machines, run one ``torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` agent per node; ranks are
+--vae-parallel mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
+Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT agent per node; ranks are
 numbered node by node, every rank reads the input, global rank 0 writes the output.
 
-With ``--dit-checkpoint`` and ``--vae-checkpoint`` it is the SeedVR2 3B restorer (``--model 7b``: the 7B). Without
-them it runs embedded tiny demo weights of that architecture (see :mod:`.demo`) so that the command works anywhere in
-seconds; it says so, since that restores nothing.
+With --dit-checkpoint and --vae-checkpoint it is the SeedVR2 3B restorer (--model 7b: the 7B). Without them it
+runs embedded tiny demo weights of that architecture (examples/seedvr2/demo.py) so that the command works anywhere
+in seconds; it says so, since that restores nothing.
 
-Exit codes: 0 success; 2 bad input, usage, or not enough memory (one ``error:`` line on stderr, no output file);
-anything else is a bug. Under torchrun a rank that fails once the run has started (an allocation that fails) reports
-it and leaves at once; the others then stop too (``rank N: stopped: another rank failed``).
+Exit codes: 0 success; 2 bad input, usage, or not enough memory (one "error:" line on stderr, no output file);
+143 / 130 stopped by SIGTERM / SIGINT (Ctrl-C): the partial output is removed and one line says so; anything else
+is a bug. Under torchrun a rank that fails once the run has started reports it and leaves at once; the others then
+stop too, within seconds ("rank N: stopped: another rank failed").
 
-The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is refused,
-an existing output is only replaced with ``--overwrite``, a video that decodes fewer frames than its container declares
-is refused unless ``--allow-partial-input``, and a request that fits the usable memory in no setting is refused before
-anything is allocated (settings left out are chosen to fit; see the memory options below). Without ``-o`` the output goes beside the input as ``<input>_restored.<ext>``.
+The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is
+refused, an existing output is only replaced with --overwrite, an output directory that cannot take a new file is
+refused before anything is read, a video that decodes fewer frames than its container declares is refused unless
+--allow-partial-input, and a request that fits the usable memory in no setting is refused before anything is
+allocated (settings left out are chosen to fit; see the memory options below). Without -o the output goes beside
+the input as <input>_restored.<ext>.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -35,10 +39,13 @@ import torch
 
 from winsp.group import abort_world, init_world_from_env, shutdown_world
 
+from .color_fix import COLOR_FIXES
 from .media import (
     DEFAULT_CRF,
     IMAGE_EXTENSIONS,
     MediaError,
+    check_output_directory,
+    check_scale,
     default_output_path,
     h264_frame_size,
     same_file,
@@ -58,6 +65,10 @@ PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
 DEFAULT_SEED = 666
 STAGES = ("read", "load", "restore")
+#: how long a rank waits for the others when leaving the process group normally. Every rank arrives within
+#: moments (they have just met: the summary's figures, or the agreement to start), so this bounds only how long a
+#: rank can be kept by a peer that died meanwhile; a failed rank does not meet at all (it aborts).
+EXIT_MEETING_S = 5.0
 
 
 class InputError(ValueError):
@@ -121,8 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp-size", type=int, metavar="N",
                    help="window-SP degree: the world's ranks form (world / N) groups of N that take whole temporal "
                         "batches; the world size must be a multiple of N (default: all ranks one group)")
-    p.add_argument("--color-fix", choices=("wavelet", "none"),
-                   help="colour correction towards the input (default: wavelet with checkpoints, none with the demo)")
+    p.add_argument("--color-fix", choices=COLOR_FIXES,
+                   help="colour correction towards the input, frame by frame: wavelet (the input's low frequencies, "
+                        "SeedVR2's own), adain (each RGB channel's mean and spread), lab (lightness and chroma in CIE "
+                        "L*a*b*, hues kept), none (default: wavelet with checkpoints, none with the demo)")
     p.add_argument("--crf", type=int, default=DEFAULT_CRF,
                    help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
@@ -235,7 +248,7 @@ class Launch:
         """Leave the process group: after meeting the other ranks, or at once when this rank ``failed`` mid-run (its
         peers may be blocked in a collective with it; closing its connections makes their operations fail)."""
         if self.initialised_here:
-            abort_world() if failed else shutdown_world()
+            abort_world() if failed else shutdown_world(timeout_s=EXIT_MEETING_S)
 
 
 # ---- the restore command ------------------------------------------------------------------------------------------
@@ -540,12 +553,15 @@ def _per_rank_figures(values: list[float], device: torch.device) -> list[list[fl
 
 def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> tuple:
     """The checks and reads before the run, identical on every rank (no collective): the settings the user pinned,
-    the SP size, the output path, demo or not, dtype, colour fix, the input's description and the geometry."""
+    the SP size, the output path (and, on the writing rank, that its directory takes a new file), demo or not, dtype,
+    colour fix, the input's description, the geometry, and notes for the user (a --batch-frames clamped to the clip).
+    Nothing is read before the options and the output are checked."""
     from .media import probe_media
+    from .pipeline import causal_frame_count
 
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
-        plan_geometry((64, 64), scale=args.scale)  # validates the number itself
+        check_scale(args.scale)  # the number itself; the size it gives is checked against the input below
     pinned = pinned_settings(args)
     sp_size = launch.world_size if args.sp_size is None else args.sp_size
     if sp_size < 1 or launch.world_size % sp_size:
@@ -556,9 +572,11 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
         )
     output = resolve_output_path(args)
     _check_output_path(output)
+    if launch.rank == 0:  # the writer: the only rank whose file system must take the output
+        check_output_directory(output)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
-    color_fix = (args.color_fix or ("none" if demo else "wavelet")) == "wavelet"
+    color_fix = args.color_fix or ("none" if demo else "wavelet")
 
     progress.start("read")
     info = probe_media(args.input, allow_partial=args.allow_partial_input)
@@ -571,7 +589,15 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
             f"{geometry.work[0]} has {latent_rows} rows for {sp_size} ranks; use --vae-parallel replicated"
         )
-    return pinned, sp_size, output, demo, dtype, color_fix, info, geometry
+    notes = []
+    whole = causal_frame_count(info.num_frames)
+    if pinned.batch_frames is not None and pinned.batch_frames > whole:
+        frames = f"{info.num_frames} frame{'s' if info.num_frames != 1 else ''}"
+        notes.append(f"note: --batch-frames {pinned.batch_frames} is longer than the clip ({frames}): one batch of "
+                     f"{frames}" + (f" (--batch-frames {whole})" if whole != info.num_frames else ""))
+        pinned = dataclasses.replace(pinned, batch_frames=whole,
+                                     overlap=None if pinned.overlap is None else min(pinned.overlap, whole - 1))
+    return pinned, sp_size, output, demo, dtype, color_fix, info, geometry, tuple(notes)
 
 
 @dataclass
@@ -613,7 +639,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             raise
         prepared, error = None, out_of_memory_error(exc, None, launch.device)
     limit = agree_to_start(usable_memory(launch.device), error, launch, state)
-    pinned, sp_size, output, demo, dtype, color_fix, info, geometry = prepared
+    pinned, sp_size, output, demo, dtype, color_fix, info, geometry, notes = prepared
     is_rank0 = launch.rank == 0
     memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo, limit)
     state.memory = memory
@@ -621,7 +647,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     plan = plan_temporal_batches(info.num_frames, settings.batch_frames, settings.overlap)
     is_video_out = output_kind(output) == "video"
     if is_rank0:
-        for note in info.notes:
+        for note in info.notes + notes:
             progress.note(f"{PROG}: {note}")
         coded = h264_frame_size(*geometry.output)
         if is_video_out and coded != geometry.output:
@@ -699,13 +725,23 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     return (
         f"{PROG}: {args.input} ({_fmt_size(geometry.input, info.num_frames)}) -> {output} "
         f"({_fmt_size(geometry.output, info.num_frames)}{', ' + fps if not info.is_image else ''}; model at "
-        f"{geometry.work[1]}x{geometry.work[0]}) | {len(plan)} batch{'es' if len(plan) != 1 else ''} of "
-        f"{settings.batch_frames} frames, overlap {settings.overlap} | {mesh.describe()} | SP {mesh.sp_size} | "
+        f"{geometry.work[1]}x{geometry.work[0]}) | {describe_batches(plan)} | {mesh.describe()} | SP {mesh.sp_size} | "
         f"{pipe.describe()}; {'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
-        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; colour fix {'wavelet' if color_fix else 'off'} | "
+        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; colour fix {color_fix} | "
         f"{memory.summary()} | {timing} | total {sum(seconds.values()):.2f}s | {frames_per_s:.2f} frames/s | "
         f"{peak_kind} per rank {peaks} GiB"
     )
+
+
+def describe_batches(plan) -> str:
+    """The temporal batches that ran, for the summary: ``1 batch of 1 frame``, ``10 batches of 21 frames (the last
+    16), overlap 5``."""
+    frames = lambda n: f"{n} frame{'s' if n != 1 else ''}"  # noqa: E731
+    if len(plan) == 1:
+        return f"1 batch of {frames(plan[0].num_frames)}"
+    first, last = plan[0].num_frames, plan[-1].num_frames
+    return (f"{len(plan)} batches of {frames(first)}{f' (the last {last})' if last != first else ''}, overlap "
+            f"{plan[1].blend}")
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -725,15 +761,36 @@ def _print_error(progress: StageProgress, message: str) -> None:
     print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the exception carried
 
 
+def _stop_message(rank: int):
+    """The one line printed when a signal stops the run (by rank 0 only: the others stop silently)."""
+    def message(signum: int, removed: list) -> Optional[str]:
+        if rank != 0:
+            return None
+        import signal
+
+        what = (f"removed the partial output {', '.join(os.path.basename(p) for p in removed)}" if removed
+                else "no partial output left")
+        return f"{PROG}: stopped by {signal.Signals(signum).name}: {what}"
+    return message
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code.
 
     Bad input is found identically on every rank before any collective, so rank 0 reports it for all. A failure once
-    ranks talk (an allocation that fails on one rank) is reported by the rank it happened on; that rank leaves the
-    process group at once, its peers' pending collectives fail, and they exit too (with a one-line note), so no rank
-    waits forever.
+    ranks talk (an allocation that fails on one rank, or a bug) is reported by the rank it happened on; that rank
+    leaves the process group at once (no meeting), its peers' pending collectives fail, and they exit too (with a
+    one-line note), so no rank waits on a failed one. SIGTERM / SIGINT stop the process at once (see
+    :mod:`.stop_signals`).
     """
+    from .stop_signals import StopOnSignals
+
     args = build_parser().parse_args(argv)
+    with StopOnSignals(_stop_message(int(os.environ.get("RANK", "0")))):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     launch = Launch.from_env()
     progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
     state = RunState()
@@ -747,14 +804,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
         return 2
     except Exception as exc:  # noqa: BLE001 - only memory and lost-peer failures are handled; the rest re-raised
+        failed = True  # whatever it is, this rank leaves without meeting the others (they may be mid-collective)
         if is_out_of_memory(exc):
-            failed = not state.lockstep
             message = str(out_of_memory_error(exc, state.memory, launch.device))
             del exc
             _print_error(progress, prefix + message)
             return 2
         if launch.world_size > 1 and is_peer_failure(exc):
-            failed = True
             progress.break_line()
             reason = " ".join(str(exc).split())[:200]
             print(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})", file=sys.stderr)

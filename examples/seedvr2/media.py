@@ -22,9 +22,11 @@ Geometry ("exactly the requested size"). The user asks for an output size ``(H, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Iterator, Optional
@@ -50,6 +52,9 @@ __all__ = [
     "same_file",
     "default_output_path",
     "atomic_output",
+    "check_output_directory",
+    "remove_partial_outputs",
+    "check_scale",
     "output_kind",
     "parse_resolution",
     "plan_geometry",
@@ -293,26 +298,91 @@ def default_output_path(input_path: str | os.PathLike) -> str:
 # ---- writing ------------------------------------------------------------------------------------------------------
 
 
+# Every temporary file atomic_output has open, so that a signal handler (on another thread) can remove them; the lock
+# orders that removal against a file's creation and its final rename, and once closed no new one is created.
+_PARTIALS_LOCK = threading.Lock()
+_PARTIALS: set = set()
+_PARTIALS_CLOSED = [False]
+
+
+def _partial_name(path: str) -> tuple[str, str, str]:
+    """(directory, prefix, suffix) of the temporary files beside ``path``: ``.<name>.<random>.partial<ext>``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    base, ext = os.path.splitext(os.path.basename(path))
+    return directory, f".{base}.", f".partial{ext}"
+
+
+def check_output_directory(path: str | os.PathLike) -> None:
+    """:class:`MediaError` unless a file can be created beside ``path``: its directory exists and accepts a new file
+    (tried for real, since a read-only mount, ``chattr +i``, /proc or /sys refuse even root, whatever the mode bits
+    say). Meant to run before anything is read or loaded."""
+    path = os.fspath(path)
+    directory, prefix, suffix = _partial_name(path)
+    if not os.path.isdir(directory):
+        raise MediaError(f"output directory does not exist: {directory}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
+    except OSError as exc:
+        raise MediaError(f"cannot write to the output directory {directory} ({_why_not_writable(exc)}); choose "
+                         f"another -o") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.remove(probe)
+
+
+def _why_not_writable(exc: OSError) -> str:
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # what /proc answers: the directory exists but takes no files
+        return "it does not take new files"
+    return exc.strerror or str(exc)
+
+
+def remove_partial_outputs() -> list[str]:
+    """Remove every temporary output file :func:`atomic_output` has open and refuse new ones from now on (for a
+    process about to exit on a signal); returns the paths removed."""
+    with _PARTIALS_LOCK:
+        _PARTIALS_CLOSED[0] = True
+        removed = []
+        for tmp in sorted(_PARTIALS):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+                removed.append(tmp)
+        _PARTIALS.clear()
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path next to ``path`` (same extension); on success move it onto ``path``, else delete it.
 
-    So a failed or interrupted run never leaves a partial output file under the requested name.
+    So a failed or interrupted run never leaves a partial output file under the requested name (and
+    :func:`remove_partial_outputs` removes it when the process is stopped by a signal).
     """
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    directory, prefix, suffix = _partial_name(path)
     if not os.path.isdir(directory):
         raise MediaError(f"output directory does not exist: {directory}")
-    base, ext = os.path.splitext(os.path.basename(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=f".partial{ext}", dir=directory)
-    os.close(fd)
+    with _PARTIALS_LOCK:
+        if _PARTIALS_CLOSED[0]:
+            raise MediaError(f"not writing {path}: the process is stopping")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
+        except OSError as exc:
+            raise MediaError(f"cannot write to the output directory {directory} ({_why_not_writable(exc)})") from None
+        os.close(fd)
+        _PARTIALS.add(tmp)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
+        with _PARTIALS_LOCK:
+            if tmp not in _PARTIALS:
+                raise MediaError(f"not writing {path}: the process is stopping")
+            os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the file the usual permissions
+            os.replace(tmp, path)
+            _PARTIALS.discard(tmp)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+        with _PARTIALS_LOCK:
+            _PARTIALS.discard(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
         raise
 
 
@@ -534,6 +604,14 @@ def parse_resolution(text: str) -> tuple[int, int]:
     return height, width
 
 
+def check_scale(scale) -> float:
+    """``scale`` if it is a positive finite number (what ``--scale`` may be before any input is seen), else
+    :class:`MediaError`. Whether the output it gives is allowed depends on the input (:func:`plan_geometry`)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise MediaError(f"--scale must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
 def plan_geometry(
     input_hw: tuple[int, int], resolution: tuple[int, int] | None = None, scale: float | None = None
 ) -> Geometry:
@@ -546,9 +624,7 @@ def plan_geometry(
         raise MediaError("give either --resolution or --scale, not both")
     in_h, in_w = (int(v) for v in input_hw)
     if resolution is None:
-        scale = 1.0 if scale is None else scale
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise MediaError(f"--scale must be a positive finite number, got {scale!r}")
+        scale = 1.0 if scale is None else check_scale(scale)
         out_h, out_w = round(in_h * scale), round(in_w * scale)
     else:
         out_h, out_w = (int(v) for v in resolution)
@@ -561,7 +637,11 @@ def plan_geometry(
                         f"upscale it (or --resolution WxH)")
             raise MediaError(f"output {name} {side} is under the minimum of {MIN_SIDE} pixels{hint}")
         if side > MAX_SIDE:
-            raise MediaError(f"output {name} {side} is over the maximum of {MAX_SIDE} pixels")
+            hint = ""
+            if resolution is None:
+                allowed = math.floor(MAX_SIDE / max(in_h, in_w) * 100) / 100
+                hint = f"; the input is {in_w}x{in_h}: use --scale {allowed:g} or less (or --resolution WxH)"
+            raise MediaError(f"output {name} {side} is over the maximum of {MAX_SIDE} pixels{hint}")
     cover = max(out_h / in_h, out_w / in_w)
     resized = (max(out_h, round(in_h * cover)), max(out_w, round(in_w * cover)))
     work = (out_h - out_h % DIVISOR, out_w - out_w % DIVISOR)

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from .color_fix import wavelet_color_fix
+from .color_fix import apply_color_fix
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, TemporalBlender, clip_noise, temporal_batches
 from .vae.modes import VAE_MODES, make_vae_runner
 
@@ -412,18 +412,20 @@ class SeedVR2Pipeline:
 
     # ---- long clips -------------------------------------------------------------------------------------------
     def restore_batch(
-        self, video: torch.Tensor, txt: torch.Tensor, start: int, seed: int, color_fix: bool = False
+        self, video: torch.Tensor, txt: torch.Tensor, start: int, seed: int, color_fix: str | bool = "none"
     ) -> torch.Tensor:
         """Restore the temporal batch ``video [3, t, h, w]`` that begins at clip frame ``start``, with noise keyed by
-        its position in the clip (:func:`~examples.seedvr2.temporal.clip_noise`), then optionally the wavelet colour
-        fix towards the input. Any rank (any group) restoring this batch gets the same result."""
+        its position in the clip (:func:`~examples.seedvr2.temporal.clip_noise`), then the ``color_fix`` colour fix
+        towards the input (``"wavelet"``, ``"adain"``, ``"lab"`` or ``"none"``, see :mod:`.color_fix`; True means
+        wavelet, False none). Any rank (any group) restoring this batch gets the same result."""
         t, h, w = video.shape[1:]
         f = self.spatial_factor
         noise = clip_noise(seed, start, t, (h // f, w // f), self.vae.config.latent_channels, self.temporal_factor)
         restored = self.restore(video, txt, noise=noise)
-        if color_fix:
+        method = ("wavelet" if color_fix else "none") if isinstance(color_fix, bool) else color_fix
+        if method != "none":
             reference = video.to(restored.device).transpose(0, 1)
-            restored = wavelet_color_fix(restored.transpose(0, 1), reference).transpose(0, 1)
+            restored = apply_color_fix(method, restored.transpose(0, 1), reference).transpose(0, 1)
         return restored
 
     def restore_stream(
@@ -434,7 +436,7 @@ class SeedVR2Pipeline:
         batch_frames: int = DEFAULT_BATCH_FRAMES,
         overlap: int = DEFAULT_OVERLAP,
         seed: int = 0,
-        color_fix: bool = False,
+        color_fix: str | bool = "none",
     ) -> Iterator[torch.Tensor]:
         """Restore a clip of any length from an iterator of frames ``[3, h, w]`` (in [-1, 1]), yielding restored
         frames ``[3, h, w]`` in order as soon as they are final.

@@ -1,0 +1,41 @@
+"""``python -m tests.cli_with_fault FAULT RANK restore ...``: the CLI with one failure injected on world rank RANK.
+
+For tests/test_cli_stop.py. FAULT is ``disk_full`` (the writer's encoder raises "No space left on device" as the
+first frame is written), ``oom`` (the batch's restore raises MemoryError) or ``bug`` (it raises RuntimeError).
+The failing rank prints ``injected FAULT at <unix time>`` on stderr just before it raises, so the test can measure
+how long every rank takes to exit after it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def _announce(fault: str) -> None:
+    print(f"injected {fault} at {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    fault, rank, cli_args = argv[0], int(argv[1]), argv[2:]
+    from examples.seedvr2 import cli, media, pipeline
+
+    if int(os.environ.get("RANK", "0")) == rank:
+        if fault == "disk_full":
+            def write(self, frame, pts=None):
+                _announce(fault)
+                raise media.MediaError(f"cannot write {self.path}: No space left on device (injected)")
+
+            media.MediaWriter.write = write
+        else:
+            def restore_batch(self, *args, **kwargs):
+                _announce(fault)
+                raise MemoryError("injected") if fault == "oom" else RuntimeError("injected bug")
+
+            pipeline.SeedVR2Pipeline.restore_batch = restore_batch
+    return cli.main(cli_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
