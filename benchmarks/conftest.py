@@ -2,7 +2,9 @@
 printed in the terminal summary.
 
 Benchmarks record results through the ``goal_report`` fixture; nothing here affects the test suite
-(``testpaths = ["tests"]`` never collects this folder).
+(``testpaths = ["tests"]`` never collects this folder). The benchmark files are named ``bench_*.py``, which pytest's
+default ``python_files`` does not match: :func:`pytest_collect_file` collects them when a directory is given
+(``python -m pytest benchmarks/ --benchmark-only``); a file named on the command line is collected by pytest itself.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ class GoalReport:
     median_seconds = staticmethod(median_seconds)
     goal = staticmethod(record_goal)
     text = staticmethod(record_text)
+
+
+def pytest_collect_file(file_path, parent):
+    """Collect ``benchmarks/bench_*.py`` as test modules (once: files named on the command line pytest collects)."""
+    if file_path.suffix != ".py" or not file_path.name.startswith("bench_"):
+        return None
+    if parent.session.isinitpath(file_path):
+        return None
+    return pytest.Module.from_parent(parent, path=file_path)
 
 
 @pytest.fixture(autouse=True)

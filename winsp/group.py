@@ -348,8 +348,9 @@ def recv_tensor(src: int) -> torch.Tensor:
 def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
     """Join the world a launcher (``torchrun``) describes in ``WORLD_SIZE`` / ``RANK``; returns (rank, size, started).
 
-    With ``WORLD_SIZE`` unset or 1 nothing is initialised. Otherwise the default process group is started (NCCL for
-    CUDA, gloo otherwise) unless it already is; ``started`` says whether this call started it (and so should
+    With ``WORLD_SIZE`` unset or 1 nothing is initialised. Otherwise the default process group is started unless it
+    already is, on the backend ``device_type`` names (NCCL for ``"cuda"``, gloo for anything else; the machine is not
+    inspected); ``started`` says whether this call started it (and so should
     :func:`shutdown_world` it).
     """
     import os

@@ -1,8 +1,8 @@
-"""Import transformers' Swin V2 next to a CPU torch and a torchvision wheel built for CUDA.
+"""Import transformers' Swin V2 whatever torchvision sits beside torch.
 
-transformers imports torchvision when it is installed; a CUDA torchvision wheel beside the CPU torch fails there (its
-C extension did not load; see ``examples/swin3d/load_torchvision.py``), so torchvision is imported first the way the
-swin3d example does it.
+transformers imports torchvision when it is installed. A matching torchvision imports as is; the CUDA torchvision wheel
+beside a CPU torch fails (its C extension did not load; see ``examples/swin3d/load_torchvision.py``). So torchvision is
+imported first through the swin3d example's loader, which imports it untouched and shims only when that import fails.
 """
 
 from __future__ import annotations

@@ -1,0 +1,449 @@
+"""One-shot GPU check of SeedVR2 on winsp: the 3B DiT at real size, the VAE, every attention backend, bf16 vs fp32.
+
+    python benchmarks/gpu_check.py                     # one CUDA GPU (H100/H200: about 3-5 minutes, budget 8)
+    python benchmarks/gpu_check.py --dry-run           # the same code at tiny sizes on the CPU (seconds)
+
+Sections, each timed with CUDA events (wall clock on the CPU), median of the timed runs after a warm-up:
+
+* ``dit``: the SeedVR2 3B DiT at real width (2560, 20 heads x 128, 32 layers, seeded random weights), bf16, one
+  forward (SP = 1, the default backend) at 720p x 21 frames (latent 6 x 90 x 160, post-patch grid 6 x 45 x 80) and
+  at a 1080p image (1920 x 1072, the largest multiple of 16: post-patch 1 x 67 x 120); forward ms, peak memory of
+  the forward above the resident weights, and the peak in all.
+* ``bf16_vs_fp32``: the same 720p x 21 forward with fp32 weights (TF32 off) against the bf16 one: relative L2 and max
+  absolute difference of the output.
+* ``vae``: the released VAE architecture (seeded random weights), bf16, encode of a 720p x 21-frame clip and decode of
+  its latent: ms and peak memory each (on an out-of-memory error it retries with temporal chunks of 4 frames and
+  says so).
+* ``attention``: one layer of the 720p x 21 grid (shifted windows, 20 heads x 128, 58 text tokens), bf16 q/k/v:
+  grouped SDPA with only the flash kernel allowed ("flash SDPA"), batched SDPA, the packed varlen kernels
+  (``torch_varlen``, ``flash_varlen`` when flash-attn is installed), ``flex`` without and with a ``score_mod`` (an
+  ALiBi-like decay over the rows' grid positions); ms, TFLOP/s and the max difference from the float32 per-window
+  reference (with the same score_mod for the flex one). A backend that cannot run says why.
+
+Writes ``gpu_check.json`` (all figures, environment, errors) and ``gpu_check.md`` (the tables) to ``--out`` (default
+``$OUT``, else the current directory); the JSON is rewritten after every section, so a run cut short keeps what it
+measured. A section that fails records its error and the others still run; sections that would start after
+``--budget-s`` seconds are skipped and say so. Exit code 0 when every section ran, 1 otherwise, 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import winsp  # noqa: E402
+from winsp.attention import reference_window_attention, window_attention  # noqa: E402
+from winsp.backends import explain_backend  # noqa: E402
+from winsp.runtime import LocalWindows  # noqa: E402
+from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
+from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig  # noqa: E402
+
+TEXT_TOKENS = 58
+ATTENTION_BACKENDS = ("flash SDPA", "batched_sdpa", "torch_varlen", "flash_varlen", "flex", "flex + score_mod")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the real sizes, or the dry run's tiny ones (same code, same sections)."""
+
+    dit: dict
+    video_latent: tuple[int, int, int]  # 720p x 21 frames, latent (t, h, w)
+    image_latent: tuple[int, int, int]  # 1080p image, latent
+    vae: dict
+    vae_clip: tuple[int, int, int]  # frames, height, width in pixels
+    heads: int
+    head_dim: int
+    warmup: int
+    iters: int
+    attention_iters: int
+
+
+REAL = Sizes(
+    dit=dict(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=32, mm_layers=10, rope_dim=128),
+    video_latent=(6, 90, 160), image_latent=(1, 134, 240),
+    vae={}, vae_clip=(21, 720, 1280), heads=20, head_dim=128, warmup=1, iters=3, attention_iters=10,
+)
+DRY = Sizes(
+    dit=dict(vid_dim=64, txt_in_dim=32, heads=2, head_dim=32, num_layers=2, mm_layers=1, rope_dim=32),
+    video_latent=(2, 12, 20), image_latent=(1, 10, 16),
+    vae=dict(block_out_channels=[16, 16, 32, 32], norm_num_groups=8), vae_clip=(5, 32, 48),
+    heads=2, head_dim=32, warmup=1, iters=2, attention_iters=2,
+)
+
+
+class Clock:
+    """Median milliseconds of ``fn`` after ``warmup`` calls: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def median_ms(self, fn, *, warmup: int, iters: int) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        samples = []
+        for _ in range(iters):
+            if self.device.type == "cuda":
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                stop.record()
+                torch.cuda.synchronize(self.device)
+                samples.append(start.elapsed_time(stop))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+        samples.sort()
+        return samples[len(samples) // 2]
+
+
+class Memory:
+    """Peak allocated bytes of a block (CUDA allocator); None on the CPU, where the allocator keeps no peak."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocated(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+
+def _gib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else round(nbytes / 2**30, 3)
+
+
+# ---------------------------------------------------------------------------------------------------- DiT
+
+
+def _dit_inputs(latent, config: NaDiTConfig, device, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    t, h, w = latent
+    vid = torch.randn(t * h * w, config.vid_in_channels, generator=g).to(device, dtype)
+    txt = torch.randn(TEXT_TOKENS, config.txt_in_dim, generator=g).to(device, dtype)
+    return (vid, txt, torch.tensor([[t, h, w]], device=device), torch.tensor([[TEXT_TOKENS]], device=device),
+            torch.tensor([1000.0], device=device))
+
+
+def _build_dit(sizes: Sizes, device, dtype) -> SeedVR2NaDiT:
+    config = NaDiTConfig.seedvr2_at_size(**sizes.dit)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = SeedVR2NaDiT(config)  # built on the device: no 13 GB detour through host memory
+    model = model.to(device=device, dtype=dtype).eval()
+    model.build_runtime(winsp.DiffusionParallelConfig())
+    return model
+
+
+def _dit_forward(model, inputs, clock: Clock, memory: Memory, sizes: Sizes) -> dict:
+    with torch.no_grad():
+        before = memory.allocated()
+        memory.reset()
+        out = model(*inputs)
+        clock.sync()
+        peak = memory.peak()
+        ms = clock.median_ms(lambda: model(*inputs), warmup=sizes.warmup - 1 if sizes.warmup else 0,
+                             iters=sizes.iters)
+    return {"forward_ms": round(ms, 2), "peak_gib": _gib(peak),
+            "peak_above_weights_gib": None if peak is None else _gib(peak - before),
+            "output_shape": list(out.shape)}, out
+
+
+def section_dit(sizes, device, clock, memory, state) -> dict:
+    config = NaDiTConfig.seedvr2_at_size(**sizes.dit)
+    model = _build_dit(sizes, device, torch.bfloat16)
+    result = {"config": {k: sizes.dit[k] for k in ("vid_dim", "heads", "head_dim", "num_layers")},
+              "dtype": "bfloat16", "weights_gib": _gib(sum(p.numel() * p.element_size() for p in model.parameters())),
+              "text_tokens": TEXT_TOKENS, "backend": None}
+    for name, latent in (("720p x 21 frames", sizes.video_latent), ("1080p image", sizes.image_latent)):
+        inputs = _dit_inputs(latent, config, device, torch.bfloat16, seed=1)
+        figures, out = _dit_forward(model, inputs, clock, memory, sizes)
+        t, h, w = latent
+        figures["post_patch_grid"] = [t, h // 2, w // 2]
+        result[name] = figures
+        if name == "720p x 21 frames":
+            state["bf16_video_out"] = out.float().cpu()
+        del inputs, out
+    result["backend"] = model.runtime.execution_path if hasattr(model.runtime, "execution_path") else None
+    del model
+    memory.reset()
+    return result
+
+
+def section_bf16_vs_fp32(sizes, device, clock, memory, state) -> dict:
+    if "bf16_video_out" not in state:
+        raise RuntimeError("needs the dit section's bf16 output, which it did not produce")
+    config = NaDiTConfig.seedvr2_at_size(**sizes.dit)
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        model = _build_dit(sizes, device, torch.float32)  # same seed: the bf16 model's weights before the cast
+        inputs = _dit_inputs(sizes.video_latent, config, device, torch.float32, seed=1)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            want = model(*inputs).float()
+            clock.sync()
+            ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+    got = state["bf16_video_out"].to(want.device)
+    diff = got - want
+    result = {"input": "720p x 21 frames", "fp32_forward_ms_one_run": round(ms, 1),
+              "relative_l2": float(diff.norm() / want.norm()), "max_abs": float(diff.abs().max()),
+              "fp32_output_abs_max": float(want.abs().max())}
+    del model, inputs, want, got, diff
+    memory.reset()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- VAE
+
+
+def section_vae(sizes, device, clock, memory, state) -> dict:
+    torch.manual_seed(0)
+    with torch.device(device):
+        vae = CausalVideoVAE(VideoVAEConfig(**sizes.vae))
+    vae = vae.to(device=device, dtype=torch.bfloat16).eval()
+    frames, height, width = sizes.vae_clip
+    g = torch.Generator().manual_seed(2)
+    clip = (torch.rand(1, 3, frames, height, width, generator=g) * 2 - 1).to(device, torch.bfloat16)
+    result = {"clip": [frames, height, width], "dtype": "bfloat16", "temporal_chunk": None}
+
+    def measure(fn):
+        memory.reset()
+        before = memory.allocated()
+        out = fn()
+        clock.sync()
+        peak = memory.peak()
+        ms = clock.median_ms(fn, warmup=0, iters=max(1, sizes.iters - 1))
+        return out, {"ms": round(ms, 1), "peak_gib": _gib(peak),
+                     "peak_above_inputs_gib": None if peak is None else _gib(peak - before)}
+
+    try:
+        latent, result["encode"] = measure(lambda: vae.encode(clip))
+        video, result["decode"] = measure(lambda: vae.decode(latent))
+    except torch.OutOfMemoryError as error:
+        result["first_attempt"] = f"out of memory without temporal chunks: {str(error).splitlines()[0]}"
+        memory.reset()
+        vae.set_temporal_chunking(4)
+        result["temporal_chunk"] = 4
+        latent, result["encode"] = measure(lambda: vae.encode(clip))
+        video, result["decode"] = measure(lambda: vae.decode(latent))
+    result["latent_shape"], result["decoded_shape"] = list(latent.shape), list(video.shape)
+    del vae, clip, latent, video
+    memory.reset()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def _layer(sizes: Sizes):
+    t, h, w = sizes.video_latent
+    grid = (t, h // 2, w // 2)
+    plan = winsp.plan_schedule([grid], [winsp.make_geometry("shifted", (4, 3, 3))], 1)[0]
+    return grid, LocalWindows(plan, 0, (TEXT_TOKENS,)).segments
+
+
+def _flops(segments, heads: int, head_dim: int) -> float:
+    return float(sum(4 * (v + t) ** 2 * heads * head_dim for v, t in zip(segments.vid_counts, segments.txt_lengths)))
+
+
+def _decay_score_mod(rows: int, heads: int, device):
+    """ALiBi-like: subtract a per-head slope times the distance of the two rows' positions in the local order."""
+    position = torch.arange(rows, device=device, dtype=torch.float32)
+    slope = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+
+    def decay(score, head, q, k):
+        return score - slope[head] * (position[q] - position[k]).abs()
+    return decay
+
+
+def _sdpa_flash_only(device):
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
+def section_attention(sizes, device, clock, memory, state) -> dict:
+    grid, segments = _layer(sizes)
+    heads, head_dim = sizes.heads, sizes.head_dim
+    g = torch.Generator().manual_seed(3)
+    draw = lambda rows: torch.randn(rows, heads, head_dim, generator=g).to(device, torch.bfloat16)  # noqa: E731
+    qkv = [draw(segments.total_vid) for _ in range(3)] + [draw(TEXT_TOKENS) for _ in range(3)]
+    mod = _decay_score_mod(segments.total_vid, heads, device)
+    with torch.no_grad():
+        reference = reference_window_attention(*[x.float() for x in qkv], segments)
+        reference_mod = reference_window_attention(*[x.float() for x in qkv], segments, score_mod=mod)
+    flops = _flops(segments, heads, head_dim)
+    result = {"grid": list(grid), "windows": len(segments.vid_counts), "video_rows": segments.total_vid,
+              "text_tokens": TEXT_TOKENS, "heads": heads, "head_dim": head_dim, "dtype": "bfloat16",
+              "gflop": round(flops / 1e9, 2), "backends": {}}
+    for label in ATTENTION_BACKENDS:
+        backend = {"flash SDPA": "grouped_sdpa", "flex + score_mod": "flex"}.get(label, label)
+        score_mod = mod if label == "flex + score_mod" else None
+        want = reference_mod if score_mod is not None else reference
+        entry: dict = {"backend": backend}
+        try:
+            explain_backend(device, segments, backend, dtype=torch.bfloat16, modded=score_mod is not None)
+        except ValueError as error:
+            entry["unavailable"] = str(error)
+            result["backends"][label] = entry
+            continue
+        kernel = _sdpa_flash_only(device) if label == "flash SDPA" else nullcontext()
+
+        def call():
+            return window_attention(*qkv, segments, backend=backend, score_mod=score_mod)
+        try:
+            with torch.no_grad(), kernel:
+                got = call()
+                ms = clock.median_ms(call, warmup=sizes.warmup, iters=sizes.attention_iters)
+            entry.update(ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 2),
+                         max_err_vs_fp32_reference=max(float((a.float() - b).abs().max()) for a, b in zip(got, want)))
+            if label == "flash SDPA" and device.type != "cuda":
+                entry["note"] = "CPU: SDPA's default kernel (flash is CUDA only)"
+        except Exception as error:  # a kernel that refuses these shapes is a figure too
+            entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        result["backends"][label] = entry
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+SECTIONS = (("dit", section_dit), ("bf16_vs_fp32", section_bf16_vs_fp32), ("attention", section_attention),
+            ("vae", section_vae))
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# gpu_check ({'dry run, tiny sizes, CPU' if report['dry_run'] else 'real sizes'})", "",
+             f"{env['device_name']}; torch {env['torch']}; CUDA {env['cuda']}; {env['date_utc']}; "
+             f"total {report['total_s']:.0f} s", ""]
+    dit = report["sections"].get("dit", {})
+    if "error" not in dit and dit:
+        lines += [f"SeedVR2 3B DiT, {dit['config']['num_layers']} layers, width {dit['config']['vid_dim']}, bf16, "
+                  f"SP = 1, weights {dit['weights_gib']} GiB", "",
+                  "| input | post-patch grid | forward ms | peak GiB | above weights GiB |", "|---|---|---:|---:|---:|"]
+        for name in ("720p x 21 frames", "1080p image"):
+            f = dit[name]
+            lines.append(f"| {name} | {' x '.join(map(str, f['post_patch_grid']))} | {f['forward_ms']} | "
+                         f"{f['peak_gib']} | {f['peak_above_weights_gib']} |")
+        lines.append("")
+    cmp_ = report["sections"].get("bf16_vs_fp32", {})
+    if cmp_ and "error" not in cmp_:
+        lines += [f"bf16 vs fp32 DiT output ({cmp_['input']}): relative L2 {cmp_['relative_l2']:.2e}, "
+                  f"max abs {cmp_['max_abs']:.2e} (fp32 output max {cmp_['fp32_output_abs_max']:.2e})", ""]
+    vae = report["sections"].get("vae", {})
+    if vae and "error" not in vae:
+        lines += [f"VAE, bf16, clip {' x '.join(map(str, vae['clip']))} (frames x h x w), temporal chunk "
+                  f"{vae['temporal_chunk']}", "", "| step | ms | peak GiB | above inputs GiB |", "|---|---:|---:|---:|"]
+        for step in ("encode", "decode"):
+            lines.append(f"| {step} | {vae[step]['ms']} | {vae[step]['peak_gib']} | "
+                         f"{vae[step]['peak_above_inputs_gib']} |")
+        lines.append("")
+    att = report["sections"].get("attention", {})
+    if att and "error" not in att:
+        lines += [f"One attention layer: grid {' x '.join(map(str, att['grid']))}, shifted, {att['windows']} windows, "
+                  f"{att['heads']} heads x {att['head_dim']}, {att['text_tokens']} text tokens, bf16, "
+                  f"{att['gflop']} GFLOP", "",
+                  "| backend | ms | TFLOP/s | max err vs fp32 reference | |", "|---|---:|---:|---:|---|"]
+        for label, e in att["backends"].items():
+            note = e.get("unavailable") or e.get("error") or e.get("note", "")
+            lines.append(f"| {label} | {e.get('ms', '')} | {e.get('tflops', '')} | "
+                         f"{'' if 'max_err_vs_fp32_reference' not in e else format(e['max_err_vs_fp32_reference'], '.2e')}"
+                         f" | {note} |")
+        lines.append("")
+    for name, body in report["sections"].items():
+        if "error" in body or "skipped" in body:
+            lines.append(f"- {name}: {body.get('error') or body.get('skipped')}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _environment(device: torch.device) -> dict:
+    return {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or "cpu", "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (tests the code path)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: $OUT, else .)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="start no section after this many seconds (default 420: the check ends under 8 min)")
+    parser.add_argument("--sections", nargs="+", choices=[n for n, _ in SECTIONS], default=[n for n, _ in SECTIONS])
+    args = parser.parse_args(argv)
+    out = args.out or Path(os.environ.get("OUT") or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        device, sizes = torch.device("cpu"), DRY
+    else:
+        if not torch.cuda.is_available():
+            print("error: CUDA is not available; use --dry-run for the CPU run at tiny sizes", file=sys.stderr)
+            return 2
+        device, sizes = torch.device("cuda"), REAL
+    clock, memory, state = Clock(device), Memory(device), {}
+    start = time.perf_counter()
+    report = {"dry_run": args.dry_run, "environment": _environment(device), "sections": {}, "total_s": 0.0}
+    json_path, md_path = out / "gpu_check.json", out / "gpu_check.md"
+    for name, fn in SECTIONS:
+        if name not in args.sections:
+            continue
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget_s:
+            report["sections"][name] = {"skipped": f"not started: {elapsed:.0f} s elapsed, budget {args.budget_s:.0f} s"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            body = fn(sizes, device, clock, memory, state)
+        except Exception as error:
+            body = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+            memory.reset()
+        body["section_s"] = round(time.perf_counter() - t0, 1)
+        report["sections"][name] = body
+        report["total_s"] = round(time.perf_counter() - start, 1)
+        json_path.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+        print(f"[gpu_check] {name}: {'error' if 'error' in body else 'done'} in {body['section_s']} s", flush=True)
+    report["total_s"] = round(time.perf_counter() - start, 1)
+    json_path.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    text = markdown(report)
+    md_path.write_text(text)
+    print(text)
+    print(f"wrote {json_path} and {md_path}")
+    return 0 if all("error" not in b and "skipped" not in b for b in report["sections"].values()) else 1
+
+
+def _json_default(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
