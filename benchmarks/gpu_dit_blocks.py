@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,29 +26,7 @@ import winsp  # noqa: E402
 from winsp.attention import reference_window_attention, select_backend, window_attention  # noqa: E402
 from winsp.runtime import LocalWindows  # noqa: E402
 from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
-
-
-def _timer(device: torch.device):
-    """A callable timing ``fn`` over ``iters`` runs after ``warmup`` runs; returns the median in milliseconds."""
-    def run(fn, *, warmup: int, iters: int) -> float:
-        for _ in range(warmup):
-            fn()
-        samples = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                stop.record()
-                torch.cuda.synchronize(device)
-                samples.append(start.elapsed_time(stop))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e3)
-        samples.sort()
-        return samples[len(samples) // 2]
-    return run
+from gpu_check import Clock  # noqa: E402  (benchmarks/ is on sys.path when this file runs)
 
 
 def _segments(grid, text_len: int, method: str) -> winsp.WindowSegments:
@@ -90,7 +67,7 @@ def main(argv=None) -> int:
         dims = dict(vid_dim=3072, txt_in_dim=5120, heads=24, head_dim=128, num_layers=2)
         grid, text_len, iters = (6, 45, 80), 58, args.iters
     heads, head_dim = dims["heads"], dims["head_dim"]
-    timed = _timer(device)
+    timed = Clock(device).median_ms
     lines = [f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__};"
              f" bf16; SeedVR2 {args.model.upper()} blocks; post-patch grid {grid}, {text_len} text tokens;"
              f" {heads} heads x {head_dim}", "",
