@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # script -> quick arguments (defaults where the default is already quick)
 QUICK = {
-    "bench_split.py": ["--clips", "9x256x384", "--repeats", "1", "--runs", "1"],
+    "bench_split.py": ["--clips", "9x256x384", "--repeats", "1", "--planners", "heads", "auto"],
     "bench_split_exchange.py": [],
     "bench_transition.py": ["--world-sizes", "2", "4", "--repeats", "5"],
     "bench_swin3d.py": ["--frames", "8", "--size", "64", "--repeats", "2"],
