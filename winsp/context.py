@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Iterator, Optional
 
+import torch
+
 if TYPE_CHECKING:
     from .runtime import WindowRequest
 
@@ -24,6 +26,13 @@ _CURRENT: ContextVar[Optional["WindowRequest"]] = ContextVar("winsp_current_requ
 def current_request() -> "WindowRequest":
     """The request of the window-parallel region running now; a RuntimeError outside one."""
     request = _CURRENT.get()
+    if request is None and torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            "no winsp request is active: a module of a window-parallel region runs during backward, after its region "
+            "ended. That is activation checkpointing (torch.utils.checkpoint recomputing a block), which winsp does "
+            "not support inside a region yet: turn it off for the modules inside the region (the forward then keeps "
+            "their activations)"
+        )
     if request is None:
         raise RuntimeError(
             "no winsp request is active: this module runs inside a window-parallel region; call the model "

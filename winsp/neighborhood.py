@@ -78,8 +78,11 @@ class Neighborhood(WindowGeometry):
         grid = check_grid(grid, where)
         for axis, n, k, d in zip("thw", grid, self.kernel, self.dilation):
             if k * d > n:
+                hint = "" if n > 1 else (f"; a 1D or 2D model's grid is (1, 1, L) / (1, H, W) and one int is a kernel "
+                                         f"on all three axes: give the kernel of the model's axes only, e.g. "
+                                         f"Neighborhood({tuple(self.kernel[a] for a in range(3) if grid[a] > 1)})")
                 raise ValueError(f"{where} {grid}: neighborhood kernel {k} x dilation {d} along {axis} needs at least "
-                                 f"{k * d} tokens there, the grid has {n} ({self!r})")
+                                 f"{k * d} tokens there, the grid has {n} ({self!r}){hint}")
         return grid
 
     def slices(self, grid: Grid) -> list[WindowSlices]:

@@ -195,6 +195,45 @@ class WindowRequest:
         """[L_local] sample index of each local row in the current layout."""
         return self._current_layout().row_sample
 
+    def sample_rows(self, x: Tensor) -> Tensor:
+        """This rank's local rows (current layout) of a per-sample tensor ``[B, ...]``: ``x[row_sample]``.
+
+        For what the original broadcasts over its tokens per sample (a conditioning vector ``[B, C]`` viewed as
+        ``[B, 1, 1, C]``: adaLN, a timestep embedding). No collective; backward sums into each sample's row.
+        """
+        samples = len(self.stage_model_grids[self.stage])
+        if x.dim() == 0 or x.shape[0] != samples:
+            raise ValueError(f"sample_rows: expected a per-sample tensor [{samples}, ...] (the request has {samples} "
+                             f"samples), got {list(x.shape)}")
+        return x.index_select(0, self.row_sample)
+
+    def grid_rows(self, x: Tensor, *, spatial_dims: int = 3) -> Tensor:
+        """This rank's local rows (current layout) of a tensor given per position of the current stage's grid and
+        shared by every sample: ``[T, H, W, ...]`` (``spatial_dims=3``), ``[H, W, ...]`` (2, a grid ``(1, H, W)``)
+        or ``[W, ...]`` (1). For positions (axial RoPE), per-token tables, masks. Padding rows get zeros.
+
+        No collective; backward sums into the positions read.
+        """
+        if spatial_dims not in (1, 2, 3):
+            raise ValueError(f"grid_rows: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}")
+        grids = sorted(set(self.stage_model_grids[self.stage]))
+        if len(grids) != 1:
+            raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a tensor "
+                             f"per grid position shared by every sample cannot describe them (give canonical rows "
+                             f"[N, ...] to request.scatter instead)")
+        grid = grids[0]
+        if any(g != 1 for g in grid[:3 - spatial_dims]) or tuple(x.shape[:spatial_dims]) != grid[3 - spatial_dims:]:
+            raise ValueError(f"grid_rows: a tensor with {spatial_dims} grid dimension(s) {list(x.shape)} does not "
+                             f"match stage {self.stage}'s grid (t, h, w) = {grid} (spatial_dims=3 takes [T, H, W, ...],"
+                             f" 2 [H, W, ...] for t = 1, 1 [W, ...] for t = h = 1)")
+        per_sample = grid[0] * grid[1] * grid[2]
+        rows = self._rows()
+        flat = x.reshape((per_sample,) + tuple(x.shape[spatial_dims:]))
+        if not rows.padded:
+            return flat.index_select(0, rows.scatter_index % per_sample)
+        index = torch.where(rows.valid, rows.scatter_index % per_sample, per_sample)
+        return torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))]).index_select(0, index)
+
     @property
     def window_ids(self) -> Tensor:
         """[L_local] id of each local row's window in the current layout (the geometry's window order per sample)."""

@@ -5,7 +5,8 @@ A swapped module must reuse the original's parameters (``winsp.adopt``) and usua
 ``make_attention``, ``make_grid_change`` or a ``swaps`` entry: it builds a :class:`Swapped` module that adopts the
 original (same tensors, same state_dict keys, same training mode) and whose forward is ``fn(module, *args, **kwargs)``
 with ``module.index`` the layer or stage index the plan passed (None for ``swaps``). The original's plain attributes
-(``n_heads``, ``window_size``, ...) are kept too, so ``fn`` reads them as the original's forward does.
+(``n_heads``, ``window_size``, ...) are kept too, so ``fn`` reads them as the original's forward does, and
+``module.swapped_from`` is the original's class name (one ``fn`` serving several kinds of block can tell them apart).
 """
 
 from __future__ import annotations

@@ -1,0 +1,265 @@
+"""Adopting a model whose blocks take more than the tokens: a per-sample conditioning vector broadcast over the tokens
+(adaLN: ``cond[:, None, None, :]``) and positions given per grid position (axial RoPE from ``[H, W, 2]``), on
+channels-last ``[N, H, W, C]`` activations, with a neighbourhood level, a 2 x 2 merge and a global level.
+
+The model below is written without winsp (as a diffusion transformer of this kind would be); its adapter takes the
+conditioning per row with ``request.sample_rows`` and the positions with ``request.grid_rows``, and is checked
+against it in outputs and every gradient (float64, 2 and 3 ranks). Also the messages a new user meets on the way:
+an unswapped adaLN norm (named, with the fix), a 2D model given one int as its neighbourhood kernel, activation
+checkpointing inside a region, and the shifted windows of a model that rolls its grid forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import winsp
+from tests.na_oracle import oracle_mask
+from winsp.testing import check_parallel, run_ranks
+
+GRID, DIM, HEADS, COND = (8, 6), 8, 2, 5
+
+
+class AdaNorm(nn.Module):
+    """RMS norm scaled per sample by the conditioning: ``x [N, H, W, C]``, ``cond [N, D]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(COND, DIM)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.linear(cond)[:, None, None, :])
+
+
+def rotate(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of the first 2 * angle.shape[-1] channels of ``x [..., heads, d]`` by ``angle [..., d']``."""
+    n = angle.shape[-1]
+    cos, sin = angle.cos()[..., None, :], angle.sin()[..., None, :]
+    a, b = x[..., :n], x[..., n:2 * n]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., 2 * n:]], dim=-1)
+
+
+class Attention(nn.Module):
+    """Axial-RoPE attention over a sample's ``[H, W]`` grid: a neighbourhood of ``kernel`` (dense, masked) or global."""
+
+    def __init__(self, kernel=None) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.freqs = nn.Parameter(torch.randn(2, 2))  # angle = pos [.., 2] @ freqs: 2 rotated pairs
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        n, h, w, c = x.shape
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, -1)).unbind(-3)  # [N, H, W, heads, d]
+        q, k = rotate(q, pos @ self.freqs), rotate(k, pos @ self.freqs)
+        mask = None if self.kernel is None else oracle_mask([(1, h, w)], winsp.Neighborhood(self.kernel))
+        out = F.scaled_dot_product_attention(*(t.reshape(n, h * w, HEADS, -1).transpose(1, 2) for t in (q, k, v)),
+                                             attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(n, h, w, c))
+
+
+class Block(nn.Module):
+    def __init__(self, kernel=None, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.norm, self.attn, self.checkpointed = AdaNorm(), Attention(kernel), checkpointed
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            x = x + checkpoint(self.attn, self.norm(x, cond), pos, use_reentrant=False)
+        else:
+            x = x + self.attn(self.norm(x, cond), pos)
+        return x + self.mlp(x)
+
+
+class Merge(nn.Module):
+    """2 x 2 tokens -> one: their channels concatenated row-major, then a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, h, w, c = x.shape
+        return self.proj(x.reshape(n, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(n, h // 2, w // 2, -1))
+
+
+class Body(nn.Module):
+    """A neighbourhood level, a 2 x 2 merge (channels of each 2 x 2 patch, row-major), a global level."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.fine = nn.ModuleList([Block((3, 3), checkpointed), Block((5, 3), checkpointed)])
+        self.merge = Merge()
+        self.coarse = nn.ModuleList([Block(None, checkpointed)])
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        for block in self.fine:
+            x = block(x, pos, cond)
+        x = self.merge(x)
+        h, w = pos.shape[:2]
+        pos = pos.reshape(h // 2, 2, w // 2, 2, 2).mean((1, 3))
+        for block in self.coarse:
+            x = block(x, pos, cond)
+        return x
+
+
+class CondNet(nn.Module):
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.embed, self.cond, self.body, self.head = nn.Linear(3, DIM), nn.Linear(1, COND), Body(checkpointed), \
+            nn.Linear(DIM, 3)
+
+    def forward(self, image: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h, w = image.shape[1:3]
+        pos = torch.stack(torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij"), -1)
+        return self.head(self.body(self.embed(image), pos.to(image.dtype), self.cond(t[:, None])))
+
+
+# ---- the adapter ---------------------------------------------------------------------------------------------------
+
+def attend(m, x, pos):
+    request = winsp.current_request()
+    q, k, v = m.qkv(x).unflatten(-1, (3, HEADS, -1)).unbind(-3)
+    angle = request.grid_rows(pos, spatial_dims=2) @ m.freqs  # this rank's rows of the [H, W, 2] positions
+    return m.proj(request.attention(rotate(q, angle), rotate(k, angle), v, layer=m.index)[0].flatten(1))
+
+
+def ada_norm(m, x, cond):
+    scale = 1 + winsp.current_request().sample_rows(m.linear(cond))  # each local row's sample's [C]
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+
+
+def merge(m, x):
+    return m.proj(winsp.current_request().to_grid(x, m.index))
+
+
+def plan(model: CondNet, *, norms: bool = True) -> winsp.ParallelPlan:
+    fine = [winsp.Neighborhood(b.attn.kernel) for b in model.body.fine]
+    return winsp.ParallelPlan(
+        region=winsp.Region("body", "body", winsp.ChannelsLast(spatial_dims=2)),
+        stages=[winsp.Stage(fine), winsp.Stage([winsp.FixedWindows((1 << 20,) * 3)], merge=(1, 2, 2),
+                                               split_windows=True)],
+        attention="body.*.*.attn", make_attention=winsp.swapped(attend),
+        grid_changes="body.merge", make_grid_change=winsp.swapped(merge),
+        swaps=[("body.*.*.norm", winsp.swapped(ada_norm))] if norms else [])
+
+
+def make_original() -> CondNet:
+    return CondNet().double()
+
+
+def make_parallel(original: CondNet, world_size: int) -> CondNet:
+    return winsp.parallelize(original, plan(original), winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+
+
+def make_inputs():
+    return torch.randn(2, *GRID, 3, dtype=torch.float64).requires_grad_(), torch.tensor([0.3, 1.7],
+                                                                                        dtype=torch.float64)
+
+
+def test_conditioning_and_positions_per_row_equal_the_original_in_outputs_and_every_gradient():
+    report = check_parallel(make_original, make_parallel, make_inputs, world_sizes=(2, 3), timeout=300)
+    assert report.ok and report.max_error("param") > 0 and report.max_error("input") > 0
+    grads = [d for d in report.items.values() if d.kind == "param"]
+    assert {d.name for d in grads} >= {"body.fine.0.norm.linear.weight", "body.coarse.0.attn.freqs"}
+
+
+def test_an_unswapped_adaln_norm_is_named_with_the_per_sample_fix():
+    torch.manual_seed(0)
+    model = make_original()
+    winsp.parallelize(model, plan(model, norms=False))
+    with pytest.raises(ValueError, match=r"'body\.fine\.0\.norm' \(AdaNorm\) took local rows \[96, 8\] and returned "
+                                         r"\[2, 1, 96, 8\].*per-sample tensor.*sample_rows"):
+        model(*make_inputs())
+
+
+def test_a_changed_row_count_that_is_not_a_broadcast_keeps_the_reshape_hint():
+    torch.manual_seed(0)
+    model = make_original()
+    p = plan(model)
+    winsp.parallelize(model, winsp.ParallelPlan(**{**p.__dict__, "swaps": p.swaps + (
+        ("body.fine.0.mlp.1", lambda m: winsp.swapped(lambda _, x: x.reshape(2, -1, x.shape[-1]))(m)),)}))
+    with pytest.raises(ValueError, match=r"'body\.fine\.0\.mlp\.1'.*pooling over tokens needs the whole grid.*grid_rows"):
+        model(*make_inputs())
+
+
+def _rows_of(rank: int, world_size: int) -> list:
+    """grid_rows / sample_rows against the rows scatter gives of the same values laid out canonically, on a padded
+    stage (Swin's whole windows) and after a merge."""
+    runtime = winsp.WindowRuntime(
+        [winsp.Stage([winsp.SwinWindows((1, 3, 3), pad=True)]), winsp.Stage([winsp.FixedWindows((1, 2, 2))],
+                                                                            merge=(1, 2, 2))],
+        group=winsp.SPGroup.world())
+    request = runtime.request([(1, 5, 4), (1, 5, 4)])
+    table = torch.arange(5 * 4 * 2, dtype=torch.float64).reshape(5, 4, 2)
+    per_sample = torch.tensor([[10.0], [20.0]], dtype=torch.float64)
+    out = []
+    x = request.scatter(torch.cat([table.reshape(20, 2)] * 2))
+    out.append(torch.equal(request.grid_rows(table, spatial_dims=2), x))
+    out.append(torch.equal(request.grid_rows(table[None], spatial_dims=3), x))
+    out.append(bool((request.grid_rows(table, spatial_dims=2)[~request.valid_rows] == 0).all()))
+    out.append(torch.equal(request.sample_rows(per_sample)[:, 0], 10.0 * (1 + request.row_sample.double())))
+    request.to_grid(x, 1)
+    out.append(request.grid_rows(table[:3, :2], spatial_dims=2).shape == (request.layout().num_rows, 2))
+    for bad in (lambda: request.grid_rows(table, spatial_dims=2),  # stage 1's grid is (1, 3, 2)
+                lambda: request.sample_rows(per_sample[:1]), lambda: request.grid_rows(table, spatial_dims=4)):
+        try:
+            bad()
+            out.append("accepted")
+        except ValueError as err:
+            out.append(str(err).split(":")[0])
+    return out
+
+
+def test_grid_rows_and_sample_rows_are_the_rows_scatter_gives():
+    for result in run_ranks(_rows_of, 2, timeout=120):
+        assert result == [True] * 5 + ["grid_rows", "sample_rows", "grid_rows"]
+
+
+def test_grid_rows_refuses_samples_on_different_grids():
+    request = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))]).request([(1, 4, 4), (1, 2, 4)])
+    request.scatter(torch.zeros(24, 1))
+    with pytest.raises(ValueError, match=r"different grids \[\(1, 2, 4\), \(1, 4, 4\)\]"):
+        request.grid_rows(torch.zeros(4, 4, 1), spatial_dims=2)
+
+
+def test_one_int_kernel_on_a_2d_grid_says_to_give_the_2d_kernel():
+    with pytest.raises(ValueError, match=r"along t needs at least 7 tokens.*Neighborhood\(\(7, 7\)\)"):
+        winsp.Neighborhood(7).check_fits((1, 16, 16))
+    with pytest.raises(ValueError, match=r"along w needs at least 7 tokens there, the grid has 5 \([^;]*\)$"):
+        winsp.Neighborhood((7, 7)).check_fits((1, 16, 5))  # no 2D hint where the axis is just too small
+
+
+def test_activation_checkpointing_inside_a_region_is_refused_by_its_cause():
+    torch.manual_seed(0)
+    model = CondNet(checkpointed=True).double()
+    winsp.parallelize(model, plan(model))
+    out = model(*make_inputs())
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        out.sum().backward()
+
+
+def _rolled_window_ids(size: int, window: int, shift: int) -> torch.Tensor:
+    """Window of each position when the model rolls its grid forward by ``shift`` and cuts every ``window`` (the
+    first window split in two by its mask, as the roll brings the end of the grid to its start)."""
+    rolled = torch.roll(torch.arange(size), shift)  # rolled[r] = the position the roll put at r
+    ids = torch.empty(size, dtype=torch.long)
+    ids[rolled] = torch.arange(size) // window * 2 + ((torch.arange(size) < shift) & (torch.arange(size) < window))
+    return ids
+
+
+@pytest.mark.parametrize("window,shift", [(4, 2), (6, 2), (5, 2)])
+def test_a_grid_rolled_forward_by_s_has_the_windows_of_fixed_windows_shifted_by_window_minus_s(window, shift):
+    size = 3 * window
+    rolled = _rolled_window_ids(size, window, shift)
+    cuts = winsp.FixedWindows((1, 1, window), (0, 0, window - shift)).slices((1, 1, size))
+    fixed = torch.empty(size, dtype=torch.long)
+    for i, (_, _, w) in enumerate(cuts):
+        fixed[w] = i
+    same = rolled[:, None] == rolled[None, :]
+    assert torch.equal(same, fixed[:, None] == fixed[None, :])
