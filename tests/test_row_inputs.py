@@ -1,15 +1,18 @@
 """Adopting a model whose blocks take more than the tokens: a per-sample conditioning vector broadcast over the tokens
 (adaLN: ``cond[:, None, None, :]``) and positions given per grid position (axial RoPE from ``[H, W, 2]``), on
-channels-last ``[N, H, W, C]`` activations, with a neighbourhood level, a 2 x 2 merge and a global level.
+channels-last ``[N, H, W, C]`` activations, with a neighbourhood and global level, a 2 x 2 merge and a global level.
 
 The model below is written without winsp (as a diffusion transformer of this kind would be); its adapter takes the
 conditioning per row with ``request.sample_rows`` and the positions with ``request.grid_rows``, and is checked
 against it in outputs and every gradient (float64, 2 and 3 ranks). Also the messages a new user meets on the way:
 an unswapped adaLN norm (named, with the fix), a 2D model given one int as its neighbourhood kernel, activation
-checkpointing inside a region, and the shifted windows of a model that rolls its grid forward.
+checkpointing inside the region (exact where a module is recomputed, refused by its cause where not), and the shifted windows of a model that rolls its grid forward.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Optional
 
 import pytest
 import torch
@@ -63,14 +66,19 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, kernel=None, checkpointed: bool = False) -> None:
+    """``recompute``: None, or which call is activation-checkpointed and how: ``"attn"`` / ``"attn-reentrant"`` (the
+    attention module), ``"norm+attn"`` (a function of the norm and the attention)."""
+
+    def __init__(self, kernel=None, recompute: Optional[str] = None) -> None:
         super().__init__()
-        self.norm, self.attn, self.checkpointed = AdaNorm(), Attention(kernel), checkpointed
+        self.norm, self.attn, self.recompute = AdaNorm(), Attention(kernel), recompute
         self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        if self.checkpointed:
-            x = x + checkpoint(self.attn, self.norm(x, cond), pos, use_reentrant=False)
+        if self.recompute in ("attn", "attn-reentrant"):
+            x = x + checkpoint(self.attn, self.norm(x, cond), pos, use_reentrant=self.recompute == "attn-reentrant")
+        elif self.recompute == "norm+attn":
+            x = x + checkpoint(lambda h, p, c: self.attn(self.norm(h, c), p), x, pos, cond, use_reentrant=False)
         else:
             x = x + self.attn(self.norm(x, cond), pos)
         return x + self.mlp(x)
@@ -89,29 +97,34 @@ class Merge(nn.Module):
 
 
 class Body(nn.Module):
-    """A neighbourhood level, a 2 x 2 merge (channels of each 2 x 2 patch, row-major), a global level."""
+    """A level of two neighbourhood blocks and a global one, a 2 x 2 merge (channels of each 2 x 2 patch, row-major),
+    a global level."""
 
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, recompute: Optional[str] = None) -> None:
         super().__init__()
-        self.fine = nn.ModuleList([Block((3, 3), checkpointed), Block((5, 3), checkpointed)])
+        inner = None if recompute == "block" else recompute  # "block": each whole block (a layer entry) checkpointed
+        self.fine = nn.ModuleList([Block((3, 3), inner), Block((5, 3), inner), Block(None, inner)])
         self.merge = Merge()
-        self.coarse = nn.ModuleList([Block(None, checkpointed)])
+        self.coarse = nn.ModuleList([Block(None, inner)])
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        run = (lambda block, *a: checkpoint(block, *a, use_reentrant=False)) if self.recompute == "block" else \
+            (lambda block, *a: block(*a))
         for block in self.fine:
-            x = block(x, pos, cond)
-        x = self.merge(x)
+            x = run(block, x, pos, cond)
+        x = run(self.merge, x)
         h, w = pos.shape[:2]
         pos = pos.reshape(h // 2, 2, w // 2, 2, 2).mean((1, 3))
         for block in self.coarse:
-            x = block(x, pos, cond)
+            x = run(block, x, pos, cond)
         return x
 
 
 class CondNet(nn.Module):
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, recompute: Optional[str] = None) -> None:
         super().__init__()
-        self.embed, self.cond, self.body, self.head = nn.Linear(3, DIM), nn.Linear(1, COND), Body(checkpointed), \
+        self.embed, self.cond, self.body, self.head = nn.Linear(3, DIM), nn.Linear(1, COND), Body(recompute), \
             nn.Linear(DIM, 3)
 
     def forward(self, image: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +152,8 @@ def merge(m, x):
 
 
 def plan(model: CondNet, *, norms: bool = True) -> winsp.ParallelPlan:
-    fine = [winsp.Neighborhood(b.attn.kernel) for b in model.body.fine]
+    fine = [winsp.Neighborhood(b.attn.kernel) if b.attn.kernel else winsp.FixedWindows((1 << 20,) * 3)
+            for b in model.body.fine]
     return winsp.ParallelPlan(
         region=winsp.Region("body", "body", winsp.ChannelsLast(spatial_dims=2)),
         stages=[winsp.Stage(fine), winsp.Stage([winsp.FixedWindows((1 << 20,) * 3)], merge=(1, 2, 2),
@@ -235,9 +249,22 @@ def test_one_int_kernel_on_a_2d_grid_says_to_give_the_2d_kernel():
         winsp.Neighborhood((7, 7)).check_fits((1, 16, 5))  # no 2D hint where the axis is just too small
 
 
-def test_activation_checkpointing_inside_a_region_is_refused_by_its_cause():
+def make_recomputed(mode: str) -> CondNet:
+    return CondNet(recompute=mode).double()
+
+
+@pytest.mark.parametrize("mode", ["attn", "attn-reentrant", "block"])
+def test_activation_checkpointing_inside_the_region_equals_the_original(mode):
+    """A module recomputed during backward (the attention, reentrant or not; a whole block, whose entry then moves
+    rows again) runs in the layout it ran in, through the same collectives: equal to the original in every gradient."""
+    report = check_parallel(functools.partial(make_recomputed, mode), make_parallel, make_inputs, world_sizes=(2,),
+                            timeout=300)
+    assert report.ok and report.max_error("param") > 0
+
+
+def test_a_checkpointed_function_whose_modules_get_recomputed_tensors_is_refused_by_its_cause():
     torch.manual_seed(0)
-    model = CondNet(checkpointed=True).double()
+    model = make_recomputed("norm+attn")  # the attention's input is recomputed (the norm's output): no note for it
     winsp.parallelize(model, plan(model))
     out = model(*make_inputs())
     with pytest.raises(RuntimeError, match="activation checkpointing"):

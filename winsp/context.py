@@ -29,9 +29,10 @@ def current_request() -> "WindowRequest":
     if request is None and torch._C._current_graph_task_id() != -1:
         raise RuntimeError(
             "no winsp request is active: a module of a window-parallel region runs during backward, after its region "
-            "ended. That is activation checkpointing (torch.utils.checkpoint recomputing a block), which winsp does "
-            "not support inside a region yet: turn it off for the modules inside the region (the forward then keeps "
-            "their activations)"
+            "ended, on a tensor that no module of the region was called with in the forward. That is activation "
+            "checkpointing (torch.utils.checkpoint) of a function whose modules get recomputed inputs: checkpoint a "
+            "module of the region instead (checkpoint(block, x, ...): winsp re-runs it in the layout it ran in), or "
+            "turn checkpointing off inside the region"
         )
     if request is None:
         raise RuntimeError(

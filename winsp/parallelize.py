@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from . import context
 from .config import DiffusionParallelConfig
 from .geometry import Grid
+from .recompute import watch_recompute
 from .region_checks import ForwardOrder, Step, watch_rows
 from .runtime import WindowRuntime
 from .stages import Stage, check_stages
@@ -330,6 +331,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         for stage, (path, _) in zip(changing, grid_changes):
             applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
         applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]))
+        applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []))  # activation checkpointing
         step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
         step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes)})
         io = plan.region.tokens
