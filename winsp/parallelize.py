@@ -325,6 +325,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
             _swap(model, path, plan.make_grid_change(original, stage), applied, "make_grid_change")
         for path, factory in swaps:
             _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
+        step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
+        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes)})
+        if plan.region.start != plan.region.end:  # the forward between them is the model's own: dry-run the model
+            applied.handles.append(model.register_forward_pre_hook(_model_dry_run(applied, model, step_paths),
+                                                                   with_kwargs=True))
+        # before the entries' hooks: a region may start at its first block, which is also a layer entry
+        applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
+            _region_start(runtime, plan.region.tokens, applied, model, step_paths), with_kwargs=True))
         for layer, path in enumerate(entry_paths):  # looked up after the swaps: an entry may have been swapped
             entry = model.get_submodule(path) if path else model
             applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer, order)))
@@ -332,11 +340,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
             applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
         applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]))
         applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []))  # activation checkpointing
-        step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
-        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes)})
         io = plan.region.tokens
-        applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
-            _region_start(runtime, io, applied, model, step_paths), with_kwargs=True))
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
             _region_end(io, applied), with_kwargs=True, always_call=True))
     except BaseException:
@@ -425,6 +429,19 @@ def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model:
         applied.tokens.append(context._enter(request))
         applied.order.begin()
         return io.with_rows(args, kwargs, local)
+
+    return hook
+
+
+def _model_dry_run(applied: _Applied, model: nn.Module, paths: dict):
+    """For a region whose start and end are different modules: before the model's first forward, the model's forward
+    on meta tensors, checked against the plan's steps (the region may run any number of times in it)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if applied.order.recording is None and not applied.order.dry_run_done and not applied.tokens:
+            if not applied.order.check_dry_run(lambda: _forward_on_meta(model, module, applied, paths, args, kwargs),
+                                               repeats=True):
+                applied.order.dry_run_done = True  # cannot run on meta tensors: checked step by step as it runs
+        return None
 
     return hook
 

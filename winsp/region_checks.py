@@ -87,10 +87,11 @@ class ForwardOrder:
             raise ValueError(self._mismatch(pos, kind, index, f"Refused before {path!r} moved any rows"))
         self.progress[-1] = pos + 1
 
-    def check_dry_run(self, run: Callable[[], Any]) -> bool:
+    def check_dry_run(self, run: Callable[[], Any], *, repeats: bool = False) -> bool:
         """Run ``run()`` (the region's forward on meta tensors) once, noting the steps it takes, and raise if they are
         not the plan's. Returns False (nothing checked) if the model cannot run on meta tensors: the steps are then
-        checked as the real forward takes them."""
+        checked as the real forward takes them. ``repeats``: ``run`` is a forward *around* the region (the model's,
+        for a region whose start and end are different modules), which may run the region any number of times."""
         if self.dry_run_done:
             return True
         self.recording = []
@@ -101,15 +102,18 @@ class ForwardOrder:
         finally:
             recorded, self.recording = self.recording, None
         self.dry_run_done = True
+        n = len(self.steps)
         for pos, (kind, index) in enumerate(recorded):
-            step = self.steps[pos] if pos < len(self.steps) else None
+            at = pos % n if repeats else pos
+            step = self.steps[at] if at < n else None
             if step is None or (step.kind, step.index) != (kind, index):
                 self.dry_run_done = False
-                raise ValueError(self._mismatch(pos, kind, index, "Found by a forward on meta tensors before any "
-                                                                  "rows moved"))
-        if len(recorded) < len(self.steps):
+                raise ValueError(self._mismatch(at, kind, index, "Found by a forward on meta tensors before any "
+                                                                 "rows moved"))
+        if (len(recorded) % n if repeats else len(recorded) < n):
             self.dry_run_done = False
-            raise ValueError(self._short(len(recorded)) + "; found by a forward on meta tensors before any rows moved")
+            raise ValueError(self._short(len(recorded) % n if repeats else len(recorded))
+                             + "; found by a forward on meta tensors before any rows moved")
         return True
 
 

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         n, h, w, c = x.shape
         q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, -1)).unbind(-3)  # [N, H, W, heads, d]
         q, k = rotate(q, pos @ self.freqs), rotate(k, pos @ self.freqs)
-        mask = None if self.kernel is None else oracle_mask([(1, h, w)], winsp.Neighborhood(self.kernel))
+        mask = None if self.kernel is None else oracle_mask([(1, h, w)], winsp.Neighborhood(self.kernel)).to(x.device)
         out = F.scaled_dot_product_attention(*(t.reshape(n, h * w, HEADS, -1).transpose(1, 2) for t in (q, k, v)),
                                              attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(n, h, w, c))
@@ -290,3 +290,67 @@ def test_a_grid_rolled_forward_by_s_has_the_windows_of_fixed_windows_shifted_by_
         fixed[w] = i
     same = rolled[:, None] == rolled[None, :]
     assert torch.equal(same, fixed[:, None] == fixed[None, :])
+
+
+class Siblings(nn.Module):
+    """The levels run by the model's own forward (no container holds them), registered in another order than they
+    run: the coarse level, the merge, then the fine level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.cond, self.head = nn.Linear(3, DIM), nn.Linear(1, COND), nn.Linear(DIM, 3)
+        self.coarse, self.merge = nn.ModuleList([Block(None)]), Merge()
+        self.fine = nn.ModuleList([Block((3, 3)), Block((5, 3))])
+
+    def forward(self, image: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h, w = image.shape[1:3]
+        axes = (torch.linspace(-1, 1, n, dtype=image.dtype, device=image.device) for n in (h, w))  # meta-friendly
+        pos = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1)
+        x, cond = self.embed(image), self.cond(t[:, None])
+        for block in self.fine:
+            x = block(x, pos, cond)
+        x, pos = self.merge(x), pos.reshape(h // 2, 2, w // 2, 2, 2).mean((1, 3))
+        for block in self.coarse:
+            x = block(x, pos, cond)
+        return self.head(x)
+
+
+def sibling_plan(model: Siblings, *, ordered: bool = True) -> winsp.ParallelPlan:
+    return winsp.ParallelPlan(
+        region=winsp.Region("fine.0", "coarse.0", winsp.ChannelsLast(spatial_dims=2)),
+        stages=[winsp.Stage([winsp.Neighborhood(b.attn.kernel) for b in model.fine]),
+                winsp.Stage([winsp.FixedWindows((1 << 20,) * 3)], merge=(1, 2, 2), split_windows=True)],
+        forward_order=("fine", "merge", "coarse") if ordered else None,
+        attention="*.*.attn", make_attention=winsp.swapped(attend), grid_changes="merge",
+        make_grid_change=winsp.swapped(merge), swaps=[("*.*.norm", winsp.swapped(ada_norm))])
+
+
+def make_siblings() -> Siblings:
+    return Siblings().double()
+
+
+def parallel_siblings(original: Siblings, world_size: int) -> Siblings:
+    return winsp.parallelize(original, sibling_plan(original),
+                             winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+
+
+def test_a_region_between_two_sibling_levels_equals_the_original():
+    report = check_parallel(make_siblings, parallel_siblings, make_inputs, world_sizes=(2,), timeout=300)
+    assert report.ok and report.max_error("param") > 0
+
+
+def test_a_region_between_sibling_levels_out_of_order_is_refused_by_the_models_forward_on_meta_tensors():
+    torch.manual_seed(0)
+    model = make_siblings()
+    winsp.parallelize(model, sibling_plan(model, ordered=False))
+    scatters = []
+    original_scatter = winsp.WindowRequest.scatter
+    try:
+        winsp.WindowRequest.scatter = lambda self, *a, **k: scatters.append(1) or original_scatter(self, *a, **k)
+        for _ in range(2):  # refused again on the next call, not only once
+            with pytest.raises(ValueError, match=r"the forward runs 'fine\.0' \(window layer 1\) where the plan expects "
+                                                 r"'coarse\.0' \(window layer 0\).*Found by a forward on meta tensors"):
+                model(*make_inputs())
+    finally:
+        winsp.WindowRequest.scatter = original_scatter
+    assert scatters == []  # no request scattered any rows
