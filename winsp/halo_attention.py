@@ -47,7 +47,8 @@ def start_halo_exchange(k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup)
     both, packed); None when the plan exchanges nothing. :func:`finish_halo_exchange` returns the key rows."""
     if not halo.exchange:
         return None
-    packed = torch.cat([k, v.to(k.dtype)], dim=-1).index_select(0, halo.send_index)
+    idx = halo.send_index  # pick the edge rows first, then pack: the copy is the halo's size, not the block's
+    packed = torch.cat([k.index_select(0, idx), v.index_select(0, idx).to(k.dtype)], dim=-1)
     return group.start_all_to_all_single(packed, halo.output_split_sizes, halo.input_split_sizes)
 
 
