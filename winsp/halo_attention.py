@@ -145,17 +145,19 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
                            q_txt: Optional[Tensor] = None, k_txt: Optional[Tensor] = None,
                            v_txt: Optional[Tensor] = None, txt_sample: Optional[Tensor] = None,
                            scale: float, mods: Optional[ScoreMods] = None,
-                           text_output: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+                           text_output: bool = True, video_attention=None) -> tuple[Tensor, Optional[Tensor]]:
     """One neighborhood layer on local rows ``[L, H, D]``: halo exchange, then attention (and text queries' output).
 
-    ``txt_sample`` [L_txt] is each text row's sample. Returns (video output, text output or None).
+    ``txt_sample`` [L_txt] is each text row's sample. ``video_attention``: the video queries' kernel
+    ``(q, k_all, v_all, txt, halo, scale, mods) -> [L, H, D]`` (:mod:`winsp.halo_backends`; None: the tiled path).
+    Returns (video output, text output or None).
     """
     if q.shape[0] != halo.num_rows:
         raise ValueError(f"rank {group.rank}: neighborhood attention got {q.shape[0]} rows, the plan gives this rank "
                          f"{halo.num_rows}")
     k_all, v_all = exchange_halos(k, v, halo, group)
     has_text = k_txt is not None and k_txt.shape[0] > 0
-    vid = _video_queries(q, k_all, v_all, (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None, halo,
+    vid = (video_attention or _video_queries)(q, k_all, v_all, (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None, halo,
                          scale, mods)
     if q_txt is None or not text_output:
         return vid, None
@@ -213,9 +215,11 @@ def neighborhood_layer(request, layer: int, qkv: tuple, qkv_txt: tuple, mods: Op
                        softmax_scale: Optional[float], text_output: bool) -> tuple[Tensor, Optional[Tensor]]:
     """:meth:`winsp.WindowRequest.attention` of a :class:`~winsp.Neighborhood` layer (the runtime's one hook)."""
     from .attention import _scale
+    from .halo_backends import neighborhood_runner
 
     halo = halo_tensors(request, layer)
     q_txt, k_txt, v_txt = qkv_txt
     return neighborhood_attention(*qkv, halo, request.group, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt,
                                   txt_sample=_text_samples(request) if k_txt is not None else None,
-                                  scale=_scale(qkv[0], softmax_scale), mods=mods, text_output=text_output)
+                                  scale=_scale(qkv[0], softmax_scale), mods=mods, text_output=text_output,
+                                  video_attention=neighborhood_runner(request, layer, qkv[0], mods))
