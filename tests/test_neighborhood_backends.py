@@ -38,6 +38,8 @@ CASES = {
     "2d-causal-dilated": ([(1, 9, 13)], [2], Neighborhood((4, 3), (2, 3), (False, True))),
     "3d-causal-time": ([(6, 8, 7)], [3], Neighborhood((3, 4, 3), (2, 2, 2), (True, False, False))),
     "2d-packed": ([(3, 7, 10), (1, 3, 4)], [4, 2], Neighborhood((1, 3, 3))),
+    # at 3 ranks a block of 3 with dilation 4 has a ragged halo: natten is refused there, on every rank alike
+    "1d-ragged": ([(1, 1, 10)], [2], Neighborhood((2,), (4,))),
 }
 
 
@@ -162,12 +164,14 @@ def test_flex_and_natten_on_ranks_equal_natten(world_size):
                 torch.testing.assert_close(got["natten"], expected, rtol=1e-5, atol=1e-5)
                 natten_ran += 1
     assert natten_ran >= world_size  # the extended boxes really ran (a refusal everywhere would prove nothing)
+    assert natten_refused == (world_size if world_size == 3 else 0)  # "1d-ragged" at 3 ranks, on all of them
 
 
 # ---- the extended box -----------------------------------------------------------------------------------------
 
 def test_box_is_exact_follows_the_rules():
-    """Against the oracle's neighbourhood sets: exact iff every block query keeps its neighbourhood in the box."""
+    """Against the oracle's neighbourhood sets: exact iff every block query keeps its neighbourhood in the box (and
+    the box holds NATTEN's ``kernel * dilation``)."""
     rng = random.Random(0)
     seen = {True: 0, False: 0}
     for _ in range(400):
@@ -176,13 +180,28 @@ def test_box_is_exact_follows_the_rules():
         causal = rng.random() < 0.4
         lo = rng.randrange(n)
         hi = rng.randint(lo + 1, n)
-        a, b = rng.randint(0, lo), rng.randint(hi, n)
+        a, b = rng.randint(0, lo), rng.randint(hi, n + (k * d if causal else 0))  # a causal box may be padded
         expect = b - a >= k * d and all(
             {p + a for p in _axis_keys(b - a, k, d, causal, i - a)} == _axis_keys(n, k, d, causal, i)
             for i in range(lo, hi))
         assert box_is_exact(n, k, d, causal, lo, hi, a, b) == expect, (n, k, d, causal, lo, hi, a, b)
         seen[expect] += 1
     assert min(seen.values()) > 50
+
+
+def test_a_causal_axis_is_padded_to_natten_s_minimum():
+    """Causal time at rank 0 reaches only its own 2 frames, fewer than NATTEN's kernel x dilation (6): the box is padded
+    after them (never attended), which is exact; a non-causal axis is never padded."""
+    from winsp.halo_natten import extended_box
+
+    geom = CASES["3d-causal-time"][2]
+    box, why = extended_box((6, 8, 7), geom, [(0, 2), (0, 8), (0, 7)])
+    assert why is None and box == [(0, 2, 6), (0, 8, 8), (0, 7, 7)]
+    box, why = extended_box((6, 8, 7), geom, [(0, 1), (0, 8), (0, 7)])
+    assert why is None and box[0] == (0, 1, 6)
+    # non-causal, one frame: it reaches frames 0, 2, 4 only (its dilation group), a ragged halo
+    _, why = extended_box((6, 8, 7), Neighborhood((3, 4, 3), (2, 2, 2)), [(0, 1), (0, 8), (0, 7)])
+    assert why is not None and "axis t" in why
 
 
 def test_natten_on_an_inexact_box_really_differs():

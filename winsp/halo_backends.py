@@ -170,7 +170,10 @@ def neighborhood_runner(request, layer: int, q: torch.Tensor, mods: Optional[Sco
         return None
     store = request.runtime.store
     if name == "natten":
-        return partial(_natten_runner, _natten_boxes(request, layer)[0])
+        boxes, why = _natten_boxes(request, layer)
+        if boxes is None:  # the plan-wide check passed, so every rank's boxes must fit
+            raise AssertionError(f"rank {request.runtime.rank}: natten boxes refused after the plan's check: {why}")
+        return partial(_natten_runner, boxes)
     from .halo_attention import _text_samples, halo_tensors
     from .halo_flex import build_flex_neighborhood
 

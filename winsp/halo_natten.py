@@ -33,8 +33,8 @@ __all__ = ["box_is_exact", "extended_run", "extended_box", "natten_plan_reason",
 
 def box_is_exact(n: int, k: int, d: int, causal: bool, lo: int, hi: int, a: int, b: int) -> bool:
     """Whether NATTEN over positions ``[a, b)`` of an axis of ``n`` gives each query in ``[lo, hi)`` its neighbourhood
-    in the whole axis (same keys, same causal validity)."""
-    if not (0 <= a <= lo < hi <= b <= n) or b - a < k * d:
+    in the whole axis (same keys, same causal validity). A causal box may end past the axis (padding)."""
+    if not (0 <= a <= lo < hi <= b and (b <= n or causal)) or b - a < k * d:
         return False
     g_keys, g_valid = axis_neighbours(int(n), int(k), int(d), bool(causal))
     l_keys, l_valid = axis_neighbours(int(b - a), int(k), int(d), bool(causal))
@@ -56,15 +56,21 @@ def extended_run(reach: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
 
 
 def extended_box(grid, geometry: Neighborhood, block) -> tuple[Optional[list], Optional[str]]:
-    """The extended box ``[(a, b)] * 3`` of a block ``[(lo, hi)] * 3`` of ``grid``, or ``(None, why it is not exact)``."""
+    """The extended box ``[(a, b, b_pad)] * 3`` of a block ``[(lo, hi)] * 3`` of ``grid``, or ``(None, why it is not
+    exact)``.
+
+    ``[a, b)`` are rows this rank has. A causal axis shorter than NATTEN's ``kernel * dilation`` is padded to
+    ``b_pad``: positions after every block query are never attended by them, so the padding may hold any row.
+    """
     box = []
     for a, (n, k, d, c, (lo, hi)) in enumerate(zip(grid, geometry.kernel, geometry.dilation, geometry.causal, block)):
         start, stop = extended_run(axis_reach(n, k, d, c, lo, hi), lo, hi)
-        if not box_is_exact(n, k, d, c, lo, hi, start, stop):
+        pad = max(stop, start + k * d) if c else stop
+        if not box_is_exact(n, k, d, c, lo, hi, start, pad):
             return None, (f"axis {'thw'[a]}: the block [{lo}, {hi}) with its halo spans [{start}, {stop}), where "
                           f"NATTEN's neighbourhoods differ from the whole grid's (kernel {k}, dilation {d}, causal "
                           f"{c}, axis of {n})")
-        box.append((start, stop))
+        box.append((start, stop, pad))
     return box, None
 
 
@@ -119,17 +125,22 @@ def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
         box, why = extended_box(grid, geometry, block)
         if why is not None:
             return None, f"sample {s}, {why}"
-        shape = tuple(b - a for a, b in box)
-        sets = [np.arange(a, b) for a, b in box]
+        shape = tuple(pad - a for a, _, pad in box)
+        sets = [np.arange(a, pad) for a, _, pad in box]
+        real = ((sets[0] < box[0][1])[:, None, None] & (sets[1] < box[1][1])[None, :, None]
+                & (sets[2] < box[2][1])[None, None, :]).reshape(-1)
         ids = ((sets[0][:, None, None] * grid[1] + sets[1][None, :, None]) * grid[2] + sets[2][None, None, :])
+        ids = ids.reshape(-1)[real]
         k_ids = (k_coords[keys, 0] * grid[1] + k_coords[keys, 1]) * grid[2] + k_coords[keys, 2]
         order = np.argsort(k_ids)
-        where = np.searchsorted(k_ids[order], ids.reshape(-1))
-        if where.max() >= k_ids.size or not np.array_equal(k_ids[order][where], ids.reshape(-1)):
+        where = np.searchsorted(k_ids[order], ids)
+        if where.max() >= k_ids.size or not np.array_equal(k_ids[order][where], ids):
             raise AssertionError("an extended box holds a row this rank does not have")  # a winsp bug
-        rel = q_coords[own] - np.asarray([a for a, _ in box])
+        box_keys = np.zeros(real.size, np.int64)  # padding (causal axes) reads row 0: never attended
+        box_keys[real] = keys[order][where]
+        rel = q_coords[own] - np.asarray([a for a, _, _ in box])
         in_box = (rel[:, 0] * shape[1] + rel[:, 1]) * shape[2] + rel[:, 2]
-        by_key.setdefault((shape, int(text_lengths[s])), []).append((keys[order][where], own, in_box,
+        by_key.setdefault((shape, int(text_lengths[s])), []).append((box_keys, own, in_box,
                                                                     np.arange(txt_starts[s], txt_starts[s + 1])))
     groups, row_slot, offset = [], np.zeros(row_sample.size, np.int64), 0
     for (shape, text), members in by_key.items():
