@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .backends.flex import _import, _kernel
+from .backends.flex import _import, _kernel, apply_mods
 from .halo import HaloTensors
 from .neighborhood import Neighborhood, axis_neighbours
 from .score_mods import ScoreMods
@@ -179,11 +179,7 @@ def _flex_score_mod(data: FlexNeighborhood, mods: Optional[ScoreMods]):
         video = kv_idx < nk
         q_row = q_rows[q_idx]
         k_row = torch.where(video, k_rows[kv_idx], q_row)
-        if mods.score_mod is not None:
-            score = torch.where(video, mods.score_mod(score, h, q_row, k_row), score)
-        if mods.mask_mod is not None:
-            score = torch.where(video & ~mods.mask_mod(h, q_row, k_row), float("-inf"), score)
-        return score
+        return apply_mods(score, h, q_row, k_row, video, mods)
 
     return score_mod
 
