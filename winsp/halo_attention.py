@@ -188,18 +188,19 @@ def neighborhood_rpb_score_mod(table: Tensor, halo: HaloTensors, geometry: Neigh
     ``table`` is ``[heads, 2 kt - 1, 2 kh - 1, 2 kw - 1]``; ``d`` is (key - query) / dilation per axis, which a
     neighbourhood keeps within ``(-k, k)``. ``table`` receives its gradient through the score_mod.
     """
-    kern = torch.tensor(geometry.kernel, device=halo.key_coords.device)
-    dil = torch.tensor(geometry.dilation, device=halo.key_coords.device)
-    expected = (2 * kern - 1).tolist()
+    kern, dil = geometry.kernel, geometry.dilation
+    expected = [2 * k - 1 for k in kern]
     if table.dim() != 4 or list(table.shape[1:]) != expected:
         raise ValueError(f"relative position bias table must be [heads, {', '.join(map(str, expected))}] for kernel "
                          f"{geometry.kernel}, got {list(table.shape)}")
-    q_coords, k_coords = halo.query_coords, halo.key_coords
+    # one 1D column per axis: scalar ops only, which compiled FlexAttention lowers (a [3] intermediate it does not)
+    q_axes = [halo.query_coords[:, a].contiguous() for a in range(3)]
+    k_axes = [halo.key_coords[:, a].contiguous() for a in range(3)]
 
     def score_mod(score, head, q_row, k_row):
-        rel = torch.div(k_coords[k_row] - q_coords[q_row], dil, rounding_mode="floor") + kern - 1
-        rel = torch.minimum(rel.clamp_min(0), 2 * kern - 2)  # pairs outside the neighbourhood are masked anyway
-        return score + table[head, rel[..., 0], rel[..., 1], rel[..., 2]]
+        rel = [(torch.div(k_axes[a][k_row] - q_axes[a][q_row], dil[a], rounding_mode="floor") + kern[a] - 1)
+               .clamp(0, 2 * kern[a] - 2) for a in range(3)]  # pairs outside the neighbourhood are masked anyway
+        return score + table[head, rel[0], rel[1], rel[2]]
 
     return score_mod
 
