@@ -288,6 +288,23 @@ def test_a_ragged_dilated_halo_is_refused_naming_the_rank_and_axis():
         req.attention(x, x, x, layer=0)
 
 
+def test_a_rank_that_holds_nothing_gets_empty_outputs_from_every_backend():
+    from winsp.halo_flex import flex_video_queries
+
+    geom = Neighborhood((3,))
+    plan = neighborhood_plan([(1, 1, 3)], [geom], 4)
+    assert plan.rank_rows == (1, 1, 1, 0) and natten_plan_reason(plan, geom) is None
+    halo = HaloExchange(plan, 3, geom).to("cpu")
+    txt_sample = torch.zeros(2, dtype=torch.int64)
+    data = build_flex_neighborhood(halo, geom, plan.layout.grids, txt_sample, torch.device("cpu"))
+    boxes, why = natten_boxes(halo, geom, plan.layout.grids, (2,), "cpu")
+    q = torch.zeros(0, HEADS, DIM)
+    txt = (torch.randn(2, HEADS, DIM), torch.randn(2, HEADS, DIM), _text_index(txt_sample, 1))
+    assert why is None and boxes.groups == ()
+    assert flex_video_queries(data, q, q, q, txt, SCALE, None).shape == (0, HEADS, DIM)
+    assert natten_video_queries(boxes, q, q, q, txt, SCALE).shape == (0, HEADS, DIM)
+
+
 # ---- the block mask -------------------------------------------------------------------------------------------
 
 def test_flex_block_lists_cover_every_allowed_pair():
