@@ -170,6 +170,25 @@ def test_halo_is_what_the_block_reaches_and_the_cut_follows_the_kernel():
     assert [h for _, h in block_halo_rows((8, 2, 2), (2, 1, 1), causal)] == [0, 8]
 
 
+@pytest.mark.parametrize("grid, geom, world, some_interior", [
+    ((4, 24, 32), Neighborhood((3, 7, 7)), 2, True), ((5, 6, 9), Neighborhood((2, 3, 3), dilation=(2, 2, 1)), 3, False),
+    ((3, 20, 10), Neighborhood((1, 3, 2), dilation=(1, 1, 2)), 4, True),
+])
+def test_interior_tiles_reach_local_rows_only(grid, geom, world, some_interior):
+    """The tiles that run while the halos are in flight read no halo row; every other tile reads one."""
+    plan = neighborhood_plan([grid], [geom], world)
+    interior_somewhere = False
+    for rank in range(world):
+        halo = HaloExchange(plan, rank, geom).to("cpu")
+        for i, (_, key, _, _) in enumerate(halo.tiles):
+            if i < halo.interior_groups:
+                assert int(key.max()) < halo.num_rows
+            else:
+                assert bool((key >= halo.num_rows).any(-1).all())
+        interior_somewhere |= halo.interior_groups > 0
+    assert interior_somewhere == some_interior
+
+
 def test_a_rank_can_hold_nothing():
     plan = neighborhood_plan([(1, 1, 3)], [Neighborhood((3,))], 4)
     assert sorted(plan.rank_rows) == [0, 1, 1, 1]
@@ -231,7 +250,10 @@ def _model_rank(rank, world_size, names):
         (out.square().sum() + txt_out.square().sum()).backward()
         winsp.sync_gradients(params, runtime)
         plan = runtime.plans(MODELS[name][0])[0]
-        results[name] = out.detach(), txt_out.detach(), [p.grad.clone() for p in params], plan.rank_rows
+        with torch.no_grad():  # inference overlaps the halo exchange with the interior tiles: same numbers
+            inferred = _model_forward(runtime, name, x, txt, w, tables)
+        results[name] = (out.detach(), txt_out.detach(), [p.grad.clone() for p in params], plan.rank_rows,
+                         inferred)
     return results
 
 
@@ -271,9 +293,11 @@ def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):
     for name in names:
         ref_out, ref_txt, ref_grads = _one_rank(name)
         for rank, by_name in enumerate(results):
-            out, txt_out, grads, rows = by_name[name]
+            out, txt_out, grads, rows, (inferred, inferred_txt) = by_name[name]
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(txt_out, ref_txt, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(inferred, ref_out, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(inferred_txt, ref_txt, rtol=1e-12, atol=1e-12)
             assert len(grads) == len(ref_grads)
             for g, r in zip(grads, ref_grads):
                 torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)

@@ -164,8 +164,26 @@ def _backends_rank(rank, world_size, names):
                 runtime = winsp.WindowRuntime([geom], group=group, neighborhood_backend=backend)
                 got[backend + "+rpb"] = _layer(runtime, name, inputs, rpb=True)[0]
             got["plan"] = winsp.WindowRuntime([geom], group=group).plans(CASES[name][0])[0].rank_rows
+        got["grads"] = [_dispatch_grads(name, group, forced) for forced in (False, True)]
         results[name] = got
     return results
+
+
+def _dispatch_grads(name, group, forced: bool):
+    """Gradients through the runtime's default path, or (``forced``) through the dispatch point every other backend
+    takes (the whole exchange, then a kernel: here the tiled one, which has a CPU backward), its reverse included."""
+    import winsp.halo_backends as halo_backends
+
+    inputs = [x.requires_grad_(True) for x in _inputs(name, torch.float64)]
+    runner = halo_backends.neighborhood_runner
+    if forced:
+        halo_backends.neighborhood_runner = lambda *args: _video_queries
+    try:
+        out, txt = _layer(winsp.WindowRuntime([CASES[name][2]], group=group), name, inputs)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+        return torch.autograd.grad((out * weights).sum() + txt.square().sum(), inputs)
+    finally:
+        halo_backends.neighborhood_runner = runner
 
 
 @pytest.mark.multirank
@@ -183,6 +201,8 @@ def test_flex_and_natten_on_ranks_equal_natten(world_size, names):
             torch.testing.assert_close(got["tiled"], expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got["flex"], expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got["flex+rpb"], got["tiled+rpb"], rtol=1e-5, atol=1e-5)
+            for g_forced, g_default in zip(*got["grads"]):
+                torch.testing.assert_close(g_forced, g_default, rtol=1e-12, atol=1e-12)
             if isinstance(got["natten"], str):
                 assert "cannot run" in got["natten"] and "rank" in got["natten"], got["natten"]
                 natten_refused += 1

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["SPGroup", "init_world_from_env", "shutdown_world", "abort_world", "world_rank_and_size",
+__all__ = ["SPGroup", "PendingRows", "init_world_from_env", "shutdown_world", "abort_world", "world_rank_and_size",
            "new_subgroup", "send_tensor", "recv_tensor"]
 
 
@@ -208,6 +208,27 @@ class SPGroup:
             return _all_to_all_rows_eager(tensor, outs, ins, self.group)
         return torch.ops.winsp.all_to_all_rows(tensor.contiguous(), outs, ins, self.name)
 
+    def start_all_to_all_single(
+        self, tensor: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
+    ) -> "PendingRows":
+        """:meth:`all_to_all_single` started in the background: compute on, then ``wait()`` for its output.
+
+        Every rank must start it at the same point of its collective sequence. It overlaps only in eager code
+        without gradients (inference); when autograd records or torch.compile traces, the exchange runs at once
+        (the custom op) and ``wait()`` just returns it.
+        """
+        if self.is_single:
+            return PendingRows(tensor)
+        outs, ins = [int(c) for c in output_split_sizes], [int(c) for c in input_split_sizes]
+        if not _eager(tensor):
+            return PendingRows(torch.ops.winsp.all_to_all_rows(tensor.contiguous(), outs, ins, self.name))
+        import torch.distributed as dist
+
+        send = tensor.contiguous()
+        out = send.new_empty((sum(outs),) + tuple(send.shape[1:]))
+        work = dist.all_to_all_single(out, send, outs, ins, group=self.group, async_op=True)
+        return PendingRows(out, work, send)
+
     def all_gather_rows(self, tensor: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along dim 0; rank r holds ``sizes[r]`` rows (may differ, may be 0).
 
@@ -270,6 +291,20 @@ class SPGroup:
             members = [self.global_rank(r) for r in ranks]
             cached = _SUBGROUPS[key] = SPGroup(dist.new_group(members, use_local_synchronization=True))
         return cached
+
+
+class PendingRows:
+    """The output of a collective that may still be in flight (:meth:`SPGroup.start_all_to_all_single`)."""
+
+    def __init__(self, output: torch.Tensor, work=None, keep_alive: torch.Tensor | None = None) -> None:
+        self._output, self._work, self._keep_alive = output, work, keep_alive
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective has finished; returns its output (again on later calls)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._keep_alive = None
+        return self._output
 
 
 _SUBGROUPS: dict = {}

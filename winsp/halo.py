@@ -142,8 +142,9 @@ class HaloTensors:
 
     Query tiles, in groups of one shape: each group is ``(query [G, Q], key [G, K], mask [G, Q, K], sample [G])``:
     the local row of tile g's i-th query, the key row of its j-th key (the product of the tile's per-axis reach),
-    whether that query attends that key, and the tile's sample. ``row_slot[l]`` is where local row ``l`` sits in the
-    groups' flattened outputs, concatenated.
+    whether that query attends that key, and the tile's sample. The first ``interior_groups`` groups are *interior*:
+    their tiles reach local rows only (key rows below ``num_rows``), so they can run while the halos are in flight.
+    ``row_slot[l]`` is where local row ``l`` sits in the groups' flattened outputs, concatenated.
     """
 
     send_index: torch.Tensor
@@ -151,6 +152,7 @@ class HaloTensors:
     output_split_sizes: tuple[int, ...]
     exchange: bool
     tiles: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    interior_groups: int
     row_slot: torch.Tensor
     query_coords: torch.Tensor
     key_coords: torch.Tensor
@@ -265,13 +267,16 @@ class HaloExchange:
                         axis_masks = [_axis_mask(n, k, d, c, lo, hi, r) for n, k, d, c, (lo, hi), r in
                                       zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
                                           ((t0, t1), (h0, h1), (w0, w1)), reach)]
-                        tiles.append((q_rows, k_ids, s, axis_masks))
-        by_shape: dict[tuple[int, int], list] = {}
-        for tile in tiles:  # tiles of one shape run as one batch: no padding
-            by_shape.setdefault((tile[0].size, tile[1].size), []).append(tile)
+                        at = np.minimum(np.searchsorted(own_ids_sorted, k_ids), own_ids_sorted.size - 1)
+                        interior = bool(np.array_equal(own_ids_sorted[at], k_ids))
+                        tiles.append((q_rows, k_ids, s, axis_masks, interior))
+        by_shape: dict[tuple[bool, int, int], list] = {}
+        for tile in tiles:  # tiles of one shape run as one batch (no padding); interior tiles first
+            by_shape.setdefault((not tile[4], tile[0].size, tile[1].size), []).append(tile)
         groups, offset = [], 0
         row_slot = np.zeros(self.token_ids.size, np.int64)
-        for (nq, nk), members in sorted(by_shape.items()):
+        self.interior_groups = sum(1 for needs_halo, _, _ in by_shape if not needs_halo)
+        for (_, nq, nk), members in sorted(by_shape.items()):
             query = np.stack([m[0] for m in members])
             where = np.stack([np.searchsorted(sorted_ids, m[1]) for m in members])
             if where.max() >= sorted_ids.size or not np.array_equal(sorted_ids[where],
@@ -279,7 +284,7 @@ class HaloExchange:
                 raise AssertionError("halo planning missed a key row a query tile reaches")  # a winsp bug
             key = order[where]
             mask = np.stack([(mt[:, None, None, :, None, None] & mh[None, :, None, None, :, None]
-                              & mw[None, None, :, None, None, :]).reshape(nq, nk) for *_, (mt, mh, mw) in members])
+                              & mw[None, None, :, None, None, :]).reshape(nq, nk) for *_, (mt, mh, mw), _ in members])
             row_slot[query.reshape(-1)] = offset + np.arange(query.size)
             offset += query.size
             groups.append((query, key, mask, np.asarray([m[2] for m in members], np.int64)))
@@ -300,6 +305,7 @@ class HaloExchange:
             send_index=t(self.send_index), input_split_sizes=self.input_split_sizes,
             output_split_sizes=self.output_split_sizes, exchange=self.exchange,
             tiles=tuple((t(q), t(k), t(m, torch.bool), t(smp)) for q, k, m, smp in self.tiles),
+            interior_groups=self.interior_groups,
             row_slot=t(self.row_slot),
             query_coords=t(self.query_coords), key_coords=t(self.key_coords), row_sample=t(self.row_sample),
             key_sample=t(self.key_sample), num_rows=int(self.token_ids.size), num_keys=int(self.key_ids.size),

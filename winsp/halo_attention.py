@@ -4,8 +4,9 @@ The exact path (every device, every dtype, with backward) is tiled masked SDPA: 
 cuts the rank's block into query tiles of ``kernel * dilation`` per axis, once per request shape; each tile attends
 densely to the box of rows its queries reach (local and received halo rows) plus its sample's text keys, under a
 boolean mask that keeps each query's neighbourhood, in chunks of tiles within a memory budget. Dense tiles trade
-some masked work for GEMM speed (about (2k - 1) / k per axis of extra pairs). Only k and v travel (one variable-split all-to-all of both); its backward
-is the reverse exchange, so halo gradients return to the rows' owners.
+some masked work for GEMM speed (about (2k - 1) / k per axis of extra pairs). Only k and v travel (one variable-split
+all-to-all of both); its backward is the reverse exchange, so halo gradients return to the rows' owners. In inference
+the exchange runs in the background while the *interior* tiles (those that reach local rows only) are computed.
 
 Text rows follow window attention's rule taken to a window that covers the grid: every video query attends to its
 sample's text keys besides its neighbourhood, and a text query attends to *all* of its sample's video rows and text
@@ -29,36 +30,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .group import SPGroup
+from .group import PendingRows, SPGroup
 from .halo import HaloExchange, HaloTensors
 from .neighborhood import Neighborhood
 from .score_mods import ScoreMods
 
-__all__ = ["exchange_halos", "neighborhood_attention", "halo_tensors", "neighborhood_rpb_score_mod",
+__all__ = ["exchange_halos", "start_halo_exchange", "finish_halo_exchange", "neighborhood_attention", "halo_tensors", "neighborhood_rpb_score_mod",
            "GATHER_BUDGET"]
 
 #: Elements (gathered q / k / v and scores) one chunk of query tiles may hold.
 GATHER_BUDGET = 1 << 24
 
 
-def exchange_halos(k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup) -> tuple[Tensor, Tensor]:
-    """Key rows ``[L + halo, H, D]`` of k and v: the local rows, then the rows received from the neighbours."""
+def start_halo_exchange(k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup) -> Optional[PendingRows]:
+    """Send this rank's edge rows of k and v to the neighbours that reach them (one variable-split all-to-all of
+    both, packed); None when the plan exchanges nothing. :func:`finish_halo_exchange` returns the key rows."""
     if not halo.exchange:
+        return None
+    idx = halo.send_index  # pick the edge rows first, then pack: the copy is the halo's size, not the block's
+    packed = torch.cat([k.index_select(0, idx), v.index_select(0, idx).to(k.dtype)], dim=-1)
+    return group.start_all_to_all_single(packed, halo.output_split_sizes, halo.input_split_sizes)
+
+
+def finish_halo_exchange(k: Tensor, v: Tensor, pending: Optional[PendingRows]) -> tuple[Tensor, Tensor]:
+    """Key rows ``[L + halo, H, D]`` of k and v: the local rows, then the rows received from the neighbours."""
+    if pending is None:
         return k, v
-    dk = k.shape[-1]
-    packed = torch.cat([k, v.to(k.dtype)], dim=-1).index_select(0, halo.send_index)
-    recv = group.all_to_all_single(packed, halo.output_split_sizes, halo.input_split_sizes)
+    recv, dk = pending.wait(), k.shape[-1]
     return torch.cat([k, recv[..., :dk]]), torch.cat([v, recv[..., dk:].to(v.dtype)])
 
 
-def _video_queries(q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple[Tensor, Tensor, Tensor]],
-                   halo: HaloTensors, scale: float, mods: Optional[ScoreMods]) -> Tensor:
-    """Every query tile against the rows it reaches (and its sample's text), masked, in chunks of tiles."""
-    rows, heads, dim = q.shape
-    if rows == 0:
-        return q.new_zeros((0, heads, v_all.shape[-1]))
+def exchange_halos(k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup) -> tuple[Tensor, Tensor]:
+    """Key rows ``[L + halo, H, D]`` of k and v: the local rows, then the rows received from the neighbours."""
+    return finish_halo_exchange(k, v, start_halo_exchange(k, v, halo, group))
+
+
+def _attend_tiles(q: Tensor, k_all: Tensor, v_all: Tensor, groups, txt: Optional[tuple[Tensor, Tensor, Tensor]],
+                  scale: float, mods: Optional[ScoreMods]) -> list[Tensor]:
+    """Each group of query tiles against the key rows it reaches (and its sample's text), masked, in chunks."""
+    _, heads, dim = q.shape
     outs = []
-    for query, key, tile_mask, tile_sample in halo.tiles:
+    for query, key, tile_mask, tile_sample in groups:
         tiles, mq = query.shape
         mk = key.shape[1]
         chunk = max(1, GATHER_BUDGET // max(1, (mq + mk) * heads * dim + mq * mk * heads))
@@ -84,7 +96,43 @@ def _video_queries(q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple[
             else:
                 out = _modded_tiles(qg, kg, vg, mask, qi, ki, scale, mods)
             outs.append(out.transpose(1, 2).reshape(g * mq, heads, -1))
-    return torch.cat(outs).index_select(0, halo.row_slot)
+    return outs
+
+
+def _video_queries(q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple[Tensor, Tensor, Tensor]],
+                   halo: HaloTensors, scale: float, mods: Optional[ScoreMods]) -> Tensor:
+    """Every query tile against the rows it reaches (and its sample's text), masked, in chunks of tiles."""
+    if q.shape[0] == 0:
+        return q.new_zeros((0, q.shape[1], v_all.shape[-1]))
+    return torch.cat(_attend_tiles(q, k_all, v_all, halo.tiles, txt, scale, mods)).index_select(0, halo.row_slot)
+
+
+class _AfterExchange(torch.autograd.Function):
+    """``out`` itself, recorded as depending on the exchanged key rows, so that every rank's backward runs the
+    reverse exchange, even a rank none of whose tiles reached a halo row (the collective needs every rank)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, k_all: Tensor, v_all: Tensor) -> Tensor:
+        ctx.key_shapes = tuple((t.shape, t.dtype, t.device) for t in (k_all, v_all))
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad,) + tuple(torch.zeros(shape, dtype=dtype, device=device)
+                               for shape, dtype, device in ctx.key_shapes)
+
+
+def _overlapped_video_queries(q: Tensor, k: Tensor, v: Tensor, txt, halo: HaloTensors, group: SPGroup,
+                              scale: float, mods: Optional[ScoreMods]) -> Tensor:
+    """:func:`_video_queries` with the halo exchange in flight while the interior tiles (local keys only) run."""
+    pending = start_halo_exchange(k, v, halo, group)
+    outs = _attend_tiles(q, k, v, halo.tiles[:halo.interior_groups], txt, scale, mods)
+    k_all, v_all = finish_halo_exchange(k, v, pending)
+    outs += _attend_tiles(q, k_all, v_all, halo.tiles[halo.interior_groups:], txt, scale, mods)
+    out = torch.cat(outs).index_select(0, halo.row_slot) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]))
+    if pending is not None and torch.is_grad_enabled() and (k_all.requires_grad or v_all.requires_grad):
+        out = _AfterExchange.apply(out, k_all, v_all)
+    return out
 
 
 def _modded_tiles(qg: Tensor, kg: Tensor, vg: Tensor, mask: Tensor, qi: Tensor, ki: Tensor, scale: float,
@@ -155,10 +203,16 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
     if q.shape[0] != halo.num_rows:
         raise ValueError(f"rank {group.rank}: neighborhood attention got {q.shape[0]} rows, the plan gives this rank "
                          f"{halo.num_rows}")
-    k_all, v_all = exchange_halos(k, v, halo, group)
     has_text = k_txt is not None and k_txt.shape[0] > 0
-    vid = (video_attention or _video_queries)(q, k_all, v_all, (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None, halo,
-                         scale, mods)
+    txt = (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None
+    if video_attention is None:
+        vid = _overlapped_video_queries(q, k, v, txt, halo, group, scale, mods)
+    else:  # another backend (winsp.halo_backends) attends once every key row is here
+        pending = start_halo_exchange(k, v, halo, group)
+        k_all, v_all = finish_halo_exchange(k, v, pending)
+        vid = video_attention(q, k_all, v_all, txt, halo, scale, mods)
+        if pending is not None and torch.is_grad_enabled() and (k_all.requires_grad or v_all.requires_grad):
+            vid = _AfterExchange.apply(vid, k_all, v_all)
     if q_txt is None or not text_output:
         return vid, None
     return vid, _text_queries(q_txt, k_txt, v_txt, txt_sample, k, v, halo, group, scale)
