@@ -391,6 +391,10 @@ def test_explicit_backends_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match=r"unknown neighborhood backend 'natten_cuda'; choose 'auto' or one of "
                                          r"\['natten', 'flex', 'tiled'\]"):
         winsp.WindowRuntime([geom], neighborhood_backend="natten_cuda")
+    with pytest.raises(ValueError, match="unknown neighborhood backend 'FLEX'"):
+        winsp.DiffusionParallelConfig(neighborhood_backend="FLEX")
+    config = winsp.DiffusionParallelConfig(neighborhood_backend="flex")
+    assert winsp.WindowRuntime.from_config(config, [geom]).neighborhood_backend == "flex"
     for backend, match in (("flex", "inference-only"), ("natten", "no backward on CPU")):
         req = winsp.WindowRuntime([geom], neighborhood_backend=backend).request(grids, text_lengths)
         with pytest.raises(ValueError, match=match):

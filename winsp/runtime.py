@@ -150,7 +150,8 @@ class WindowRuntime:
                 f"ulysses_degree={n} but the SP group has {sp.size} ranks; pass a subgroup of exactly {n} ranks"
             )
         runtime = cls(schedule, group=sp, attention_backend=config.attention_backend, planner=config.planner,
-                      store_size=config.plan_cache_size, **{"costs": config.costs, **options})
+                      store_size=config.plan_cache_size,
+                      **{"costs": config.costs, "neighborhood_backend": config.neighborhood_backend, **options})
         _log.info("winsp rank %d: %s (%d layers, %d layout transitions per forward)", runtime.rank,
                   runtime.execution_path, len(runtime.schedule), runtime.num_transitions)
         return runtime
@@ -375,9 +376,10 @@ class StagedRuntime(WindowRuntime):
 
     def __init__(self, stages: Sequence[Stage], *, group=None, attention_backend: str = "auto",
                  planner: str = "lpt", store_size: int = 64, split_windows: bool = False,
-                 costs: CostConstants | None = None) -> None:
+                 costs: CostConstants | None = None, neighborhood_backend: str = "auto") -> None:
         super().__init__(stages, group=group, attention_backend=attention_backend, planner=planner,
-                         store_size=store_size, split_windows=split_windows, costs=costs)
+                         store_size=store_size, split_windows=split_windows, costs=costs,
+                         neighborhood_backend=neighborhood_backend)
 
 
 #: The earlier name of a request over stages: every request is a :class:`WindowRequest`.
