@@ -35,7 +35,8 @@ _HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 def check_neighborhood_backend(name: object) -> str:
     """``name`` if it is ``"auto"`` or a neighborhood backend, else a ValueError listing the choices."""
     if not isinstance(name, str) or (name != "auto" and name not in NEIGHBORHOOD_BACKENDS):
-        raise ValueError(f"unknown neighborhood backend {name!r}; choose 'auto' or one of {list(NEIGHBORHOOD_BACKENDS)}")
+        raise ValueError(f"unknown neighborhood backend {name!r}; choose 'auto' or one of "
+                         f"{list(NEIGHBORHOOD_BACKENDS)}")
     return name
 
 
@@ -85,9 +86,15 @@ def _flex_reason(device, dtype, auto: bool):
     return None
 
 
-def explain_neighborhood_backend(requested: str, device: torch.device | str, dtype: Optional[torch.dtype] = None, *,
-                                 modded: bool = False, head_dim: Optional[int] = None,
-                                 layer_reason: Callable[[], Optional[str]] = lambda: None) -> tuple[str, tuple[str, ...]]:
+def explain_neighborhood_backend(
+    requested: str,
+    device: torch.device | str,
+    dtype: Optional[torch.dtype] = None,
+    *,
+    modded: bool = False,
+    head_dim: Optional[int] = None,
+    layer_reason: Callable[[], Optional[str]] = lambda: None,
+) -> tuple[str, tuple[str, ...]]:
     """Resolve ``requested``; returns ``(name, why the backends before it were passed over)``.
 
     ``layer_reason()`` says why the layer's extended boxes do not fit NATTEN (None: they do; the same on every rank,

@@ -7,8 +7,9 @@ the box give each of them the neighbourhood it has in the whole grid. That holds
 border, or far enough from every block query that clamping never reaches it; and where the box's dilation groups give
 every block query the same group members as the grid's. :func:`box_is_exact` checks exactly that, per axis, from the
 per-axis tables of :mod:`winsp.neighborhood` (global against box-local, every block position, causal slots included);
-:func:`natten_boxes` refuses a layer, naming why, where it fails (a ragged dilated halo, a box shorter than
-``kernel * dilation``), and the runtime falls back to another backend.
+:func:`natten_plan_reason` names the rank and axis where it fails (a ragged dilated halo), the same answer on every
+rank; ``"auto"`` then takes another backend. A causal axis shorter than NATTEN's ``kernel * dilation`` is padded
+after the block (no block query attends there).
 
 Axes of kernel 1 become batch (a query reaches only its own position there); samples with the same box and text
 length run as one batch, text rows as NATTEN's ``additional_keys`` / ``additional_values``. A ``score_mod`` /
@@ -28,7 +29,8 @@ from torch import Tensor
 from .halo import HaloTensors
 from .neighborhood import Neighborhood, axis_neighbours, axis_reach
 
-__all__ = ["box_is_exact", "extended_run", "extended_box", "natten_plan_reason", "NattenBoxes", "natten_boxes", "natten_video_queries"]
+__all__ = ["box_is_exact", "extended_run", "extended_box", "natten_plan_reason", "NattenBoxes", "natten_boxes",
+           "natten_video_queries"]
 
 
 def box_is_exact(n: int, k: int, d: int, causal: bool, lo: int, hi: int, a: int, b: int) -> bool:
@@ -107,7 +109,8 @@ class NattenBoxes:
     na_axes: tuple[int, ...]
 
 
-def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths, device) -> tuple[Optional[NattenBoxes], Optional[str]]:
+def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
+                 device) -> tuple[Optional[NattenBoxes], Optional[str]]:
     """``(boxes, None)`` when every sample's extended box on this rank is exact, else ``(None, why not)``."""
     na_axes = tuple(a for a in range(3) if geometry.kernel[a] > 1)
     if not na_axes:
@@ -151,8 +154,9 @@ def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
         row_slot[own_rows] = offset + np.arange(own_rows.size)
         offset += own_rows.size
         t = torch.from_numpy(np.stack([m[3] for m in members])).to(device) if text else None
-        groups.append((torch.from_numpy(key).to(device), torch.from_numpy(np.minimum(key, row_sample.size - 1)).to(device),
-                       t, shape, torch.from_numpy(own_pos).to(device)))
+        query = np.minimum(key, row_sample.size - 1)
+        groups.append((torch.from_numpy(key).to(device), torch.from_numpy(query).to(device), t, shape,
+                       torch.from_numpy(own_pos).to(device)))
     pick = lambda values: tuple(values[a] for a in na_axes)  # noqa: E731
     return NattenBoxes(tuple(groups), torch.from_numpy(row_slot).to(device), pick(geometry.kernel),
                        pick(geometry.dilation), pick(geometry.causal), na_axes), None
