@@ -19,6 +19,11 @@ Sections, each timed with CUDA events (wall clock on the CPU), median of the tim
   (``torch_varlen``, ``flash_varlen`` when flash-attn is installed), ``flex`` without and with a ``score_mod`` (an
   ALiBi-like decay over the rows' grid positions); ms, TFLOP/s and the max difference from the float32 per-window
   reference (with the same score_mod for the flex one). A backend that cannot run says why.
+* ``neighborhood``: one neighborhood layer (3D kernel, dilation, causal time, text rows) as rank 1 of a 2-rank plan
+  sees it (its own rows and received halo), without a process group: the ``flex`` backend (compiled FlexAttention,
+  block mask) against the tiled path, forward and backward, bf16 and float32 (and float32 with a relative position
+  bias); NATTEN's kernels too where libnatten is installed. Max difference of output and gradients from the float32
+  tiled path, and ms. On the CPU (dry run) flex runs forward only.
 
 Writes ``gpu_check.json`` (all figures, environment, errors) and ``gpu_check.md`` (the tables) to ``--out`` (default
 ``$OUT``, else the current directory); the JSON is rewritten after every section, so a run cut short keeps what it
@@ -69,18 +74,21 @@ class Sizes:
     warmup: int
     iters: int
     attention_iters: int
+    neighborhood: dict
 
 
 REAL = Sizes(
     dit=dict(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=32, mm_layers=10, rope_dim=128),
     video_latent=(6, 90, 160), image_latent=(1, 134, 240),
     vae={}, vae_clip=(21, 720, 1280), heads=20, head_dim=128, warmup=1, iters=3, attention_iters=10,
+    neighborhood=dict(grid=(6, 48, 64), kernel=(3, 7, 7), dilation=(1, 2, 1), heads=8, head_dim=64, text=32, iters=5),
 )
 DRY = Sizes(
     dit=dict(vid_dim=64, txt_in_dim=32, heads=2, head_dim=32, num_layers=2, mm_layers=1, rope_dim=32),
     video_latent=(2, 12, 20), image_latent=(1, 10, 16),
     vae=dict(block_out_channels=[16, 16, 32, 32], norm_num_groups=8), vae_clip=(5, 32, 48),
     heads=2, head_dim=32, warmup=1, iters=2, attention_iters=2,
+    neighborhood=dict(grid=(3, 10, 12), kernel=(2, 3, 3), dilation=(1, 2, 1), heads=2, head_dim=16, text=4, iters=1),
 )
 
 
@@ -334,10 +342,87 @@ def section_attention(sizes, device, clock, memory, state) -> dict:
     return result
 
 
+# ---------------------------------------------------------------------------------------------------- neighborhood
+
+NEIGHBORHOOD_RUNS = ("flex bf16", "flex fp32", "flex fp32 + rpb", "natten bf16", "natten fp32")
+
+
+def section_neighborhood(sizes, device, clock, memory, state) -> dict:
+    from winsp.halo import HaloExchange, neighborhood_plan
+    from winsp.halo_attention import _text_index, _video_queries, neighborhood_rpb_score_mod
+    from winsp.halo_backends import libnatten_available
+    from winsp.halo_flex import build_flex_neighborhood, flex_video_queries
+    from winsp.halo_natten import natten_boxes, natten_video_queries
+    from winsp.score_mods import ScoreMods
+
+    cfg = sizes.neighborhood
+    grid, heads, dim, text = cfg["grid"], cfg["heads"], cfg["head_dim"], cfg["text"]
+    geom = winsp.Neighborhood(cfg["kernel"], cfg["dilation"], causal=(True, False, False))
+    plan = neighborhood_plan([grid], [geom], 2)
+    halo = HaloExchange(plan, 1, geom).to(device)
+    txt_sample = torch.zeros(text, dtype=torch.int64, device=device)
+    flex = build_flex_neighborhood(halo, geom, plan.layout.grids, txt_sample, device)
+    boxes, natten_why = natten_boxes(halo, geom, plan.layout.grids, (text,), device)
+    g = torch.Generator().manual_seed(5)
+    base = [torch.randn(rows, heads, dim, generator=g).to(device)
+            for rows in (halo.num_rows, halo.num_keys, halo.num_keys, text, text)]
+    table = (torch.randn(heads, *(2 * k - 1 for k in geom.kernel), generator=g) * 0.5).to(device)
+    weight = torch.randn(halo.num_rows, heads, dim, generator=g).to(device)
+    backward = device.type == "cuda"  # FlexAttention has no CPU backward
+    scale = dim ** -0.5
+
+    def run(kernel, dtype, rpb):
+        x = [t.to(dtype).requires_grad_(backward) for t in base]
+        tab = table.clone().requires_grad_(backward and rpb)
+        mods = ScoreMods(neighborhood_rpb_score_mod(tab, halo, geom)) if rpb else None
+        txt = (x[3], x[4], _text_index(txt_sample, 1))
+        with torch.enable_grad() if backward else torch.no_grad():
+            out = kernel(x[0], x[1], x[2], txt, mods)
+            grads = torch.autograd.grad((out.float() * weight).sum(), x + ([tab] if rpb else [])) if backward else []
+        return out.float(), [gr.float() for gr in grads]
+
+    tiled = lambda q, k, v, txt, mods: _video_queries(q, k, v, txt, halo, scale, mods)  # noqa: E731
+    kernels = {"flex": lambda q, k, v, txt, mods: flex_video_queries(flex, q, k, v, txt, scale, mods),
+               "natten": lambda q, k, v, txt, mods: natten_video_queries(boxes, q, k, v, txt, scale)}
+    reference = {rpb: run(tiled, torch.float32, rpb) for rpb in (False, True)}
+    result = {"grid": list(grid), "kernel": list(geom.kernel), "dilation": list(geom.dilation), "causal": "t",
+              "rank": "1 of 2", "own_rows": halo.num_rows, "key_rows": halo.num_keys, "heads": heads,
+              "head_dim": dim, "text_tokens": text, "backward": backward, "runs": {}}
+    for label in NEIGHBORHOOD_RUNS:
+        name, dtype_name, *extra = label.split()
+        dtype, rpb = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], bool(extra)
+        entry: dict = {}
+        if name == "natten" and not libnatten_available():
+            entry["unavailable"] = "natten with libnatten is not installed"
+        elif name == "natten" and boxes is None:
+            entry["unavailable"] = natten_why
+        elif name == "natten" and device.type != "cuda":
+            entry["unavailable"] = "NATTEN's kernels run on CUDA"
+        if "unavailable" in entry:
+            result["runs"][label] = entry
+            continue
+        try:
+            out, grads = run(kernels[name], dtype, rpb)
+            want, want_grads = reference[rpb]
+            entry["max_err_out"] = float((out - want).abs().max())
+            if grads:
+                entry["max_rel_err_grads"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                                                 for a, b in zip(grads, want_grads))
+            entry["ms"] = round(clock.median_ms(lambda: run(kernels[name], dtype, rpb), warmup=1,
+                                                iters=cfg["iters"]), 3)
+            entry["tiled_ms"] = round(clock.median_ms(lambda: run(tiled, dtype, rpb), warmup=1,
+                                                      iters=cfg["iters"]), 3)
+        except Exception as error:
+            entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        result["runs"][label] = entry
+    memory.reset()
+    return result
+
+
 # ---------------------------------------------------------------------------------------------------- report
 
 SECTIONS = (("dit", section_dit), ("bf16_vs_fp32", section_bf16_vs_fp32), ("attention", section_attention),
-            ("vae", section_vae))
+            ("neighborhood", section_neighborhood), ("vae", section_vae))
 
 
 def markdown(report: dict) -> str:
@@ -378,6 +463,18 @@ def markdown(report: dict) -> str:
             lines.append(f"| {label} | {e.get('ms', '')} | {e.get('tflops', '')} | "
                          f"{'' if 'max_err_vs_fp32_reference' not in e else format(e['max_err_vs_fp32_reference'], '.2e')}"
                          f" | {note} |")
+        lines.append("")
+    nbh = report["sections"].get("neighborhood", {})
+    if nbh and "error" not in nbh:
+        lines += [f"One neighborhood layer, rank {nbh['rank']}: grid {' x '.join(map(str, nbh['grid']))}, kernel "
+                  f"{nbh['kernel']}, dilation {nbh['dilation']}, causal {nbh['causal']}, {nbh['own_rows']} own rows, "
+                  f"{nbh['key_rows']} key rows, {nbh['heads']} heads x {nbh['head_dim']}, {nbh['text_tokens']} text "
+                  f"tokens; {'forward + backward' if nbh['backward'] else 'forward only'}, vs the float32 tiled path",
+                  "", "| run | ms | tiled ms | max err out | max rel err grads | |", "|---|---:|---:|---:|---:|---|"]
+        for label, e in nbh["runs"].items():
+            err = lambda key: "" if key not in e else format(e[key], ".2e")  # noqa: E731
+            lines.append(f"| {label} | {e.get('ms', '')} | {e.get('tiled_ms', '')} | {err('max_err_out')} | "
+                         f"{err('max_rel_err_grads')} | {e.get('unavailable') or e.get('error', '')} |")
         lines.append("")
     for name, body in report["sections"].items():
         if "error" in body or "skipped" in body:

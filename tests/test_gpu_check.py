@@ -34,7 +34,7 @@ def test_dry_run_runs_every_section_and_writes_json_and_markdown(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0, {k: v.get("error") for k, v in report["sections"].items()}
     sections = report["sections"]
-    assert set(sections) == {"dit", "bf16_vs_fp32", "vae", "attention"}
+    assert set(sections) == {"dit", "bf16_vs_fp32", "vae", "attention", "neighborhood"}
     for name in ("720p x 21 frames", "1080p image"):
         assert sections["dit"][name]["forward_ms"] > 0
     assert sections["dit"]["config"]["num_layers"] == gpu_check.DRY.dit["num_layers"]
@@ -51,6 +51,14 @@ def test_dry_run_runs_every_section_and_writes_json_and_markdown(tmp_path):
         assert "error" not in entry, (label, entry)
         assert entry["ms"] > 0 and entry["max_err_vs_fp32_reference"] < 3e-2, (label, entry)
     assert {"flash SDPA", "flex", "flex + score_mod"} <= {k for k, e in backends.items() if "ms" in e}
+    runs = sections["neighborhood"]["runs"]
+    assert list(runs) == list(gpu_check.NEIGHBORHOOD_RUNS)
+    for label, entry in runs.items():
+        if label.startswith("natten"):
+            assert "unavailable" in entry or "ms" in entry, (label, entry)
+            continue
+        assert "error" not in entry, (label, entry)
+        assert entry["max_err_out"] < (3e-2 if "bf16" in label else 1e-5), (label, entry)
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| 720p x 21 frames |" in table and "| flex + score_mod |" in table and "| encode |" in table
 

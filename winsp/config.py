@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .backends import check_backend_name
 from .costs import CostConstants
+from .halo_backends import check_neighborhood_backend
 from .schedule import check_planner
 
 __all__ = ["DiffusionParallelConfig"]
@@ -30,6 +31,8 @@ class DiffusionParallelConfig:
         advanced_uaa: must be False (same as ``ulysses_mode="advanced_uaa"``).
         ulysses_a2a_permute: must be False (there is no head all-to-all to permute).
         attention_backend: ``"auto"`` or a backend name of :mod:`winsp.backends` (checked here, at construction).
+        neighborhood_backend: the kernel of neighborhood layers, ``"auto"``, ``"tiled"``, ``"flex"`` or ``"natten"``
+            (:mod:`winsp.halo_backends`; checked here).
         planner: how rows are placed on ranks: ``"auto"`` (the default: per layout, whole windows, split windows or
             head parallelism, whichever the cost constants of :mod:`winsp.costs` predict is fastest among those that
             keep rows and attention within 5 % of a perfect split), ``"lpt"`` or ``"locality"`` (whole windows
@@ -50,6 +53,7 @@ class DiffusionParallelConfig:
     planner: str = "auto"
     plan_cache_size: int = 64
     costs: CostConstants | None = None
+    neighborhood_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("ulysses_degree", "ring_degree", "plan_cache_size"):
@@ -67,6 +71,7 @@ class DiffusionParallelConfig:
         if self.ulysses_a2a_permute:
             raise ValueError(f"ulysses_a2a_permute=True is not supported: {_WHY}")
         check_backend_name(self.attention_backend)
+        check_neighborhood_backend(self.neighborhood_backend)
         check_planner(self.planner)
         if self.costs is not None and not isinstance(self.costs, CostConstants):
             raise ValueError(f"costs must be a winsp.costs.CostConstants or None, got {type(self.costs).__name__}")

@@ -193,17 +193,26 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
                            q_txt: Optional[Tensor] = None, k_txt: Optional[Tensor] = None,
                            v_txt: Optional[Tensor] = None, txt_sample: Optional[Tensor] = None,
                            scale: float, mods: Optional[ScoreMods] = None,
-                           text_output: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+                           text_output: bool = True, video_attention=None) -> tuple[Tensor, Optional[Tensor]]:
     """One neighborhood layer on local rows ``[L, H, D]``: halo exchange, then attention (and text queries' output).
 
-    ``txt_sample`` [L_txt] is each text row's sample. Returns (video output, text output or None).
+    ``txt_sample`` [L_txt] is each text row's sample. ``video_attention``: the video queries' kernel
+    ``(q, k_all, v_all, txt, halo, scale, mods) -> [L, H, D]`` (:mod:`winsp.halo_backends`; None: the tiled path).
+    Returns (video output, text output or None).
     """
     if q.shape[0] != halo.num_rows:
         raise ValueError(f"rank {group.rank}: neighborhood attention got {q.shape[0]} rows, the plan gives this rank "
                          f"{halo.num_rows}")
     has_text = k_txt is not None and k_txt.shape[0] > 0
     txt = (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None
-    vid = _overlapped_video_queries(q, k, v, txt, halo, group, scale, mods)
+    if video_attention is None:
+        vid = _overlapped_video_queries(q, k, v, txt, halo, group, scale, mods)
+    else:  # another backend (winsp.halo_backends) attends once every key row is here
+        pending = start_halo_exchange(k, v, halo, group)
+        k_all, v_all = finish_halo_exchange(k, v, pending)
+        vid = video_attention(q, k_all, v_all, txt, halo, scale, mods)
+        if pending is not None and torch.is_grad_enabled() and (k_all.requires_grad or v_all.requires_grad):
+            vid = _AfterExchange.apply(vid, k_all, v_all)
     if q_txt is None or not text_output:
         return vid, None
     return vid, _text_queries(q_txt, k_txt, v_txt, txt_sample, k, v, halo, group, scale)
@@ -233,18 +242,19 @@ def neighborhood_rpb_score_mod(table: Tensor, halo: HaloTensors, geometry: Neigh
     ``table`` is ``[heads, 2 kt - 1, 2 kh - 1, 2 kw - 1]``; ``d`` is (key - query) / dilation per axis, which a
     neighbourhood keeps within ``(-k, k)``. ``table`` receives its gradient through the score_mod.
     """
-    kern = torch.tensor(geometry.kernel, device=halo.key_coords.device)
-    dil = torch.tensor(geometry.dilation, device=halo.key_coords.device)
-    expected = (2 * kern - 1).tolist()
+    kern, dil = geometry.kernel, geometry.dilation
+    expected = [2 * k - 1 for k in kern]
     if table.dim() != 4 or list(table.shape[1:]) != expected:
         raise ValueError(f"relative position bias table must be [heads, {', '.join(map(str, expected))}] for kernel "
                          f"{geometry.kernel}, got {list(table.shape)}")
-    q_coords, k_coords = halo.query_coords, halo.key_coords
+    # one 1D column per axis: scalar ops only, which compiled FlexAttention lowers (a [3] intermediate it does not)
+    q_axes = [halo.query_coords[:, a].contiguous() for a in range(3)]
+    k_axes = [halo.key_coords[:, a].contiguous() for a in range(3)]
 
     def score_mod(score, head, q_row, k_row):
-        rel = torch.div(k_coords[k_row] - q_coords[q_row], dil, rounding_mode="floor") + kern - 1
-        rel = torch.minimum(rel.clamp_min(0), 2 * kern - 2)  # pairs outside the neighbourhood are masked anyway
-        return score + table[head, rel[..., 0], rel[..., 1], rel[..., 2]]
+        rel = [(torch.div(k_axes[a][k_row] - q_axes[a][q_row], dil[a], rounding_mode="floor") + kern[a] - 1)
+               .clamp(0, 2 * kern[a] - 2) for a in range(3)]  # pairs outside the neighbourhood are masked anyway
+        return score + table[head, rel[0], rel[1], rel[2]]
 
     return score_mod
 
@@ -260,9 +270,11 @@ def neighborhood_layer(request, layer: int, qkv: tuple, qkv_txt: tuple, mods: Op
                        softmax_scale: Optional[float], text_output: bool) -> tuple[Tensor, Optional[Tensor]]:
     """:meth:`winsp.WindowRequest.attention` of a :class:`~winsp.Neighborhood` layer (the runtime's one hook)."""
     from .attention import _scale
+    from .halo_backends import neighborhood_runner
 
     halo = halo_tensors(request, layer)
     q_txt, k_txt, v_txt = qkv_txt
     return neighborhood_attention(*qkv, halo, request.group, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt,
                                   txt_sample=_text_samples(request) if k_txt is not None else None,
-                                  scale=_scale(qkv[0], softmax_scale), mods=mods, text_output=text_output)
+                                  scale=_scale(qkv[0], softmax_scale), mods=mods, text_output=text_output,
+                                  video_attention=neighborhood_runner(request, layer, qkv[0], mods))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .backends import REGISTRY, available_backends, check_backend_name
+from .halo_backends import check_neighborhood_backend
 from .checks import count_tuple
 from .compile import planning
 from .config import DiffusionParallelConfig
@@ -69,6 +70,8 @@ class WindowRuntime:
             schedule is simply one stage).
         group: a :class:`~winsp.group.SPGroup`, a ``torch.distributed`` process group, or None (one rank).
         attention_backend: ``"auto"`` or a backend name of :mod:`winsp.backends`.
+        neighborhood_backend: the kernel of :class:`~winsp.Neighborhood` layers: ``"auto"``, ``"tiled"``, ``"flex"`` or
+            ``"natten"`` (:mod:`winsp.halo_backends`).
         planner: a name of :data:`winsp.schedule.PLANNERS` (``"auto"`` by default: whole or split windows per
             layout, whichever is predicted faster).
         store_size: how many entries the runtime's store keeps (LRU).
@@ -88,6 +91,7 @@ class WindowRuntime:
         store_size: int = 64,
         split_windows: bool = True,
         costs: CostConstants | None = None,
+        neighborhood_backend: str = "auto",
     ) -> None:
         self.stages = as_stages(schedule)
         self.costs = DEFAULT_COSTS if costs is None else costs  # checked by plan_schedule
@@ -100,6 +104,7 @@ class WindowRuntime:
         self.split_windows = split_windows
         self.group = group if isinstance(group, SPGroup) else SPGroup(group)
         self.attention_backend = check_backend_name(attention_backend)
+        self.neighborhood_backend = check_neighborhood_backend(neighborhood_backend)
         self.planner = check_planner(planner)
         self.store = RuntimeStore(store_size)
         self.layout_hooks: dict[str, Callable[[LocalWindows, torch.device], Any]] = {}
@@ -145,7 +150,8 @@ class WindowRuntime:
                 f"ulysses_degree={n} but the SP group has {sp.size} ranks; pass a subgroup of exactly {n} ranks"
             )
         runtime = cls(schedule, group=sp, attention_backend=config.attention_backend, planner=config.planner,
-                      store_size=config.plan_cache_size, **{"costs": config.costs, **options})
+                      store_size=config.plan_cache_size,
+                      **{"costs": config.costs, "neighborhood_backend": config.neighborhood_backend, **options})
         _log.info("winsp rank %d: %s (%d layers, %d layout transitions per forward)", runtime.rank,
                   runtime.execution_path, len(runtime.schedule), runtime.num_transitions)
         return runtime
@@ -370,9 +376,10 @@ class StagedRuntime(WindowRuntime):
 
     def __init__(self, stages: Sequence[Stage], *, group=None, attention_backend: str = "auto",
                  planner: str = "lpt", store_size: int = 64, split_windows: bool = False,
-                 costs: CostConstants | None = None) -> None:
+                 costs: CostConstants | None = None, neighborhood_backend: str = "auto") -> None:
         super().__init__(stages, group=group, attention_backend=attention_backend, planner=planner,
-                         store_size=store_size, split_windows=split_windows, costs=costs)
+                         store_size=store_size, split_windows=split_windows, costs=costs,
+                         neighborhood_backend=neighborhood_backend)
 
 
 #: The earlier name of a request over stages: every request is a :class:`WindowRequest`.

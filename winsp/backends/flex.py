@@ -72,13 +72,18 @@ def _flex_score_mod(rows: torch.Tensor, vid_rows: torch.Tensor, segment_of_row: 
         video_pair = (rows[q_idx] < num_vid) & (rows[kv_idx] < num_vid) & same_window
         q_vid = vid_rows[q_idx]
         k_vid = torch.where(same_window, vid_rows[kv_idx], q_vid)
-        if mods.score_mod is not None:
-            score = torch.where(video_pair, mods.score_mod(score, h, q_vid, k_vid), score)
-        if mods.mask_mod is not None:
-            score = torch.where(video_pair & ~mods.mask_mod(h, q_vid, k_vid), float("-inf"), score)
-        return score
+        return apply_mods(score, h, q_vid, k_vid, video_pair, mods)
 
     return score_mod
+
+
+def apply_mods(score, h, q_row, k_row, where, mods: ScoreMods):
+    """``mods`` on one FlexAttention score at the pairs ``where`` holds (the others keep their score)."""
+    if mods.score_mod is not None:
+        score = torch.where(where, mods.score_mod(score, h, q_row, k_row), score)
+    if mods.mask_mod is not None:
+        score = torch.where(where & ~mods.mask_mod(h, q_row, k_row), float("-inf"), score)
+    return score
 
 
 def _prepare(segments, idx) -> Runner:
