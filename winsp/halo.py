@@ -229,7 +229,7 @@ class HaloExchange:
 
         sample_of = np.searchsorted(lay.sample_offsets, key_ids, side="right") - 1
         self.key_sample = sample_of.astype(np.int64)
-        self.key_coords = self._coords(key_ids, sample_of, lay)
+        self.key_coords = lay.token_coords(key_ids, sample_of)
         row_sample = self.key_sample[:own.size]
         self.row_sample = row_sample
         self.query_coords = self.key_coords[:own.size]
@@ -289,13 +289,6 @@ class HaloExchange:
             offset += query.size
             groups.append((query, key, mask, np.asarray([m[2] for m in members], np.int64)))
         self.tiles, self.row_slot = groups, row_slot
-
-    @staticmethod
-    def _coords(ids: np.ndarray, sample: np.ndarray, lay) -> np.ndarray:
-        grids = np.asarray(lay.grids, dtype=np.int64)[sample] if ids.size else np.zeros((0, 3), np.int64)
-        within = ids - lay.sample_offsets[sample]
-        h, w = grids[:, 1], grids[:, 2]
-        return np.stack([within // (h * w), (within // w) % h, within % w], axis=-1).astype(np.int64)
 
     def to(self, device: torch.device | str) -> HaloTensors:
         def t(a, dtype=torch.int64):

@@ -120,6 +120,13 @@ class Layout:
         """[b] how many windows each sample has (the divisor of the text reduction)."""
         return np.bincount(self.window_sample, minlength=self.num_samples).astype(np.int64)
 
+    def token_coords(self, ids: np.ndarray, sample: np.ndarray) -> np.ndarray:
+        """[n, 3] the (t, h, w) of canonical packed token ``ids`` inside their ``sample``'s grid."""
+        grids = np.asarray(self.grids, dtype=np.int64)[sample] if ids.size else np.zeros((0, 3), np.int64)
+        within = ids - self.sample_offsets[sample]
+        h, w = grids[:, 1], grids[:, 2]
+        return np.stack([within // (h * w), (within // w) % h, within % w], axis=-1).astype(np.int64)
+
     # ---- per-position data ---------------------------------------------------------------------------
 
     def _fill(self, per_window) -> np.ndarray:

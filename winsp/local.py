@@ -86,12 +86,7 @@ class LocalWindows:
     @cached_property
     def grid_coords(self) -> np.ndarray:
         """[L, 3] global (t, h, w) of each local row inside its sample's grid."""
-        lay = self.plan.layout
-        sample = self.row_sample
-        within = self.token_ids - lay.sample_offsets[sample]
-        grids = np.asarray(lay.grids, dtype=np.int64)[sample] if sample.size else np.zeros((0, 3), np.int64)
-        h, w = grids[:, 1], grids[:, 2]
-        return np.stack([within // (h * w), (within // w) % h, within % w], axis=-1).astype(np.int64)
+        return self.plan.layout.token_coords(self.token_ids, self.row_sample)
 
 
 @dataclass(frozen=True, eq=False)
