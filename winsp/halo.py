@@ -267,8 +267,8 @@ class HaloExchange:
                         axis_masks = [_axis_mask(n, k, d, c, lo, hi, r) for n, k, d, c, (lo, hi), r in
                                       zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
                                           ((t0, t1), (h0, h1), (w0, w1)), reach)]
-                        at = np.minimum(np.searchsorted(own_ids_sorted, k_ids), own_ids_sorted.size - 1)
-                        interior = bool(np.array_equal(own_ids_sorted[at], k_ids))
+                        # interior: the keys (a box) lie inside this rank's box, so it needs no halo row
+                        interior = all(r[0] >= sl.start and r[-1] < sl.stop for r, sl in zip(reach, box))
                         tiles.append((q_rows, k_ids, s, axis_masks, interior))
         by_shape: dict[tuple[bool, int, int], list] = {}
         for tile in tiles:  # tiles of one shape run as one batch (no padding); interior tiles first
