@@ -217,13 +217,11 @@ class SPGroup:
         without gradients (inference); when autograd records or torch.compile traces, the exchange runs at once
         (the custom op) and ``wait()`` just returns it.
         """
-        if self.is_single:
-            return PendingRows(tensor)
-        outs, ins = [int(c) for c in output_split_sizes], [int(c) for c in input_split_sizes]
-        if not _eager(tensor):
-            return PendingRows(torch.ops.winsp.all_to_all_rows(tensor.contiguous(), outs, ins, self.name))
+        if self.is_single or not _eager(tensor):
+            return PendingRows(self.all_to_all_single(tensor, output_split_sizes, input_split_sizes))
         import torch.distributed as dist
 
+        outs, ins = [int(c) for c in output_split_sizes], [int(c) for c in input_split_sizes]
         send = tensor.contiguous()
         out = send.new_empty((sum(outs),) + tuple(send.shape[1:]))
         work = dist.all_to_all_single(out, send, outs, ins, group=self.group, async_op=True)

@@ -35,8 +35,8 @@ from .halo import HaloExchange, HaloTensors
 from .neighborhood import Neighborhood
 from .score_mods import ScoreMods
 
-__all__ = ["exchange_halos", "start_halo_exchange", "finish_halo_exchange", "neighborhood_attention", "halo_tensors", "neighborhood_rpb_score_mod",
-           "GATHER_BUDGET"]
+__all__ = ["exchange_halos", "start_halo_exchange", "finish_halo_exchange", "neighborhood_attention", "halo_tensors",
+           "neighborhood_rpb_score_mod", "GATHER_BUDGET"]
 
 #: Elements (gathered q / k / v and scores) one chunk of query tiles may hold.
 GATHER_BUDGET = 1 << 24
@@ -122,14 +122,19 @@ class _AfterExchange(torch.autograd.Function):
                                for shape, dtype, device in ctx.key_shapes)
 
 
-def _overlapped_video_queries(q: Tensor, k: Tensor, v: Tensor, txt, halo: HaloTensors, group: SPGroup,
-                              scale: float, mods: Optional[ScoreMods]) -> Tensor:
-    """:func:`_video_queries` with the halo exchange in flight while the interior tiles (local keys only) run."""
+def _exchanged_video_queries(q: Tensor, k: Tensor, v: Tensor, txt, halo: HaloTensors, group: SPGroup,
+                             scale: float, mods: Optional[ScoreMods], video_attention) -> Tensor:
+    """The video queries' output with the halo exchange around it: the tiled path (``video_attention`` None) runs
+    its interior tiles (local keys only) while the exchange is in flight; another backend attends once it is done."""
     pending = start_halo_exchange(k, v, halo, group)
-    outs = _attend_tiles(q, k, v, halo.tiles[:halo.interior_groups], txt, scale, mods)
-    k_all, v_all = finish_halo_exchange(k, v, pending)
-    outs += _attend_tiles(q, k_all, v_all, halo.tiles[halo.interior_groups:], txt, scale, mods)
-    out = torch.cat(outs).index_select(0, halo.row_slot) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]))
+    if video_attention is None:
+        outs = _attend_tiles(q, k, v, halo.tiles[:halo.interior_groups], txt, scale, mods)
+        k_all, v_all = finish_halo_exchange(k, v, pending)
+        outs += _attend_tiles(q, k_all, v_all, halo.tiles[halo.interior_groups:], txt, scale, mods)
+        out = torch.cat(outs).index_select(0, halo.row_slot) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]))
+    else:
+        k_all, v_all = finish_halo_exchange(k, v, pending)
+        out = video_attention(q, k_all, v_all, txt, halo, scale, mods)
     if pending is not None and torch.is_grad_enabled() and (k_all.requires_grad or v_all.requires_grad):
         out = _AfterExchange.apply(out, k_all, v_all)
     return out
@@ -205,14 +210,7 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
                          f"{halo.num_rows}")
     has_text = k_txt is not None and k_txt.shape[0] > 0
     txt = (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None
-    if video_attention is None:
-        vid = _overlapped_video_queries(q, k, v, txt, halo, group, scale, mods)
-    else:  # another backend (winsp.halo_backends) attends once every key row is here
-        pending = start_halo_exchange(k, v, halo, group)
-        k_all, v_all = finish_halo_exchange(k, v, pending)
-        vid = video_attention(q, k_all, v_all, txt, halo, scale, mods)
-        if pending is not None and torch.is_grad_enabled() and (k_all.requires_grad or v_all.requires_grad):
-            vid = _AfterExchange.apply(vid, k_all, v_all)
+    vid = _exchanged_video_queries(q, k, v, txt, halo, group, scale, mods, video_attention)
     if q_txt is None or not text_output:
         return vid, None
     return vid, _text_queries(q_txt, k_txt, v_txt, txt_sample, k, v, halo, group, scale)
