@@ -31,7 +31,7 @@ from .mesh import TemporalMesh, build_temporal_mesh, interleaved_schedule, order
 from .context import active_request, current_request
 from .swin import SwinWindows
 from .stages import Stage
-from .drop_path import RowDropout, SampleDropPath
+from .drop_path import RowDropout, SampleDropPath, row_dropout
 from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, is_parallelized, parallelize, unparallelize
 from .token_io import FlatTokens
 from .swapped import Swapped, swapped
@@ -58,6 +58,7 @@ __all__ = [
     "Stage",
     "SampleDropPath",
     "RowDropout",
+    "row_dropout",
     "Region",
     "ParallelPlan",
     "ChannelsLast",

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .context import current_request
 
-__all__ = ["SampleDropPath", "RowDropout"]
+__all__ = ["SampleDropPath", "RowDropout", "row_dropout"]
 
 _DRAWS = ("bernoulli", "rand")
 
@@ -81,13 +81,21 @@ class RowDropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        request = current_request()
-        full = torch.empty((request.num_model_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        keep = full.bernoulli_(1.0 - self.p)
-        if self.p < 1.0:
-            keep = keep.div_(1.0 - self.p)
-        keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, request.model_rows)
-        return x * keep
+        return row_dropout(x, self.p, current_request())
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+def row_dropout(x: Tensor, p: float, request, *, inplace: bool = False) -> Tensor:
+    """Element-wise dropout (training) of local rows ``x [L, ...]`` with the original's draws: ``F.dropout`` itself
+    on a tensor of ones shaped as the original's full ``[N, ...]`` (the same function on the same shape, dtype and
+    device draws the same mask, on any device and for ``p == 1`` too), this rank's rows of it multiplied in.
+
+    Assumes the original's tensor is channels-last with the tokens row-major in (t, h, w), samples one after the
+    other; padding rows get zero. Every rank draws the whole mask: the price of equal draws."""
+    with torch._C.DisableTorchFunction():  # the draw itself, not a call on local rows (winsp's RegionDropout mode)
+        full = torch.ones((request.num_model_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        keep = torch.nn.functional.dropout(full, p, True)
+    keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, request.model_rows)
+    return x.mul_(keep) if inplace else x * keep

@@ -30,6 +30,7 @@ from . import context
 from .config import DiffusionParallelConfig
 from .geometry import Grid
 from .recompute import watch_recompute
+from . import region_dropout
 from .region_checks import ForwardOrder, Step, watch_rows
 from .runtime import WindowRuntime
 from .stages import Stage, check_stages
@@ -148,6 +149,11 @@ class ParallelPlan:
             or one of its parents, matches under one glob keep ``named_modules`` order, and a match under none is
             refused. None: ``named_modules`` order. Either way the forward is checked against it: a module that runs
             out of the plan's order is refused before its rows move.
+        dropout: element-wise dropout on local rows in a training forward: ``"refuse"`` (an ``nn.Dropout`` module or
+            an ``F.dropout`` / ``torch.dropout`` call is refused, naming the module) or ``"rows"`` (both draw exactly
+            the original's mask, as :class:`winsp.RowDropout` does, for an original whose tensor there is
+            channels-last with the tokens row-major: winsp cannot see that, so it is the plan's to say). Channel-wise
+            and alpha dropouts on local rows are refused either way; dropout on other tensors runs unchanged.
     """
 
     region: Region
@@ -159,10 +165,14 @@ class ParallelPlan:
     make_grid_change: Optional[Callable[[nn.Module, int], nn.Module]] = None
     swaps: tuple[tuple[str, Callable[[nn.Module], nn.Module]], ...] = ()
     forward_order: Optional[tuple[str, ...]] = None
+    dropout: str = "refuse"
 
     def __post_init__(self) -> None:
         if not isinstance(self.region, Region):
             raise ValueError(f"ParallelPlan.region must be a winsp.Region, got {type(self.region).__name__}")
+        if self.dropout not in region_dropout.DROPOUT_POLICIES:
+            raise ValueError(f"ParallelPlan.dropout must be one of {region_dropout.DROPOUT_POLICIES}, got "
+                             f"{self.dropout!r}")
         object.__setattr__(self, "stages", check_stages(self.stages))
         if (self.grid_changes is None) != (self.make_grid_change is None):
             raise ValueError("ParallelPlan: give grid_changes and make_grid_change together")
@@ -205,6 +215,7 @@ class _Applied:
     handles: list
     tokens: list  # ContextVar tokens of regions in progress
     order: ForwardOrder
+    dropouts: list = field(default_factory=list)  # per region call in progress: its RegionDropout (None in eval)
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -338,7 +349,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
             applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer, order)))
         for stage, (path, _) in zip(changing, grid_changes):
             applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
-        applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]))
+        applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]),
+                                      dropout=plan.dropout)
         applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []))  # activation checkpointing
         io = plan.region.tokens
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
@@ -427,6 +439,8 @@ def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model:
         request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
         local = request.scatter(rows)
         applied.tokens.append(context._enter(request))
+        applied.dropouts.append(region_dropout.enter(applied.plan.dropout, applied.plan.region.start)
+                                if module.training else None)
         applied.order.begin()
         return io.with_rows(args, kwargs, local)
 
@@ -485,7 +499,7 @@ def _region_end(io: TokenIO, applied: _Applied):
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if not applied.tokens:
             return None
-        token = applied.tokens.pop()
+        token, dropout = applied.tokens.pop(), applied.dropouts.pop()
         try:
             applied.order.end(completed=output is not None)
             if output is None:  # the region raised; the hook only restores the context
@@ -494,6 +508,7 @@ def _region_end(io: TokenIO, applied: _Applied):
             rows = request.gather(io.output_rows(output))
             return io.with_output(output, rows, request.stage_model_grids[request.stage])
         finally:
+            region_dropout.leave(dropout)
             context._leave(token)
 
     return hook

@@ -10,7 +10,9 @@ misfit is, naming the module, instead of a symptom layers later.
   into ``[N, 1, L, C]``, a pool over tokens) assumes the whole grid; it is refused by path right after it runs.
 - **Element-wise dropout**: ``nn.Dropout`` on local rows would draw other numbers than the original's over its full
   tensor; an unswapped one in training mode is refused by path before it runs (swap it for
-  :class:`winsp.RowDropout`, which reproduces the original's draws).
+  :class:`winsp.RowDropout`, which reproduces the original's draws, or let ``ParallelPlan.dropout="rows"`` draw them).
+  Functional dropout calls are :mod:`winsp.region_dropout`'s; the hooks here keep its stack of the region modules
+  running, so a refusal names the innermost one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Callable, Optional
 from torch import Tensor, nn
 
 from .context import current_request_or_none
+from .region_dropout import module_paths
 
 __all__ = ["Step", "ForwardOrder", "watch_rows"]
 
@@ -117,33 +120,39 @@ class ForwardOrder:
         return True
 
 
-def watch_rows(model: nn.Module, paths: list[str]) -> list:
-    """Hooks on the modules at ``paths`` checking local row shapes and refusing element-wise dropout; returns the
-    handles."""
+def watch_rows(model: nn.Module, paths: list[str], *, dropout: str = "refuse") -> list:
+    """Hooks on the modules at ``paths`` checking local row shapes and refusing element-wise dropout modules (unless
+    ``dropout="rows"``: their ``F.dropout`` call then draws the original's mask); returns the handles."""
     handles = []
     for path in paths:
         module = model.get_submodule(path)
         state: list = []
-        handles.append(module.register_forward_pre_hook(_before(path, state)))
+        handles.append(module.register_forward_pre_hook(_before(path, state, dropout)))
         handles.append(module.register_forward_hook(_after(path, state), always_call=True))
     return handles
 
 
-def _before(path: str, state: list):
+def _before(path: str, state: list, dropout: str):
     def hook(module: nn.Module, args: tuple):
         request = current_request_or_none()
         if request is None or request._now is None:
             state.append(None)
             return None
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+        if (isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
+                and not (dropout == "rows" and type(module) is nn.Dropout)):
             raise ValueError(
                 f"winsp.parallelize: {path!r} ({type(module).__name__}, p={module.p}) would draw its mask over this "
                 f"rank's local rows only, not as the original does over the whole tensor; swap it: "
-                f"ParallelPlan.swaps=[({path!r}, winsp.RowDropout.like)] (or run the model in eval mode)")
+                f"ParallelPlan.swaps=[({path!r}, winsp.RowDropout.like)]"
+                + (", or for every nn.Dropout of the region ParallelPlan(..., dropout='rows')"
+                   if type(module) is nn.Dropout else "") + " (or run the model in eval mode)")
         rows = request._now.num_rows
         x = args[0] if args else None
         takes_rows = isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == rows
-        state.append((rows, tuple(x.shape) if takes_rows else None, request._slot, request.transitions_done))
+        paths = module_paths()
+        if paths is not None:
+            paths.append(path)
+        state.append((rows, tuple(x.shape) if takes_rows else None, request._slot, request.transitions_done, paths))
         return None
 
     return hook
@@ -152,9 +161,11 @@ def _before(path: str, state: list):
 def _after(path: str, state: list):
     def hook(module: nn.Module, args: tuple, output: Any):
         entry = state.pop() if state else None
+        if entry is not None and entry[4] is not None:
+            entry[4].pop()
         if entry is None or output is None or entry[1] is None:
             return None
-        rows, shape, slot, moves = entry
+        rows, shape, slot, moves, _ = entry
         request = current_request_or_none()
         if request is None or request._slot != slot or request.transitions_done != moves:
             return None  # the module moved rows itself (it holds a layer entry or a grid change)
