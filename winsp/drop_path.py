@@ -5,10 +5,11 @@ A drop path (stochastic depth) zeroes a residual branch for whole samples at ran
 ``[B, ...]`` tensor it draws one number per sample; on window-parallel local rows ``[L, C]`` the batch dimension is
 gone, so :class:`SampleDropPath` draws the same ``B`` numbers, in the same way and order as the original module (every
 rank holds the same generator state, so every rank draws the same ones), and gives each row its sample's number
-through ``request.row_sample``. :class:`RowDropout` (element-wise dropout, ``nn.Dropout``) draws the original's mask
-over the whole ``[N, ...]`` tensor of the current grid, row-major as a channels-last original holds it, and keeps
-this rank's rows (``request.model_rows``): every rank draws the full mask, which is the price of equal draws. In eval
-mode, or with probability 0, both are the identity.
+through ``request.row_sample``. :class:`RowDropout` (element-wise dropout, ``nn.Dropout``; :func:`row_dropout` is its
+function, also what ``ParallelPlan.dropout="rows"`` runs for ``F.dropout`` calls) draws the original's mask over the
+whole ``[N, ...]`` tensor of the current grid, row-major as a channels-last original holds it, and keeps this rank's
+rows (``request.model_rows``): every rank draws the full mask, which is the price of equal draws. In eval mode, or
+with probability 0, both are the identity.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ class SampleDropPath(nn.Module):
 
 
 class RowDropout(nn.Module):
-    """Element-wise dropout on local rows with the original's draws (``F.dropout``: ``bernoulli_(1 - p)`` over the
-    full tensor, kept values scaled by ``1 / (1 - p)``), for an original whose tensor is ``[..., C]`` channels-last with
-    the tokens row-major in (t, h, w), samples one after the other (:class:`winsp.ChannelsLast`, flat tokens)."""
+    """Element-wise dropout on local rows with the original's draws (the mask ``F.dropout`` draws over the full
+    tensor, kept values scaled by ``1 / (1 - p)``: :func:`row_dropout`), for an original whose tensor is ``[..., C]``
+    channels-last with the tokens row-major in (t, h, w), samples one after the other (:class:`winsp.ChannelsLast`,
+    flat tokens)."""
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()

@@ -350,8 +350,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         for stage, (path, _) in zip(changing, grid_changes):
             applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
         applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]),
-                                      dropout=plan.dropout)
-        applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []))  # activation checkpointing
+                                      dropout=plan.dropout, modes=applied.dropouts)
+        applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []),  # activation checkpointing
+                                           modes=applied.dropouts)
         io = plan.region.tokens
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
             _region_end(io, applied), with_kwargs=True, always_call=True))

@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 from torch import Tensor, nn
 
 from .context import current_request_or_none
-from .region_dropout import module_paths
 
 __all__ = ["Step", "ForwardOrder", "watch_rows"]
 
@@ -120,19 +119,22 @@ class ForwardOrder:
         return True
 
 
-def watch_rows(model: nn.Module, paths: list[str], *, dropout: str = "refuse") -> list:
+def watch_rows(model: nn.Module, paths: list[str], *, dropout: str = "refuse", modes: Optional[list] = None) -> list:
     """Hooks on the modules at ``paths`` checking local row shapes and refusing element-wise dropout modules (unless
-    ``dropout="rows"``: their ``F.dropout`` call then draws the original's mask); returns the handles."""
+    ``dropout="rows"``: their ``F.dropout`` call then draws the original's mask); returns the handles. ``modes``: the
+    :class:`~winsp.region_dropout.RegionDropout` of each region call in progress (None in eval), whose stack of module
+    paths the hooks keep."""
+    modes = [] if modes is None else modes
     handles = []
     for path in paths:
         module = model.get_submodule(path)
         state: list = []
-        handles.append(module.register_forward_pre_hook(_before(path, state, dropout)))
+        handles.append(module.register_forward_pre_hook(_before(path, state, dropout, modes)))
         handles.append(module.register_forward_hook(_after(path, state), always_call=True))
     return handles
 
 
-def _before(path: str, state: list, dropout: str):
+def _before(path: str, state: list, dropout: str, modes: list):
     def hook(module: nn.Module, args: tuple):
         request = current_request_or_none()
         if request is None or request._now is None:
@@ -149,7 +151,7 @@ def _before(path: str, state: list, dropout: str):
         rows = request._now.num_rows
         x = args[0] if args else None
         takes_rows = isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == rows
-        paths = module_paths()
+        paths = modes[-1].paths if modes and modes[-1] is not None else None
         if paths is not None:
             paths.append(path)
         state.append((rows, tuple(x.shape) if takes_rows else None, request._slot, request.transitions_done, paths))

@@ -19,7 +19,6 @@ training runs unchanged. An eval forward pushes no mode, so inference pays nothi
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import Optional
 
 import torch
@@ -96,24 +95,13 @@ class RegionDropout(TorchFunctionMode):
         return row_dropout(x, p, request, inplace=inplace)
 
 
-_ACTIVE: ContextVar[Optional[RegionDropout]] = ContextVar("winsp_region_dropout", default=None)
-
-
-def enter(policy: str, start: str) -> tuple:
-    """Push a :class:`RegionDropout` for one region call; returns what :func:`leave` takes to pop it."""
+def enter(policy: str, start: str) -> RegionDropout:
+    """Push a :class:`RegionDropout` for one region call; :func:`leave` pops it."""
     mode = RegionDropout(policy, start)
     mode.__enter__()
-    return mode, _ACTIVE.set(mode)
+    return mode
 
 
-def leave(entered: Optional[tuple]) -> None:
-    if entered is not None:
-        mode, token = entered
-        _ACTIVE.reset(token)
+def leave(mode: Optional[RegionDropout]) -> None:
+    if mode is not None:
         mode.__exit__(None, None, None)
-
-
-def module_paths() -> Optional[list]:
-    """The stack of region module paths of the active mode (None without one), for the region's module hooks."""
-    mode = _ACTIVE.get()
-    return None if mode is None else mode.paths
