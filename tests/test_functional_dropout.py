@@ -64,8 +64,8 @@ class Block(nn.Module):
             h = F.dropout(h, self.p, self.training)
         elif self.kind == "torch.dropout":
             h = torch.dropout(h, self.p, self.training)
-        else:  # a channel-wise dropout: no row-wise equivalent
-            h = F.dropout2d(h, self.p, self.training)
+        else:  # a channel-wise or alpha dropout: no row-wise equivalent
+            h = getattr(F, self.kind)(h, self.p, self.training)
         return x + self.gate(self.drop(self.fc2(h)), cond)
 
 
@@ -175,10 +175,11 @@ def test_functional_dropout_is_refused_by_default_naming_the_block_the_function_
         plan("local")
 
 
-def test_channel_dropout_is_refused_by_name_even_with_rows():
-    with pytest.raises(ValueError, match=r"'body.blocks.0' calls torch.nn.functional.dropout2d\(p=0.3.*no row-wise "
+@pytest.mark.parametrize("kind", ["dropout2d", "alpha_dropout"])
+def test_channel_and_alpha_dropout_are_refused_by_name_even_with_rows(kind):
+    with pytest.raises(ValueError, match=rf"'body.blocks.0' calls torch.nn.functional.{kind}\(p=0.3.*no row-wise "
                                          r"equivalent"):
-        _one_rank("rows", kind="dropout2d").train()(*make_inputs())
+        _one_rank("rows", kind=kind).train()(*make_inputs())
 
 
 def test_eval_p0_and_non_row_dropout_run_unchanged_and_the_module_refusal_stands():

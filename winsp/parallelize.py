@@ -26,11 +26,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import context
+from . import context, region_dropout
 from .config import DiffusionParallelConfig
 from .geometry import Grid
 from .recompute import watch_recompute
-from . import region_dropout
 from .region_checks import ForwardOrder, Step, watch_rows
 from .runtime import WindowRuntime
 from .stages import Stage, check_stages

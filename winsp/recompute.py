@@ -8,9 +8,10 @@ tensor argument (a checkpoint hands the recomputation the same tensor, or a deta
 shape and strides). A call during backward with no request current looks its note up, makes the request current in
 that layout for the call (rows then move and attend exactly as in the forward, through the same collectives in the
 same order on every rank; a training forward's functional dropout draws again as it did, under the region's
-:class:`~winsp.region_dropout.RegionDropout`), and puts both back after it. A call that finds no note (the checkpointed function is not a
-module of the region, so its modules get recomputed tensors) is refused by :func:`winsp.current_request` as before;
-so is one inside a ``torch.compile`` d block (its calls take no notes: the hooks stay out of the graph).
+:class:`~winsp.region_dropout.RegionDropout`), and puts both back after it. A call that finds no note (the
+checkpointed function is not a module of the region, so its modules get recomputed tensors) is refused by
+:func:`winsp.current_request` as before; so is one inside a ``torch.compile`` d block (its calls take no notes: the
+hooks stay out of the graph).
 """
 
 from __future__ import annotations

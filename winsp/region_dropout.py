@@ -33,18 +33,19 @@ __all__ = ["DROPOUT_POLICIES", "RegionDropout"]
 
 DROPOUT_POLICIES = ("refuse", "rows")
 
-# function -> (its name in messages, reproducible row-wise, in place)
+# element-wise dropout drawn as the original draws: function -> (its name in messages, in place: None for the argument)
 _ELEMENTWISE = {F.dropout: ("torch.nn.functional.dropout", None), torch.dropout: ("torch.dropout", False),
                 torch.dropout_: ("torch.dropout_", True)}
-_NO_ROW_WISE = {F.dropout1d: "torch.nn.functional.dropout1d", F.dropout2d: "torch.nn.functional.dropout2d",
-                F.dropout3d: "torch.nn.functional.dropout3d", F.alpha_dropout: "torch.nn.functional.alpha_dropout",
-                F.feature_alpha_dropout: "torch.nn.functional.feature_alpha_dropout",
-                torch.alpha_dropout: "torch.alpha_dropout", torch.alpha_dropout_: "torch.alpha_dropout_",
-                torch.feature_dropout: "torch.feature_dropout", torch.feature_dropout_: "torch.feature_dropout_",
-                torch.feature_alpha_dropout: "torch.feature_alpha_dropout",
-                torch.feature_alpha_dropout_: "torch.feature_alpha_dropout_",
-                torch.native_dropout: "torch.native_dropout"}
-_DEFAULTS = {"p": 0.5, "training": True, "train": True, "inplace": False}
+_CHANNELS = "it drops whole channels or rescales otherwise, which has no row-wise equivalent"
+# refused on local rows: function -> (its name, why)
+_NO_ROW_WISE = {
+    **{f: (f"torch.nn.functional.{f.__name__}", _CHANNELS)
+       for f in (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)},
+    **{f: (f"torch.{f.__name__}", _CHANNELS)
+       for f in (torch.alpha_dropout, torch.alpha_dropout_, torch.feature_dropout, torch.feature_dropout_,
+                 torch.feature_alpha_dropout, torch.feature_alpha_dropout_)},
+    torch.native_dropout: ("torch.native_dropout", "it returns its mask too, which winsp does not draw row-wise"),
+}
 _ORDER = ("input", "p", "training", "inplace")  # the functional signatures; torch.* names the third "train"
 
 
@@ -52,8 +53,8 @@ def _arguments(args: tuple, kwargs: dict) -> tuple[object, float, bool, bool]:
     """(input, p, training, inplace) of a dropout call, whichever of its signatures it used."""
     named = dict(zip(_ORDER, args))
     named.update({("training" if k == "train" else k): v for k, v in kwargs.items()})
-    return (named.get("input"), float(named.get("p", _DEFAULTS["p"])), bool(named.get("training", True)),
-            bool(named.get("inplace", False)))
+    return named.get("input"), float(named.get("p", 0.5)), bool(named.get("training", True)), bool(
+        named.get("inplace", False))
 
 
 class RegionDropout(TorchFunctionMode):
@@ -70,9 +71,10 @@ class RegionDropout(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         elementwise = _ELEMENTWISE.get(func)
-        name = elementwise[0] if elementwise is not None else _NO_ROW_WISE.get(func)
-        if name is None:
+        refused = _NO_ROW_WISE.get(func) if elementwise is None else None
+        if elementwise is None and refused is None:
             return func(*args, **kwargs)
+        name = (elementwise or refused)[0]
         x, p, training, inplace = _arguments(args, kwargs)
         if elementwise is not None and elementwise[1] is not None:
             inplace = elementwise[1]
@@ -83,9 +85,8 @@ class RegionDropout(TorchFunctionMode):
         where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on local rows "
                  f"{list(x.shape)} (rank {request.group.rank})")
         if elementwise is None:
-            raise ValueError(f"{where}: it drops whole channels or rescales otherwise, which has no row-wise "
-                             f"equivalent (its draws cannot be reproduced on this rank's rows); drop it in the "
-                             f"parallel model, end the region before it, or train with it off")
+            raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
+                             f"in the parallel model, end the region before it, or train with it off")
         if self.policy == "refuse":
             raise ValueError(f"{where}: its mask would be drawn over this rank's rows only, not as the original draws "
                              f"it over the whole tensor. If the original's tensor there is channels-last with the "
