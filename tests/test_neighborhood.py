@@ -186,6 +186,15 @@ def test_interior_tiles_reach_local_rows_only(grid, geom, world, some_interior):
             else:
                 assert bool((key >= halo.num_rows).any(-1).all())
         interior_somewhere |= halo.interior_groups > 0
+        # the edge tiles' compact key buffer [edge rows, halo rows] holds exactly the key rows they read
+        key_rows = torch.arange(halo.num_keys)
+        compact = torch.cat([key_rows[halo.edge_rows], key_rows[halo.num_rows:]])
+        edge = halo.tiles[halo.interior_groups:]
+        assert len(halo.edge_keys) == len(edge)
+        for (_, key, _, _), where in zip(edge, halo.edge_keys):
+            assert torch.equal(compact[where], key)
+        reached = torch.cat([key[key < halo.num_rows] for _, key, _, _ in edge]) if edge else torch.empty(0)
+        assert torch.equal(halo.edge_rows, torch.unique(reached).long())
     assert interior_somewhere == some_interior
 
 

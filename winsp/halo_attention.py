@@ -90,11 +90,13 @@ def _gather_keys(keys, index: Tensor, g: int, mk: int, heads: int) -> tuple[Tens
 
 
 def _attend_tiles(q: Tensor, keys, groups, txt: Optional[tuple[Tensor, Tensor, Tensor]], scale: float,
-                  mods: Optional[ScoreMods], out: Tensor) -> None:
+                  mods: Optional[ScoreMods], out: Tensor, gather: Optional[tuple[Tensor, ...]] = None) -> None:
     """Each group of query tiles against the key rows it reaches (and its sample's text), masked, in chunks; each
-    query's output is written into its local row of ``out`` ``[L, H, D]``."""
+    query's output is written into its local row of ``out`` ``[L, H, D]``. ``gather``: per group, where its key rows
+    sit in ``keys`` when that is not the key-row numbering itself (a compact buffer of the edge tiles' rows)."""
     _, heads, dim = q.shape
-    for query, key, tile_mask, tile_sample in groups:
+    for group, (query, key, tile_mask, tile_sample) in enumerate(groups):
+        where = key if gather is None else gather[group]
         tiles, mq = query.shape
         mk = key.shape[1]
         chunk = max(1, GATHER_BUDGET // max(1, (mq + mk) * heads * dim + mq * mk * heads))
@@ -103,7 +105,7 @@ def _attend_tiles(q: Tensor, keys, groups, txt: Optional[tuple[Tensor, Tensor, T
             g = stop - start
             qi, ki = query[start:stop], key[start:stop]
             qg = q.index_select(0, qi.reshape(-1)).view(g, mq, heads, -1).transpose(1, 2)
-            kg, vg = _gather_keys(keys, ki, g, mk, heads)
+            kg, vg = _gather_keys(keys, where[start:stop], g, mk, heads)
             mask = tile_mask[start:stop]
             if txt is not None:
                 k_txt, v_txt, (txt_index, txt_valid) = txt
@@ -146,33 +148,34 @@ class _AfterExchange(torch.autograd.Function):
 
 def _tiled_inference(q: Tensor, k: Tensor, v: Tensor, txt, halo: HaloTensors, group: SPGroup, scale: float,
                      mods: Optional[ScoreMods], out: Tensor) -> bool:
-    """The tiled path without autograd, k and v alike: the halo is received straight into the tail of one
-    ``[L + halo, 2, H, D]`` key buffer while the interior tiles run (no copy of the received rows), and k and v are
-    gathered together (one gather of a fused qkv's k and v). False (nothing done) where it does not apply."""
+    """The tiled path without autograd, k and v alike. The edge tiles read one ``[E + halo, 2, H, D]`` key buffer:
+    the E local rows they reach, then the halo, received straight into its tail while the interior tiles run (no
+    copy of the received rows, none of the local rows no edge tile reads); k and v are gathered together (one gather
+    of a fused qkv's k and v). False (nothing done) where it does not apply."""
     if (k.shape != v.shape or k.dtype != v.dtype or torch.compiler.is_compiling()
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))):
         return False
     fused = _fused_kv(k, v)
     local = fused if fused is not None else (k, v)
-    pending = None
-    if halo.exchange:
-        rows = k.shape[0]
-        buffer = k.new_empty((rows + sum(halo.output_split_sizes), 2) + tuple(k.shape[1:]))
-        idx = halo.send_index
-        send = (fused.index_select(0, idx) if fused is not None
-                else torch.stack([k.index_select(0, idx), v.index_select(0, idx)], dim=1))
-        pending = group.start_all_to_all_single(send, halo.output_split_sizes, halo.input_split_sizes,
-                                                out=buffer[rows:])
-    _attend_tiles(q, local, halo.tiles[:halo.interior_groups], txt, scale, mods, out)
     edge = halo.tiles[halo.interior_groups:]
-    if pending is not None:
-        if fused is not None:
-            buffer[:rows] = fused
-        else:
-            buffer[:rows, 0], buffer[:rows, 1] = k, v
-        pending.wait()
-        local = buffer
-    _attend_tiles(q, local, edge, txt, scale, mods, out)
+    if not halo.exchange:
+        _attend_tiles(q, local, halo.tiles, txt, scale, mods, out)
+        return True
+    rows = halo.edge_rows.shape[0]
+    buffer = k.new_empty((rows + sum(halo.output_split_sizes), 2) + tuple(k.shape[1:]))
+    idx = halo.send_index
+    send = (fused.index_select(0, idx) if fused is not None
+            else torch.stack([k.index_select(0, idx), v.index_select(0, idx)], dim=1))
+    pending = group.start_all_to_all_single(send, halo.output_split_sizes, halo.input_split_sizes,
+                                            out=buffer[rows:])
+    _attend_tiles(q, local, halo.tiles[:halo.interior_groups], txt, scale, mods, out)
+    if fused is not None:
+        torch.index_select(fused, 0, halo.edge_rows, out=buffer[:rows])
+    else:
+        torch.index_select(k, 0, halo.edge_rows, out=buffer[:rows, 0])
+        torch.index_select(v, 0, halo.edge_rows, out=buffer[:rows, 1])
+    pending.wait()
+    _attend_tiles(q, buffer, edge, txt, scale, mods, out, gather=halo.edge_keys)
     return True
 
 
