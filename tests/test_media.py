@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from fractions import Fraction
 
@@ -17,6 +18,7 @@ from tests.media_files import write_clip_with_audio, write_truncated_faststart  
 
 from examples.seedvr2.color_fix import wavelet_color_fix, wavelet_lowpass  # noqa: E402
 from examples.seedvr2.media import (  # noqa: E402
+    DecoderOutOfMemory,
     MediaError,
     center_crop,
     MediaWriter,
@@ -206,6 +208,53 @@ def test_lazy_frames_skip_conversion_of_unwanted_frames(tmp_path):
     assert [i for i, _, _ in got] == list(range(7))
     assert [f is not None for _, f, _ in got] == [i % 3 == 0 for i in range(7)]
     assert all(pts is not None for _, _, pts in got)
+
+
+class _DecoderStarved:
+    """A container whose decoder fails with ``code`` after ``good`` frames, as FFmpeg does when it cannot allocate
+    memory or start its threads (an address-space limit); everything else is the real container's."""
+
+    def __init__(self, container, good: int, code: int) -> None:
+        self._c, self._good, self._code = container, good, code
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._c.__exit__(*exc)
+
+    def decode(self, stream):
+        for i, frame in enumerate(self._c.decode(stream)):
+            if i == self._good:
+                raise av.FFmpegError(self._code, os.strerror(self._code))
+            yield frame
+
+
+@pytest.mark.parametrize("code", [errno.EAGAIN, errno.ENOMEM])
+def test_decoder_short_of_memory_is_out_of_memory_not_a_damaged_file(tmp_path, monkeypatch, code):
+    """Under a low memory limit FFmpeg fails with EAGAIN / ENOMEM: that is reported as memory (the CLI's
+    out-of-memory error), not as a truncated file or a decoding error of the input."""
+    from examples.seedvr2 import media
+
+    path = tmp_path / "clip.mp4"
+    write_media(path, smooth_clip(6, 16, 32), Fraction(10))
+    info = probe_media(path)
+    real_open = media._open_input
+    monkeypatch.setattr(media, "_open_input", lambda p: _DecoderStarved(real_open(p), 2, code))
+    with pytest.raises(DecoderOutOfMemory, match=r"could not allocate memory or start its decoder threads while "
+                                                 r"decoding frame 2 of .*clip\.mp4"):
+        probe_media(path)
+    with pytest.raises(DecoderOutOfMemory, match="decoding frame 2 of"):
+        list(iter_frames(info))
+    from examples.seedvr2.cli import is_out_of_memory
+
+    assert is_out_of_memory(DecoderOutOfMemory("x"))
+    monkeypatch.setattr(media, "_open_input", lambda p: _DecoderStarved(real_open(p), 2, errno.EINVAL))
+    with pytest.raises(MediaError, match="decoding failed at frame 2 of 6"):  # a real decoding error stays one
+        list(iter_frames(info))
 
 
 def _audio_packets(path) -> list[bytes]:

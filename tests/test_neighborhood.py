@@ -186,6 +186,15 @@ def test_interior_tiles_reach_local_rows_only(grid, geom, world, some_interior):
             else:
                 assert bool((key >= halo.num_rows).any(-1).all())
         interior_somewhere |= halo.interior_groups > 0
+        # the edge tiles' compact key buffer [edge rows, halo rows] holds exactly the key rows they read
+        key_rows = torch.arange(halo.num_keys)
+        compact = torch.cat([key_rows[halo.edge_rows], key_rows[halo.num_rows:]])
+        edge = halo.tiles[halo.interior_groups:]
+        assert len(halo.edge_keys) == len(edge)
+        for (_, key, _, _), where in zip(edge, halo.edge_keys):
+            assert torch.equal(compact[where], key)
+        reached = torch.cat([key[key < halo.num_rows] for _, key, _, _ in edge]) if edge else torch.empty(0)
+        assert torch.equal(halo.edge_rows, torch.unique(reached).long())
     assert interior_somewhere == some_interior
 
 
@@ -220,14 +229,18 @@ def _model_inputs(name, seed=0):
     return x, txt, w, tables
 
 
-def _model_forward(runtime, name, x, txt, w, tables):
+def _model_forward(runtime, name, x, txt, w, tables, fused=False):
+    """``fused``: q, k and v as slices of one projection's output (``qkv.view(L, 3, H, D).unbind(1)``)."""
     grids, text_lengths, schedule = MODELS[name]
     req = runtime.request(grids, text_lengths, dtype=torch.float64, score_mods=False)
     h = req.scatter(x)
     shape = (-1, HEADS, HEAD_DIM)
     for layer, geom in enumerate(schedule):
         h = req.to_layer(h, layer)
-        q, k, v = (torch.tanh(h @ w[layer, j]).view(shape) for j in range(3))
+        if fused:
+            q, k, v = torch.tanh(h @ torch.cat(list(w[layer, :3]), dim=1)).view(-1, 3, HEADS, HEAD_DIM).unbind(1)
+        else:
+            q, k, v = (torch.tanh(h @ w[layer, j]).view(shape) for j in range(3))
         qt, kt, vt = (torch.tanh(txt @ w[layer, j]).view(shape) for j in range(3))
         mod = None
         if isinstance(geom, Neighborhood):
@@ -251,7 +264,7 @@ def _model_rank(rank, world_size, names):
         winsp.sync_gradients(params, runtime)
         plan = runtime.plans(MODELS[name][0])[0]
         with torch.no_grad():  # inference overlaps the halo exchange with the interior tiles: same numbers
-            inferred = _model_forward(runtime, name, x, txt, w, tables)
+            inferred = [_model_forward(runtime, name, x, txt, w, tables, fused) for fused in (False, True)]
         results[name] = (out.detach(), txt_out.detach(), [p.grad.clone() for p in params], plan.rank_rows,
                          inferred)
     return results
@@ -293,11 +306,12 @@ def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):
     for name in names:
         ref_out, ref_txt, ref_grads = _one_rank(name)
         for rank, by_name in enumerate(results):
-            out, txt_out, grads, rows, (inferred, inferred_txt) = by_name[name]
+            out, txt_out, grads, rows, inferred = by_name[name]
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(txt_out, ref_txt, rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(inferred, ref_out, rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(inferred_txt, ref_txt, rtol=1e-12, atol=1e-12)
+            for inferred_out, inferred_txt in inferred:  # separate and fused k / v
+                torch.testing.assert_close(inferred_out, ref_out, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(inferred_txt, ref_txt, rtol=1e-12, atol=1e-12)
             assert len(grads) == len(ref_grads)
             for g, r in zip(grads, ref_grads):
                 torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
@@ -314,3 +328,37 @@ def test_halo_bytes_targets():
     assert len(ratios) == 3 * 3 * 4 * 3
     assert ratios[("4K x21", 3, 7, 8)] <= 0.25
     assert max(ratios.values()) <= 1.0
+
+
+def test_fused_kv_view_is_k_and_v_of_one_projection():
+    """Inference gathers k and v of a fused qkv projection in one go: the view must be exactly (k, v), and only
+    for slices of one buffer at a positive offset, never when autograd records."""
+    from winsp.halo_attention import _fused_kv
+
+    qkv = torch.randn(7, 3 * HEADS * HEAD_DIM)
+    q, k, v = qkv.view(-1, 3, HEADS, HEAD_DIM).unbind(1)
+    kv = _fused_kv(k, v)
+    assert kv is not None and kv.data_ptr() == k.data_ptr()
+    assert torch.equal(kv, torch.stack([k, v], dim=1))
+    assert _fused_kv(v, k) is None  # v before k in the buffer: no positive step
+    assert _fused_kv(k.clone(), v.clone()) is None  # two buffers
+    assert _fused_kv(k[:, :1], v[:, :1]) is not None
+    assert _fused_kv(k, v[:, :, :2]) is None  # shapes differ
+    assert _fused_kv(k, v.double()) is None
+    trained = qkv.clone().requires_grad_(True)
+    _, k2, v2 = trained.view(-1, 3, HEADS, HEAD_DIM).unbind(1)
+    assert _fused_kv(k2, v2) is None
+    with torch.no_grad():
+        assert _fused_kv(k2, v2) is not None
+
+
+def test_start_all_to_all_single_checks_its_out_buffer():
+    group = winsp.SPGroup()
+    rows = torch.randn(3, 2)
+    buffer = torch.zeros(5, 2)
+    assert torch.equal(group.start_all_to_all_single(rows, [3], [3], out=buffer[2:]).wait(), rows)
+    assert torch.equal(buffer[2:], rows)
+    with pytest.raises(ValueError, match=r"shape \[3, 2\]"):
+        group.start_all_to_all_single(rows, [3], [3], out=buffer[1:])
+    with pytest.raises(ValueError, match="not contiguous"):
+        group.start_all_to_all_single(rows, [3], [3], out=torch.zeros(2, 3).t())

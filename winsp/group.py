@@ -209,21 +209,31 @@ class SPGroup:
         return torch.ops.winsp.all_to_all_rows(tensor.contiguous(), outs, ins, self.name)
 
     def start_all_to_all_single(
-        self, tensor: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
+        self, tensor: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
+        out: torch.Tensor | None = None,
     ) -> "PendingRows":
         """:meth:`all_to_all_single` started in the background: compute on, then ``wait()`` for its output.
 
         Every rank must start it at the same point of its collective sequence. It overlaps only in eager code
         without gradients (inference); when autograd records or torch.compile traces, the exchange runs at once
-        (the custom op) and ``wait()`` just returns it.
+        (the custom op) and ``wait()`` just returns it. ``out``: a contiguous ``[sum(output_split_sizes), ...]``
+        tensor to receive into (a slice of a larger buffer saves copying the rows afterwards); not differentiable.
         """
+        outs, ins = [int(c) for c in output_split_sizes], [int(c) for c in input_split_sizes]
+        if out is not None:
+            shape = (sum(outs),) + tuple(tensor.shape[1:])
+            if tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous():
+                raise ValueError(f"start_all_to_all_single: out must be a contiguous {tensor.dtype} tensor of shape "
+                                 f"{list(shape)}, got {out.dtype} {list(out.shape)}"
+                                 + ("" if out.is_contiguous() else " (not contiguous)"))
         if self.is_single or not _eager(tensor):
-            return PendingRows(self.all_to_all_single(tensor, output_split_sizes, input_split_sizes))
+            received = self.all_to_all_single(tensor, outs, ins)
+            return PendingRows(received if out is None else out.copy_(received))
         import torch.distributed as dist
 
-        outs, ins = [int(c) for c in output_split_sizes], [int(c) for c in input_split_sizes]
         send = tensor.contiguous()
-        out = send.new_empty((sum(outs),) + tuple(send.shape[1:]))
+        if out is None:
+            out = send.new_empty((sum(outs),) + tuple(send.shape[1:]))
         work = dist.all_to_all_single(out, send, outs, ins, group=self.group, async_op=True)
         return PendingRows(out, work, send)
 

@@ -145,6 +145,8 @@ class HaloTensors:
     whether that query attends that key, and the tile's sample. The first ``interior_groups`` groups are *interior*:
     their tiles reach local rows only (key rows below ``num_rows``), so they can run while the halos are in flight.
     ``row_slot[l]`` is where local row ``l`` sits in the groups' flattened outputs, concatenated.
+    ``edge_rows`` are the local rows the other (edge) groups reach and ``edge_keys`` those groups' key rows renumbered
+    into ``[edge_rows, halo rows]``: a key buffer of just those rows serves the edge tiles.
     """
 
     send_index: torch.Tensor
@@ -154,6 +156,8 @@ class HaloTensors:
     tiles: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
     interior_groups: int
     row_slot: torch.Tensor
+    edge_rows: torch.Tensor
+    edge_keys: tuple[torch.Tensor, ...]
     query_coords: torch.Tensor
     key_coords: torch.Tensor
     row_sample: torch.Tensor
@@ -289,6 +293,14 @@ class HaloExchange:
             offset += query.size
             groups.append((query, key, mask, np.asarray([m[2] for m in members], np.int64)))
         self.tiles, self.row_slot = groups, row_slot
+        edge_keys = [key for _, key, _, _ in groups[self.interior_groups:]]
+        local = [key[key < self.token_ids.size] for key in edge_keys]
+        self.edge_rows = np.unique(np.concatenate(local)) if local else np.empty(0, np.int64)
+        renumber = np.full(self.token_ids.size, -1, np.int64)
+        renumber[self.edge_rows] = np.arange(self.edge_rows.size)
+        halo_offset = self.edge_rows.size - self.token_ids.size
+        self.edge_keys = [np.where(key < self.token_ids.size, renumber[np.minimum(key, self.token_ids.size - 1)],
+                                   key + halo_offset) for key in edge_keys]
 
     def to(self, device: torch.device | str) -> HaloTensors:
         def t(a, dtype=torch.int64):
@@ -299,7 +311,7 @@ class HaloExchange:
             output_split_sizes=self.output_split_sizes, exchange=self.exchange,
             tiles=tuple((t(q), t(k), t(m, torch.bool), t(smp)) for q, k, m, smp in self.tiles),
             interior_groups=self.interior_groups,
-            row_slot=t(self.row_slot),
+            row_slot=t(self.row_slot), edge_rows=t(self.edge_rows), edge_keys=tuple(t(k) for k in self.edge_keys),
             query_coords=t(self.query_coords), key_coords=t(self.key_coords), row_sample=t(self.row_sample),
             key_sample=t(self.key_sample), num_rows=int(self.token_ids.size), num_keys=int(self.key_ids.size),
             num_samples=self.num_samples,

@@ -65,12 +65,38 @@ def exchange_halos(k: Tensor, v: Tensor, halo: HaloTensors, group: SPGroup) -> t
     return finish_halo_exchange(k, v, start_halo_exchange(k, v, halo, group))
 
 
-def _attend_tiles(q: Tensor, k_all: Tensor, v_all: Tensor, groups, txt: Optional[tuple[Tensor, Tensor, Tensor]],
-                  scale: float, mods: Optional[ScoreMods]) -> list[Tensor]:
-    """Each group of query tiles against the key rows it reaches (and its sample's text), masked, in chunks."""
+def _fused_kv(k: Tensor, v: Tensor) -> Optional[Tensor]:
+    """The ``[L, 2, H, D]`` view of k and v when they are two slices of one buffer (a fused qkv projection's output,
+    ``qkv.view(L, 3, H, D).unbind(1)``), so that one gather fetches both; None otherwise, and whenever autograd
+    records or torch.compile traces (the view is an inference shortcut)."""
+    if (k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device or k.stride() != v.stride()
+            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
+        return None
+    step = v.storage_offset() - k.storage_offset()
+    if step <= 0 or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    return k.as_strided((k.shape[0], 2) + tuple(k.shape[1:]), (k.stride(0), step) + tuple(k.stride()[1:]),
+                        k.storage_offset())
+
+
+def _gather_keys(keys, index: Tensor, g: int, mk: int, heads: int) -> tuple[Tensor, Tensor]:
+    """``[G, K, H, D]`` key and value rows of ``index`` from ``keys``: ``(k, v)`` or one ``[N, 2, H, D]`` tensor."""
+    if isinstance(keys, Tensor):
+        both = keys.index_select(0, index.reshape(-1)).view(g, mk, 2, heads, -1)
+        return both[:, :, 0], both[:, :, 1]
+    k, v = keys
+    return (k.index_select(0, index.reshape(-1)).view(g, mk, heads, -1),
+            v.index_select(0, index.reshape(-1)).view(g, mk, heads, -1))
+
+
+def _attend_tiles(q: Tensor, keys, groups, txt: Optional[tuple[Tensor, Tensor, Tensor]], scale: float,
+                  mods: Optional[ScoreMods], out: Tensor, gather: Optional[tuple[Tensor, ...]] = None) -> None:
+    """Each group of query tiles against the key rows it reaches (and its sample's text), masked, in chunks; each
+    query's output is written into its local row of ``out`` ``[L, H, D]``. ``gather``: per group, where its key rows
+    sit in ``keys`` when that is not the key-row numbering itself (a compact buffer of the edge tiles' rows)."""
     _, heads, dim = q.shape
-    outs = []
-    for query, key, tile_mask, tile_sample in groups:
+    for group, (query, key, tile_mask, tile_sample) in enumerate(groups):
+        where = key if gather is None else gather[group]
         tiles, mq = query.shape
         mk = key.shape[1]
         chunk = max(1, GATHER_BUDGET // max(1, (mq + mk) * heads * dim + mq * mk * heads))
@@ -79,8 +105,7 @@ def _attend_tiles(q: Tensor, k_all: Tensor, v_all: Tensor, groups, txt: Optional
             g = stop - start
             qi, ki = query[start:stop], key[start:stop]
             qg = q.index_select(0, qi.reshape(-1)).view(g, mq, heads, -1).transpose(1, 2)
-            kg = k_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
-            vg = v_all.index_select(0, ki.reshape(-1)).view(g, mk, heads, -1)
+            kg, vg = _gather_keys(keys, where[start:stop], g, mk, heads)
             mask = tile_mask[start:stop]
             if txt is not None:
                 k_txt, v_txt, (txt_index, txt_valid) = txt
@@ -92,19 +117,18 @@ def _attend_tiles(q: Tensor, k_all: Tensor, v_all: Tensor, groups, txt: Optional
             kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
             mask = mask[:, None]
             if mods is None:
-                out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+                tile_out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
             else:
-                out = _modded_tiles(qg, kg, vg, mask, qi, ki, scale, mods)
-            outs.append(out.transpose(1, 2).reshape(g * mq, heads, -1))
-    return outs
+                tile_out = _modded_tiles(qg, kg, vg, mask, qi, ki, scale, mods)
+            out.index_put_((qi,), tile_out.transpose(1, 2))  # [G, Q, H, D] into the tiles' local rows
 
 
 def _video_queries(q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple[Tensor, Tensor, Tensor]],
                    halo: HaloTensors, scale: float, mods: Optional[ScoreMods]) -> Tensor:
-    """Every query tile against the rows it reaches (and its sample's text), masked, in chunks of tiles."""
-    if q.shape[0] == 0:
-        return q.new_zeros((0, q.shape[1], v_all.shape[-1]))
-    return torch.cat(_attend_tiles(q, k_all, v_all, halo.tiles, txt, scale, mods)).index_select(0, halo.row_slot)
+    """The tiled kernel on complete key rows (local, then halo): every query tile, in the backends' signature."""
+    out = q.new_empty((q.shape[0], q.shape[1], v_all.shape[-1]))
+    _attend_tiles(q, (k_all, v_all), halo.tiles, txt, scale, mods, out)
+    return out
 
 
 class _AfterExchange(torch.autograd.Function):
@@ -122,16 +146,52 @@ class _AfterExchange(torch.autograd.Function):
                                for shape, dtype, device in ctx.key_shapes)
 
 
+def _tiled_inference(q: Tensor, k: Tensor, v: Tensor, txt, halo: HaloTensors, group: SPGroup, scale: float,
+                     mods: Optional[ScoreMods], out: Tensor) -> bool:
+    """The tiled path without autograd, k and v alike. The edge tiles read one ``[E + halo, 2, H, D]`` key buffer:
+    the E local rows they reach, then the halo, received straight into its tail while the interior tiles run (no
+    copy of the received rows, none of the local rows no edge tile reads); k and v are gathered together (one gather
+    of a fused qkv's k and v). False (nothing done) where it does not apply."""
+    if (k.shape != v.shape or k.dtype != v.dtype or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))):
+        return False
+    fused = _fused_kv(k, v)
+    local = fused if fused is not None else (k, v)
+    edge = halo.tiles[halo.interior_groups:]
+    if not halo.exchange:
+        _attend_tiles(q, local, halo.tiles, txt, scale, mods, out)
+        return True
+    rows = halo.edge_rows.shape[0]
+    buffer = k.new_empty((rows + sum(halo.output_split_sizes), 2) + tuple(k.shape[1:]))
+    idx = halo.send_index
+    send = (fused.index_select(0, idx) if fused is not None
+            else torch.stack([k.index_select(0, idx), v.index_select(0, idx)], dim=1))
+    pending = group.start_all_to_all_single(send, halo.output_split_sizes, halo.input_split_sizes,
+                                            out=buffer[rows:])
+    _attend_tiles(q, local, halo.tiles[:halo.interior_groups], txt, scale, mods, out)
+    if fused is not None:
+        torch.index_select(fused, 0, halo.edge_rows, out=buffer[:rows])
+    else:
+        torch.index_select(k, 0, halo.edge_rows, out=buffer[:rows, 0])
+        torch.index_select(v, 0, halo.edge_rows, out=buffer[:rows, 1])
+    pending.wait()
+    _attend_tiles(q, buffer, edge, txt, scale, mods, out, gather=halo.edge_keys)
+    return True
+
+
 def _exchanged_video_queries(q: Tensor, k: Tensor, v: Tensor, txt, halo: HaloTensors, group: SPGroup,
                              scale: float, mods: Optional[ScoreMods], video_attention) -> Tensor:
     """The video queries' output with the halo exchange around it: the tiled path (``video_attention`` None) runs
     its interior tiles (local keys only) while the exchange is in flight; another backend attends once it is done."""
+    if video_attention is None:
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+        if _tiled_inference(q, k, v, txt, halo, group, scale, mods, out):
+            return out
     pending = start_halo_exchange(k, v, halo, group)
     if video_attention is None:
-        outs = _attend_tiles(q, k, v, halo.tiles[:halo.interior_groups], txt, scale, mods)
+        _attend_tiles(q, (k, v), halo.tiles[:halo.interior_groups], txt, scale, mods, out)
         k_all, v_all = finish_halo_exchange(k, v, pending)
-        outs += _attend_tiles(q, k_all, v_all, halo.tiles[halo.interior_groups:], txt, scale, mods)
-        out = torch.cat(outs).index_select(0, halo.row_slot) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]))
+        _attend_tiles(q, (k_all, v_all), halo.tiles[halo.interior_groups:], txt, scale, mods, out)
     else:
         k_all, v_all = finish_halo_exchange(k, v, pending)
         out = video_attention(q, k_all, v_all, txt, halo, scale, mods)

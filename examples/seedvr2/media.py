@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "MediaError",
+    "DecoderOutOfMemory",
     "Media",
     "MediaInfo",
     "MediaWriter",
@@ -76,6 +77,11 @@ DEFAULT_CRF = 16  # H.264 constant rate factor: visually near-lossless; 0 is los
 
 class MediaError(ValueError):
     """An input or output file that cannot be used; the message is one line meant for the user."""
+
+
+class DecoderOutOfMemory(MemoryError):
+    """FFmpeg could not allocate memory or start its decoding threads (ENOMEM / EAGAIN): the process is short of
+    memory or of its address-space limit; the file itself may be fine (it is not reported as damaged)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,7 @@ def _open_input(path: str):
     try:
         container = av.open(path)
     except av.FFmpegError as exc:
+        _raise_if_short_of_memory(exc, f"opening {path}")
         raise MediaError(f"not a readable video or image: {path} ({_ffmpeg_reason(exc)})") from None
     if not container.streams.video:
         container.close()
@@ -176,6 +183,7 @@ def probe_media(path: str | os.PathLike, allow_partial: bool = False) -> MediaIn
                     )
                 count += 1
         except av.FFmpegError as exc:
+            _raise_if_short_of_memory(exc, f"decoding frame {count} of {path}")
             if count == 0:
                 raise MediaError(f"cannot decode the video stream of {path} ({_ffmpeg_reason(exc)})") from None
             broken = _ffmpeg_reason(exc)
@@ -245,6 +253,7 @@ def iter_frames(
                     None if info.time_base is None else frame.pts)
                 index += 1
         except av.FFmpegError as exc:
+            _raise_if_short_of_memory(exc, f"decoding frame {index} of {info.path}")
             if index < info.num_frames:
                 raise MediaError(
                     f"{info.path}: decoding failed at frame {index} of {info.num_frames} ({_ffmpeg_reason(exc)})"
@@ -270,6 +279,13 @@ def _stream_fps(stream) -> Fraction:
 
 def _ffmpeg_reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+
+
+def _raise_if_short_of_memory(exc: BaseException, doing: str) -> None:
+    """Raise :class:`DecoderOutOfMemory` for an FFmpeg failure that is memory exhaustion, not a bad file."""
+    if getattr(exc, "errno", None) in (errno.ENOMEM, errno.EAGAIN):
+        raise DecoderOutOfMemory(f"FFmpeg could not allocate memory or start its decoder threads while {doing} "
+                                 f"({_ffmpeg_reason(exc)})") from None
 
 
 # ---- output paths -------------------------------------------------------------------------------------------------
