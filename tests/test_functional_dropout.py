@@ -237,3 +237,27 @@ def test_the_mode_composes_with_torch_compile():
             refusing.train()(*make_inputs())
     finally:
         torch._dynamo.reset()
+
+
+def test_the_mode_alone_passes_what_is_not_a_training_dropout_of_local_rows():
+    runtime = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))])
+    request = runtime.request([(3, 4, 5)] * 2)
+    x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64)
+    rows, cond = request.scatter(x.reshape(-1, 6)), torch.randn(2, 6, dtype=torch.float64)
+    with request.active(), region_dropout.RegionDropout("refuse", "net"):
+        assert F.dropout(rows, 0.3, training=False) is rows and torch.dropout(rows, 0.0, True) is rows
+        torch.manual_seed(1)
+        got = F.dropout(cond, 0.3, True)  # not local rows: drawn as the original draws it
+        with pytest.raises(ValueError, match=r"'net' calls torch.dropout_\(p=0.3, training=True\) on local rows "
+                                             r"\[120, 6\] \(rank 0\)"):
+            torch.dropout_(rows, 0.3, True)
+    torch.manual_seed(1)
+    assert torch.equal(got, F.dropout(cond, 0.3, True))
+    for inplace in (False, True):
+        torch.manual_seed(7)
+        want = F.dropout(x, 0.3, True)
+        torch.manual_seed(7)
+        with request.active(), region_dropout.RegionDropout("rows", "net"):
+            local = rows.clone()
+            out = F.dropout(local, 0.3, True, inplace)
+        assert (out is local) == inplace and torch.equal(request.gather(out), want.reshape(-1, 6))
