@@ -14,14 +14,18 @@ with probability 0, both are the identity.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor, nn
 
+from .compile import planning
 from .context import current_request
 
 __all__ = ["SampleDropPath", "RowDropout", "row_dropout"]
 
 _DRAWS = ("bernoulli", "rand")
+_DRAWING = threading.local()  # .active: this thread runs _full_mask's F.dropout, which RegionDropout lets through
 
 
 class SampleDropPath(nn.Module):
@@ -96,8 +100,22 @@ def row_dropout(x: Tensor, p: float, request, *, inplace: bool = False) -> Tenso
 
     Assumes the original's tensor is channels-last with the tokens row-major in (t, h, w), samples one after the
     other; padding rows get zero. Every rank draws the whole mask: the price of equal draws."""
-    with torch._C.DisableTorchFunction():  # the draw itself, not a call on local rows (winsp's RegionDropout mode)
-        full = torch.ones((request.num_model_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        keep = torch.nn.functional.dropout(full, p, True)
+    keep = _full_mask((request.num_model_rows,) + tuple(x.shape[1:]), p, x.dtype, x.device)
     keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, request.model_rows)
     return x.mul_(keep) if inplace else x * keep
+
+
+@planning  # eager under torch.compile: a traced draw would meet a RegionDropout mode again when its graph runs
+def _full_mask(shape: tuple, p: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``F.dropout`` of ones of the original's full shape: its mask, kept values ``1 / (1 - p)``."""
+    full = torch.ones(shape, dtype=dtype, device=device)
+    _DRAWING.active = True  # the draw itself, not a call on local rows
+    try:
+        return torch.nn.functional.dropout(full, p, True)
+    finally:
+        _DRAWING.active = False
+
+
+def drawing() -> bool:
+    """Whether this thread is inside :func:`row_dropout`'s own draw."""
+    return getattr(_DRAWING, "active", False)

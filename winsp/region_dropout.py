@@ -27,6 +27,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .context import current_request_or_none
+from . import drop_path
+from .compile import planning
 from .drop_path import row_dropout
 
 __all__ = ["DROPOUT_POLICIES", "RegionDropout"]
@@ -73,6 +75,12 @@ class RegionDropout(TorchFunctionMode):
         elementwise = _ELEMENTWISE.get(func)
         refused = _NO_ROW_WISE.get(func) if elementwise is None else None
         if elementwise is None and refused is None:
+            return func(*args, **kwargs)
+        return self._dropout(func, elementwise, refused, args, kwargs)
+
+    @planning  # eager under torch.compile: a traced draw would run again through this mode when its graph runs
+    def _dropout(self, func, elementwise, refused, args, kwargs):
+        if drop_path.drawing():
             return func(*args, **kwargs)
         name = (elementwise or refused)[0]
         x, p, training, inplace = _arguments(args, kwargs)
