@@ -13,7 +13,8 @@ Run from the repository root: ``python benchmarks/bench_neighborhood.py`` (all t
    at 4K x 21 on P = 8, in a fresh process (cold: nothing cached, imports excluded).
 3. **Speed-up.** A stack of 4 attention blocks (C = 256, 4 heads x 64, MLP 4x, float32) on a (4, 24, 32) grid, once
    with 3D neighborhood layers (3, 7, 7) and once with whole windows (FixedWindows (4, 12, 16): 4 windows, 2 a rank
-   at SP = 2, no transitions: whole windows' best case), SP = 1 and SP = 2 on gloo, one thread a rank, interleaved;
+   at SP = 2, no transitions: whole windows' best case); ``--speedup-grid 720p``: on (4, 45, 80), four latent
+   frames of 720p, against windows (4, 15, 20) (12 windows, 6 a rank), SP = 1 and SP = 2 on gloo, one thread a rank, interleaved;
    medians of warm forwards in wall and CPU seconds (the slower rank at SP = 2). Inference: each neighborhood layer's
    halo exchange runs in the background while the tiles that need no halo are computed.
 """
@@ -102,10 +103,12 @@ def planning(repeats: int = 5) -> list[float]:
 
 # ---- speed-up --------------------------------------------------------------------------------------------------
 
-GRID, DIM, HEADS, LAYERS = (4, 24, 32), 256, 4, 4
+GRID, WINDOWS, DIM, HEADS, LAYERS = (4, 24, 32), (4, 12, 16), 256, 4, 4
+#: ``--speedup-grid 720p``: four latent frames of 720p, SeedVR2-sized windows (12 windows, 6 a rank at SP = 2)
+LARGE_GRID, LARGE_WINDOWS = (4, 45, 80), (4, 15, 20)
 
 
-def _stack(schedule, group):
+def _stack(schedule, group, grid=GRID):
     import torch
 
     torch.manual_seed(0)
@@ -116,7 +119,7 @@ def _stack(schedule, group):
     runtime = winsp.WindowRuntime(schedule, group=group)
 
     def forward(x):
-        req = runtime.request([GRID], dtype=x.dtype)
+        req = runtime.request([grid], dtype=x.dtype)
         h = req.scatter(x)
         for i, b in enumerate(blocks):
             h = req.to_layer(h, i)
@@ -129,19 +132,19 @@ def _stack(schedule, group):
     return forward
 
 
-def _schedules():
+def _schedules(windows=WINDOWS):
     return {"neighborhood": [winsp.Neighborhood((3, 7, 7))] * LAYERS,
-            "whole windows": [winsp.FixedWindows((4, 12, 16))] * LAYERS}
+            "whole windows": [winsp.FixedWindows(windows)] * LAYERS}
 
 
-def _time_rank(rank, world_size, repeats):
+def _time_rank(rank, world_size, repeats, grid=GRID, windows=WINDOWS):
     import torch
 
     torch.set_num_threads(1)
     group = winsp.SPGroup.world()
-    x = torch.randn(math.prod(GRID), DIM, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(math.prod(grid), DIM, generator=torch.Generator().manual_seed(1))
     out = {}
-    fns = {name: _stack(s, group) for name, s in _schedules().items()}
+    fns = {name: _stack(s, group, grid) for name, s in _schedules(windows).items()}
     with torch.no_grad():
         for fn in fns.values():
             fn(x)  # warm: plans, halos, index tensors
@@ -156,13 +159,13 @@ def _time_rank(rank, world_size, repeats):
     return {name: (statistics.median(w), statistics.median(c)) for name, (w, c) in out.items()}
 
 
-def speedup(repeats: int = 5) -> dict:
+def speedup(repeats: int = 5, grid=GRID, windows=WINDOWS) -> dict:
     from winsp.testing import run_ranks
 
     res = {}
     for _ in range(2):  # interleave SP = 1 and SP = 2 runs twice; keep each configuration's best median
         for p in (1, 2):
-            ranks = run_ranks(_time_rank, p, repeats, timeout=1200)
+            ranks = run_ranks(_time_rank, p, repeats, grid, windows, timeout=1200)
             for name in ranks[0]:
                 wall = max(r[name][0] for r in ranks)
                 cpu = max(r[name][1] for r in ranks)
@@ -175,6 +178,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["table", "planning", "speedup"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--speedup-grid", choices=["small", "720p"], default="small",
+                        help=f"the speed-up's grid: small {GRID} (windows {WINDOWS}, the default) or 720p "
+                             f"{LARGE_GRID} (windows {LARGE_WINDOWS}: four latent frames of a 720p video)")
     args = parser.parse_args()
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     if args.only in (None, "table"):
@@ -187,7 +193,9 @@ def main() -> None:
         print(f"\nplanning a 32-layer mixed schedule at 4K x21, P = 8, cold: median {statistics.median(times) * 1e3:.0f}"
               f" ms over {len(times)} fresh processes ({', '.join(f'{t * 1e3:.0f}' for t in times)} ms)")
     if args.only in (None, "speedup"):
-        res = speedup(args.repeats)
+        grid, windows = (GRID, WINDOWS) if args.speedup_grid == "small" else (LARGE_GRID, LARGE_WINDOWS)
+        res = speedup(args.repeats, grid, windows)
+        print(f"\ngrid {grid}: neighborhood (3, 7, 7) vs whole windows {windows}, {LAYERS} blocks, C = {DIM}")
         print("\n| layers | SP = 1 wall / CPU (s) | SP = 2 wall / CPU (s) | speed-up wall | speed-up CPU |")
         print("|---|---|---|---|---|")
         for name in _schedules():
