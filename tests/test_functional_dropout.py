@@ -262,3 +262,17 @@ def test_the_mode_alone_passes_what_is_not_a_training_dropout_of_local_rows():
             local = rows.clone()
             out = F.dropout(local, 0.3, True, inplace)
         assert (out is local) == inplace and torch.equal(request.gather(out), want.reshape(-1, 6))
+
+
+def test_unchecked_pushes_no_mode_and_still_refuses_dropout_modules():
+    """``dropout="unchecked"`` skips the per-call cost of watching: the functional call then draws locally, unlike
+    the original (the user's responsibility), while an unswapped ``nn.Dropout`` is still refused by path."""
+    modes = []
+    model = _one_rank("unchecked", module_p=0.0)
+    model.body.blocks[0].fc1.register_forward_hook(
+        lambda *_: modes.append(len(torch.overrides._get_current_function_mode_stack())))
+    model.train()(*make_inputs())  # not refused: nothing watches the F.dropout call
+    assert modes == [0]
+    assert _worst_difference(_one_rank("unchecked", module_p=0.0), make_original(module_p=0.0)) > 1e-3
+    with pytest.raises(ValueError, match=r"'body.blocks.0.drop' \(Dropout, p=0.2\)"):
+        _one_rank("unchecked").train()(*make_inputs())
