@@ -362,3 +362,46 @@ def test_start_all_to_all_single_checks_its_out_buffer():
         group.start_all_to_all_single(rows, [3], [3], out=buffer[1:])
     with pytest.raises(ValueError, match="not contiguous"):
         group.start_all_to_all_single(rows, [3], [3], out=torch.zeros(2, 3).t())
+
+
+@pytest.mark.parametrize("lengths", [(4, 2), (0, 3), (3, 0, 1), (0,), (5,)])
+def test_text_index_from_the_request_equals_the_one_from_the_rows(lengths):
+    """The runtime builds each sample's padded text index from its Python lengths (no data-dependent size under
+    torch.compile); it must equal the index computed from the text rows' samples."""
+    from winsp.halo_attention import _text_index, _text_index_of, _text_samples
+
+    grids = [(1, 3, 3)] * len(lengths)
+    req = winsp.WindowRuntime([Neighborhood((1, 3, 3))]).request(grids, list(lengths))
+    index, valid = _text_index_of(req)
+    ref_index, ref_valid = _text_index(_text_samples(req), len(lengths))
+    assert torch.equal(valid, ref_valid) and torch.equal(index[valid], ref_index[ref_valid])
+    assert index.shape == ref_index.shape
+
+
+def test_the_tiled_path_compiles_with_text_and_bias():
+    """torch.compile traces a neighborhood layer (tiled path, text rows, rpb score_mod; the plan and halo lookups run
+    eagerly, as for window layers) and gives the eager numbers, forward and backward (the ``aot_eager`` backend: what
+    inductor would be handed)."""
+    geom = Neighborhood((3, 3, 3), dilation=(1, 2, 1))
+    grids, lengths = [(3, 6, 7), (3, 6, 3)], [2, 3]
+    req = winsp.WindowRuntime([geom]).request(grids, lengths, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    n = sum(math.prod(grid) for grid in grids)
+    q, k, v = (req.scatter(torch.randn(n, HEADS, HEAD_DIM, dtype=torch.float64, generator=g)) for _ in range(3))
+    t = torch.randn(sum(lengths), HEADS, HEAD_DIM, dtype=torch.float64, generator=g)
+    table = torch.randn(HEADS, 5, 5, 5, dtype=torch.float64, generator=g)
+    mod = neighborhood_rpb_score_mod(table, halo_tensors(req, 0), geom)
+
+    def layer(q, k, v, t):
+        out, txt = req.attention(q, k, v, t, t, t, layer=0, score_mod=mod)
+        return out.square().sum() + txt.square().sum()
+
+    inputs = [x.clone().requires_grad_(True) for x in (q, k, v, t)]
+    ref = layer(*inputs)
+    ref_grads = torch.autograd.grad(ref, inputs)
+    compiled = torch.compile(layer, backend="aot_eager")
+    got = compiled(*inputs)
+    grads = torch.autograd.grad(got, inputs)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

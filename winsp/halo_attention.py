@@ -258,18 +258,23 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
                            q_txt: Optional[Tensor] = None, k_txt: Optional[Tensor] = None,
                            v_txt: Optional[Tensor] = None, txt_sample: Optional[Tensor] = None,
                            scale: float, mods: Optional[ScoreMods] = None,
-                           text_output: bool = True, video_attention=None) -> tuple[Tensor, Optional[Tensor]]:
+                           text_output: bool = True, video_attention=None,
+                           txt_index: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Optional[Tensor]]:
     """One neighborhood layer on local rows ``[L, H, D]``: halo exchange, then attention (and text queries' output).
 
     ``txt_sample`` [L_txt] is each text row's sample. ``video_attention``: the video queries' kernel
     ``(q, k_all, v_all, txt, halo, scale, mods) -> [L, H, D]`` (:mod:`winsp.halo_backends`; None: the tiled path).
+    ``txt_index``: each sample's text rows padded to the longest (``[B, T_max]`` index and validity), when the caller
+    has it (the runtime keeps it per request: no data-dependent size under torch.compile); else computed here.
     Returns (video output, text output or None).
     """
     if q.shape[0] != halo.num_rows:
         raise ValueError(f"rank {group.rank}: neighborhood attention got {q.shape[0]} rows, the plan gives this rank "
                          f"{halo.num_rows}")
     has_text = k_txt is not None and k_txt.shape[0] > 0
-    txt = (k_txt, v_txt, _text_index(txt_sample, halo.num_samples)) if has_text else None
+    if has_text and txt_index is None:
+        txt_index = _text_index(txt_sample, halo.num_samples)
+    txt = (k_txt, v_txt, txt_index) if has_text else None
     vid = _exchanged_video_queries(q, k, v, txt, halo, group, scale, mods, video_attention)
     if q_txt is None or not text_output:
         return vid, None
@@ -324,6 +329,21 @@ def _text_samples(request) -> Tensor:
         torch.arange(len(lengths)), lengths).to(request.device))
 
 
+def _text_index_of(request) -> tuple[Tensor, Tensor]:
+    """:func:`_text_index` of the request's text lengths, from Python ints (kept in the store)."""
+    lengths = list(request.text_lengths)
+
+    def build() -> tuple[Tensor, Tensor]:
+        width = max([1] + lengths)
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        valid = [[j < n for j in range(width)] for n in lengths]
+        index = [[start + j if j < n else 0 for j in range(width)] for start, n in zip(starts, lengths)]
+        return (torch.tensor(index, dtype=torch.int64).view(-1, width).to(request.device),
+                torch.tensor(valid, dtype=torch.bool).view(-1, width).to(request.device))
+
+    return request.runtime.store.get(("halo-text-index", request.text_lengths, str(request.device)), build)
+
+
 def neighborhood_layer(request, layer: int, qkv: tuple, qkv_txt: tuple, mods: Optional[ScoreMods],
                        softmax_scale: Optional[float], text_output: bool) -> tuple[Tensor, Optional[Tensor]]:
     """:meth:`winsp.WindowRequest.attention` of a :class:`~winsp.Neighborhood` layer (the runtime's one hook)."""
@@ -335,4 +355,5 @@ def neighborhood_layer(request, layer: int, qkv: tuple, qkv_txt: tuple, mods: Op
     return neighborhood_attention(*qkv, halo, request.group, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt,
                                   txt_sample=_text_samples(request) if k_txt is not None else None,
                                   scale=_scale(qkv[0], softmax_scale), mods=mods, text_output=text_output,
-                                  video_attention=neighborhood_runner(request, layer, qkv[0], mods))
+                                  video_attention=neighborhood_runner(request, layer, qkv[0], mods),
+                                  txt_index=_text_index_of(request) if k_txt is not None else None)
