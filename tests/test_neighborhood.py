@@ -405,3 +405,22 @@ def test_the_tiled_path_compiles_with_text_and_bias():
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_query_tiles_put_the_longer_tiles_where_they_cost_fewer_pairs():
+    """A tile's key reach is clamped at the grid's border: a box ending at the far border takes its longer tiles
+    there, so the two halves of a cut grid pay the same padded pairs (longer-first would cost the second 2 % more)."""
+    from winsp.halo import _axis_tiles
+    from winsp.neighborhood import axis_reach
+
+    def pairs(tiles):
+        return sum((hi - lo) * axis_reach(32, 7, 1, False, lo, hi).size for lo, hi in tiles)
+
+    first, second = _axis_tiles(32, 7, 1, False, slice(0, 16)), _axis_tiles(32, 7, 1, False, slice(16, 32))
+    assert first == [(0, 6), (6, 11), (11, 16)] and second == [(16, 21), (21, 26), (26, 32)]
+    assert pairs(first) == pairs(second) == 164
+    assert pairs([(16, 22), (22, 27), (27, 32)]) == 167  # the longer-first cut it replaces
+    for n, k, d, box in [(32, 7, 1, slice(0, 32)), (20, 3, 2, slice(3, 17)), (9, 3, 1, slice(0, 9))]:
+        tiles = _axis_tiles(n, k, d, False, box)
+        assert tiles[0][0] == box.start and tiles[-1][1] == box.stop
+        assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:])) and max(hi - lo for lo, hi in tiles) <= k * d

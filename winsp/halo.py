@@ -136,6 +136,24 @@ def _box_ids(sets: Sequence[np.ndarray], grid: Grid) -> np.ndarray:
     return ((t[:, None, None] * grid[1] + h[None, :, None]) * grid[2] + w[None, None, :]).reshape(-1)
 
 
+def _axis_tiles(n: int, k: int, d: int, causal: bool, box: slice) -> list[tuple[int, int]]:
+    """One axis of a box cut into near-equal query tiles of at most ``k * d``: the longer tiles first or last,
+    whichever makes fewer (query, reached key) pairs. A tile's reach is clamped at the grid's border, so there a
+    longer tile costs less padding (a rank whose box ends at the far border would otherwise pay more than its
+    neighbour)."""
+    extent = box.stop - box.start
+    parts = -(-extent // max(1, k * d))
+    lengths = [hi - lo for lo, hi in axis_cuts(extent, parts)]
+    best, best_pairs = None, None
+    for order in (lengths, lengths[::-1]):
+        bounds = np.concatenate([[0], np.cumsum(order)]) + box.start
+        tiles = [(int(lo), int(hi)) for lo, hi in zip(bounds, bounds[1:])]
+        pairs = sum((hi - lo) * axis_reach(n, k, d, causal, lo, hi).size for lo, hi in tiles)
+        if best_pairs is None or pairs < best_pairs:
+            best, best_pairs = tiles, pairs
+    return best
+
+
 @dataclass(frozen=True, eq=False)
 class HaloTensors:
     """A :class:`HaloExchange` on one device (index tensors; split sizes as Python ints).
@@ -252,11 +270,8 @@ class HaloExchange:
             box = boxes[s].get(rank)
             if box is None:
                 continue
-            spans = []
-            for a, sl in enumerate(box):  # near-equal tiles of at most kernel * dilation: little padding
-                extent = sl.stop - sl.start
-                parts = -(-extent // max(1, geometry.kernel[a] * geometry.dilation[a]))
-                spans.append([(sl.start + lo, sl.start + hi) for lo, hi in axis_cuts(extent, parts)])
+            spans = [_axis_tiles(grid[a], geometry.kernel[a], geometry.dilation[a], geometry.causal[a], sl)
+                     for a, sl in enumerate(box)]
             for t0, t1 in spans[0]:
                 for h0, h1 in spans[1]:
                     for w0, w1 in spans[2]:
