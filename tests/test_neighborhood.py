@@ -375,7 +375,10 @@ def test_text_index_from_the_request_equals_the_one_from_the_rows(lengths):
     index, valid = _text_index_of(req)
     ref_index, ref_valid = _text_index(_text_samples(req), len(lengths))
     assert torch.equal(valid, ref_valid) and torch.equal(index[valid], ref_index[ref_valid])
-    assert index.shape == ref_index.shape
+    assert index.shape == ref_index.shape == (len(lengths), max(1, *lengths))
+    for b, n in enumerate(lengths):  # sample b's j-th text row is row sum(lengths[:b]) + j of the packed text
+        assert valid[b].tolist() == [j < n for j in range(index.shape[1])]
+        assert index[b, :n].tolist() == [sum(lengths[:b]) + j for j in range(n)]
 
 
 def test_the_tiled_path_compiles_with_text_and_bias():

@@ -309,13 +309,13 @@ class HaloExchange:
             groups.append((query, key, mask, np.asarray([m[2] for m in members], np.int64)))
         self.tiles, self.row_slot = groups, row_slot
         edge_keys = [key for _, key, _, _ in groups[self.interior_groups:]]
-        local = [key[key < self.token_ids.size] for key in edge_keys]
+        rows = self.token_ids.size
+        local = [key[key < rows] for key in edge_keys]
         self.edge_rows = np.unique(np.concatenate(local)) if local else np.empty(0, np.int64)
-        renumber = np.full(self.token_ids.size, -1, np.int64)
+        renumber = np.full(self.key_ids.size, -1, np.int64)  # key row -> its row in [edge rows, halo rows]
         renumber[self.edge_rows] = np.arange(self.edge_rows.size)
-        halo_offset = self.edge_rows.size - self.token_ids.size
-        self.edge_keys = [np.where(key < self.token_ids.size, renumber[np.minimum(key, self.token_ids.size - 1)],
-                                   key + halo_offset) for key in edge_keys]
+        renumber[rows:] = self.edge_rows.size + np.arange(self.key_ids.size - rows)
+        self.edge_keys = [renumber[key] for key in edge_keys]
 
     def to(self, device: torch.device | str) -> HaloTensors:
         def t(a, dtype=torch.int64):

@@ -219,15 +219,20 @@ def _modded_tiles(qg: Tensor, kg: Tensor, vg: Tensor, mask: Tensor, qi: Tensor, 
     return torch.einsum("ghqk,ghkd->ghqd", probs, vg.to(compute)).to(qg.dtype)
 
 
-def _text_index(txt_sample: Tensor, samples: int) -> tuple[Tensor, Tensor]:
-    """Per sample, its text rows padded to the longest (``[B, T_max]`` index and validity)."""
-    counts = torch.bincount(txt_sample, minlength=samples)
-    width = max(1, int(counts.max())) if samples else 1
+def _padded_text_index(lengths: list[int], device) -> tuple[Tensor, Tensor]:
+    """Per sample (text lengths as Python ints), its text rows padded to the longest (``[B, T_max]`` index and
+    validity)."""
+    counts = torch.tensor(lengths, dtype=torch.int64, device=device)
     starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(width, device=txt_sample.device)
+    pos = torch.arange(max([1] + lengths), device=device)
     valid = pos[None, :] < counts[:, None]
     index = torch.where(valid, starts[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
     return index, valid
+
+
+def _text_index(txt_sample: Tensor, samples: int) -> tuple[Tensor, Tensor]:
+    """:func:`_padded_text_index` of the text rows' samples ``txt_sample`` (for callers without the lengths)."""
+    return _padded_text_index(torch.bincount(txt_sample, minlength=samples).tolist(), txt_sample.device)
 
 
 def _text_queries(q_txt: Tensor, k_txt: Tensor, v_txt: Tensor, txt_sample: Tensor, k: Tensor, v: Tensor,
@@ -330,18 +335,10 @@ def _text_samples(request) -> Tensor:
 
 
 def _text_index_of(request) -> tuple[Tensor, Tensor]:
-    """:func:`_text_index` of the request's text lengths, from Python ints (kept in the store)."""
-    lengths = list(request.text_lengths)
-
-    def build() -> tuple[Tensor, Tensor]:
-        width = max([1] + lengths)
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        valid = [[j < n for j in range(width)] for n in lengths]
-        index = [[start + j if j < n else 0 for j in range(width)] for start, n in zip(starts, lengths)]
-        return (torch.tensor(index, dtype=torch.int64).view(-1, width).to(request.device),
-                torch.tensor(valid, dtype=torch.bool).view(-1, width).to(request.device))
-
-    return request.runtime.store.get(("halo-text-index", request.text_lengths, str(request.device)), build)
+    """:func:`_padded_text_index` of the request's text lengths (Python ints: no data-dependent size under
+    torch.compile), kept in the store."""
+    return request.runtime.store.get(("halo-text-index", request.text_lengths, str(request.device)),
+                                     lambda: _padded_text_index(list(request.text_lengths), request.device))
 
 
 def neighborhood_layer(request, layer: int, qkv: tuple, qkv_txt: tuple, mods: Optional[ScoreMods],
