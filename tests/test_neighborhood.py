@@ -381,10 +381,11 @@ def test_text_index_from_the_request_equals_the_one_from_the_rows(lengths):
         assert index[b, :n].tolist() == [sum(lengths[:b]) + j for j in range(n)]
 
 
-def test_the_tiled_path_compiles_with_text_and_bias():
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_the_tiled_path_compiles_with_text_and_bias(backend):
     """torch.compile traces a neighborhood layer (tiled path, text rows, rpb score_mod; the plan and halo lookups run
-    eagerly, as for window layers) and gives the eager numbers, forward and backward (the ``aot_eager`` backend: what
-    inductor would be handed)."""
+    eagerly, as for window layers) and gives the eager numbers, forward and backward: ``aot_eager`` (what inductor
+    is handed) by default, inductor itself under ``-m slow`` (about 30 s of compiling here)."""
     geom = Neighborhood((3, 3, 3), dilation=(1, 2, 1))
     grids, lengths = [(3, 6, 7), (3, 6, 3)], [2, 3]
     req = winsp.WindowRuntime([geom]).request(grids, lengths, dtype=torch.float64)
@@ -402,7 +403,7 @@ def test_the_tiled_path_compiles_with_text_and_bias():
     inputs = [x.clone().requires_grad_(True) for x in (q, k, v, t)]
     ref = layer(*inputs)
     ref_grads = torch.autograd.grad(ref, inputs)
-    compiled = torch.compile(layer, backend="aot_eager")
+    compiled = torch.compile(layer, backend=backend)
     got = compiled(*inputs)
     grads = torch.autograd.grad(got, inputs)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
