@@ -15,7 +15,7 @@ pytest.importorskip("pytest_benchmark")
 
 import torch  # noqa: E402
 
-from winsp.attention import WindowSegments, reference_window_attention, window_attention  # noqa: E402
+from winsp.attention.windows import WindowSegments, reference_window_attention, window_attention  # noqa: E402
 
 HEADS, HEAD_DIM, TEXT = 4, 32, 24
 
@@ -94,8 +94,8 @@ MOD_CASES = ["grouped_sdpa_plain", "grouped_sdpa", "flex_eager", "flex_compiled"
 
 @pytest.mark.parametrize("case", MOD_CASES)
 def test_window_attention_with_score_mod(benchmark, goal_report, case):
-    from winsp.attention import attend
-    from winsp.backends import bind_backend
+    from winsp.attention.backends import bind_backend
+    from winsp.attention.windows import attend
 
     segments = SWIN_SEGMENTS
     gen = torch.Generator().manual_seed(0)
@@ -104,7 +104,7 @@ def test_window_attention_with_score_mod(benchmark, goal_report, case):
     backend = "grouped_sdpa" if case.startswith("grouped") else "flex"
     index = segments.index_tensors("cpu")
     runner = bind_backend(backend, segments, index)
-    from winsp.score_mods import check_score_mods
+    from winsp.attention.score_mods import check_score_mods
 
     mods = check_score_mods(score_mod, None)
 

@@ -18,8 +18,8 @@ pytest.importorskip("pytest_benchmark")
 import torch  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.group import SPGroup  # noqa: E402
-from winsp.redistribute import Transition, redistribute_rows  # noqa: E402
+from winsp.comm.group import SPGroup  # noqa: E402
+from winsp.comm.redistribute import Transition, redistribute_rows  # noqa: E402
 
 try:  # pytest puts this folder on sys.path (rootdir-less "prepend" import mode)
     from comm_table import collect, tables_markdown
@@ -50,7 +50,7 @@ def test_plan_cache_miss(benchmark, goal_report, shape, layout):
     benchmark.group = "plan: cache miss (plan_schedule, nothing cached)"
 
     def plan_fresh():
-        return winsp.plan_schedule([grid], [geometry], WORLD_SIZE)[0]
+        return winsp.planning.plan_schedule([grid], [geometry], WORLD_SIZE)[0]
 
     plan = benchmark(plan_fresh)
     assert plan.world_size == WORLD_SIZE and sum(plan.rank_token_counts) == grid[0] * grid[1] * grid[2]
@@ -70,7 +70,7 @@ def test_plan_cache_hit(benchmark, goal_report, shape, layout):
                      goal_report.median_seconds(benchmark), HIT_GOAL_S)
 
 
-def build_rank0_indices(regular: winsp.Plan, shifted: winsp.Plan) -> None:
+def build_rank0_indices(regular: winsp.planning.Plan, shifted: winsp.planning.Plan) -> None:
     """Every index rank 0 needs for a forward that alternates the two layouts, built from fresh plans.
 
     Both plans' local token ids for all ranks (scatter, and the per-token owner / local row maps behind them), both
@@ -94,7 +94,7 @@ def test_index_build(benchmark, goal_report, shape):
     benchmark.group = "one-time index build after planning (rank 0, both layouts, both transitions)"
 
     def fresh_plans():
-        plans = tuple(winsp.plan_schedule([grid], [GEOMETRIES[layout]], WORLD_SIZE)[0] for layout in GEOMETRIES)
+        plans = tuple(winsp.planning.plan_schedule([grid], [GEOMETRIES[layout]], WORLD_SIZE)[0] for layout in GEOMETRIES)
         return plans, {}
 
     benchmark.pedantic(build_rank0_indices, setup=fresh_plans, rounds=INDEX_BUILD_ROUNDS[shape], iterations=1)
@@ -110,7 +110,7 @@ _permutation_medians: dict[int, dict[str, float]] = {}
 
 def permutation_inputs(channels: int):
     """A regular -> shifted transition at world size 1, its rank-0 gather index, and a float32 [N, channels] tensor."""
-    src, dst = winsp.plan_schedule([PERMUTATION_GRID], [GEOMETRIES["regular"], GEOMETRIES["shifted"]], 1)
+    src, dst = winsp.planning.plan_schedule([PERMUTATION_GRID], [GEOMETRIES["regular"], GEOMETRIES["shifted"]], 1)
     step = Transition(src, dst).for_rank(0).to(torch.device("cpu"))  # built once, outside the timing
     x = torch.randn(src.layout.num_tokens, channels, generator=torch.Generator().manual_seed(0))
     return step, step.send_index, x

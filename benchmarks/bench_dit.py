@@ -29,10 +29,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.testing import run_ranks  # noqa: E402
 from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint  # noqa: E402
 from examples.seedvr2.dit.layers import Modulation  # noqa: E402
 from examples.seedvr2.dit.patch import PatchIn  # noqa: E402
+from winsp.testing import run_ranks  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "nadit3b_tiny.safetensors"
 GOLDEN_7B = GOLDEN.with_name("nadit7b_tiny.safetensors")

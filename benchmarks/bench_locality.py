@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("pytest_benchmark")
 
 import winsp  # noqa: E402
-from winsp.schedule import plan_schedule  # noqa: E402
+from winsp.planning.schedule import plan_schedule  # noqa: E402
 
 SCHEDULE = [winsp.make_geometry(m, (4, 3, 3)) for m in ("regular", "shifted")] * 16
 GRIDS = {"720p x45": (12, 45, 80), "1080p x45": (12, 68, 120), "4K x121": (31, 135, 240)}

@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import winsp  # noqa: E402
-from winsp.halo import block_halo_rows, choose_splits  # noqa: E402
+from winsp.planning.halo import block_halo_rows, choose_splits  # noqa: E402
 
 SHAPES = {"720p x21": (21, 45, 80), "1080p x21": (21, 68, 120), "4K x21": (21, 135, 240)}
 KERNELS = (7, 9, 11, 13)
@@ -83,7 +83,7 @@ def planning_cold(grid=(21, 135, 240), p: int = 8) -> float:
     """Seconds of the first plan_schedule of the mixed schedule in this process."""
     schedule = mixed_schedule()
     start = time.perf_counter()
-    plans = winsp.plan_schedule([grid], schedule, p)
+    plans = winsp.planning.plan_schedule([grid], schedule, p)
     elapsed = time.perf_counter() - start
     assert len({id(x) for x, g in zip(plans, schedule) if isinstance(g, winsp.Neighborhood)}) == 1
     return elapsed
@@ -141,7 +141,7 @@ def _time_rank(rank, world_size, repeats, grid=GRID, windows=WINDOWS):
     import torch
 
     torch.set_num_threads(1)
-    group = winsp.SPGroup.world()
+    group = winsp.comm.SPGroup.world()
     x = torch.randn(math.prod(grid), DIM, generator=torch.Generator().manual_seed(1))
     out = {}
     fns = {name: _stack(s, group, grid) for name, s in _schedules(windows).items()}

@@ -78,7 +78,7 @@ def one_run(pipe: SeedVR2Pipeline, src: str, dst: str, rank: int) -> Clock:
 
 def bench(rank: int, world: int, src: str, vae_parallel: str, repeats: int) -> dict:
     """Median CPU / wall seconds per stage on this rank (a warm-up run first)."""
-    from winsp.group import SPGroup
+    from winsp.comm.group import SPGroup
 
     torch.set_num_threads(1)
     dit, vae = demo_models()

@@ -1,5 +1,5 @@
 """What watching functional dropout costs: the hourglass example (one rank, float32) with and without the region's
-:class:`winsp.region_dropout.RegionDropout` mode.
+:class:`winsp.adoption.region_dropout.RegionDropout` mode.
 
     OMP_NUM_THREADS=1 python -m pytest benchmarks/bench_region_dropout.py --benchmark-only -q
 
@@ -16,7 +16,7 @@ import torch
 
 import winsp
 from examples.hourglass import HourglassNet, hourglass_plan
-from winsp import region_dropout
+from winsp.adoption import region_dropout
 
 
 @pytest.mark.parametrize("batch", [1, 16])

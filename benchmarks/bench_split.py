@@ -37,11 +37,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import winsp  # noqa: E402
-import winsp.costs  # noqa: E402
-from winsp.balance import exchange_rows  # noqa: E402
-from winsp.redistribute import Transition  # noqa: E402
-from winsp.testing import run_ranks  # noqa: E402
+import winsp.planning.costs  # noqa: E402
 from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
+from winsp.comm.redistribute import Transition  # noqa: E402
+from winsp.planning.balance import exchange_rows  # noqa: E402
+from winsp.testing import run_ranks  # noqa: E402
 
 TEXT_TOKENS = 58
 PLANNERS = ("lpt", "locality", "split", "heads", "auto")
@@ -167,16 +167,16 @@ def main(argv=None) -> None:
     ap.add_argument("--clips", nargs="+", default=["9x256x384"], help="frames x height x width, pixels")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    ap.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=list(winsp.PLANNERS))
+    ap.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=list(winsp.planning.PLANNERS))
     ap.add_argument("--json", type=Path, help="write every figure and plan statistic here")
     ap.add_argument("--costs", choices=("default", "gloo-cpu"), default="default",
-                    help="the cost constants auto and split plan with (winsp.costs.DEFAULT_COSTS or GLOO_CPU_COSTS)")
+                    help="the cost constants auto and split plan with (winsp.planning.costs.DEFAULT_COSTS or GLOO_CPU_COSTS)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     results = []
     for text in args.clips:
         clip = tuple(int(v) for v in text.split("x"))
-        costs = winsp.costs.GLOO_CPU_COSTS if args.costs == "gloo-cpu" else None
+        costs = winsp.planning.costs.GLOO_CPU_COSTS if args.costs == "gloo-cpu" else None
         r = measure(clip, args.layers, args.repeats, args.planners, costs)
         results.append(r)
         print(summary(r) + "\n", flush=True)

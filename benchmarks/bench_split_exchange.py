@@ -4,7 +4,7 @@ Run from the repository root: ``OMP_NUM_THREADS=1 python benchmarks/bench_split_
 One window of ``W`` video rows plus 58 text rows, 20 heads x 128 (SeedVR2 3B), float32, its rows split evenly over
 ``g`` ranks (one thread each). Per call, interleaved, median of the repeats, the slowest rank:
 
-* head-parallel (:func:`winsp.split.split_attention`): an all-to-all of q, k, v (each rank's rows for the others'
+* head-parallel (:func:`winsp.attention.split.split_attention`): an all-to-all of q, k, v (each rank's rows for the others'
   heads), whole-window attention for ``20 / g`` heads, an all-to-all of the output back;
 * query-parallel: an all-gather of k, v (each rank's rows to every other), attention of the rank's own query rows
   (and, on the first rank, the text queries) against all keys, every head.
@@ -26,8 +26,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.layout import build_layout  # noqa: E402
-from winsp.split import SplitAttention, split_attention  # noqa: E402
+from winsp.attention.split import SplitAttention, split_attention  # noqa: E402
+from winsp.geometry.layout import build_layout  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
 
 HEADS, HEAD_DIM, TEXT = 20, 128, 58
@@ -43,10 +43,10 @@ def _query_parallel(q, k, v, qt, kt, vt, sizes, group, first: bool):
 
 def _rank(rank: int, world: int, rows: int, repeats: int) -> dict:
     torch.set_num_threads(1)
-    group = winsp.SPGroup.world()
+    group = winsp.comm.SPGroup.world()
     lay = build_layout([(1, 1, rows)], winsp.FixedWindows((1, 1, rows)))
     cuts = [rows * r // world for r in range(world + 1)]
-    plan = winsp.Plan(lay, world, rank_pieces=[[(0, a, b)] for a, b in zip(cuts, cuts[1:])])
+    plan = winsp.planning.Plan(lay, world, rank_pieces=[[(0, a, b)] for a, b in zip(cuts, cuts[1:])])
     split = SplitAttention.build(plan, rank, HEADS, (TEXT,)).to("cpu")
     mine = cuts[rank + 1] - cuts[rank]
     g = torch.Generator().manual_seed(rank)

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 import winsp  # noqa: E402
 from examples.swin3d import import_torchvision, parallelize, swin3d_plan  # noqa: E402
-from winsp.hierarchy import GridStep, _place_stage, _relabel, grid_sources, stage_grids  # noqa: E402
-from winsp.schedule import plan_schedule  # noqa: E402
+from winsp.planning.hierarchy import GridStep, _place_stage, _relabel, grid_sources, stage_grids  # noqa: E402
+from winsp.planning.schedule import plan_schedule  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--comm", action="store_true")
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--planner", default="lpt", choices=winsp.PLANNERS)
+    parser.add_argument("--planner", default="lpt", choices=winsp.planning.PLANNERS)
     args = parser.parse_args()
     if args.comm:
         _comm(args.frames, args.size, args.world, args.planner)

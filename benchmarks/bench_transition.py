@@ -35,8 +35,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.redistribute import Transition, redistribute_rows  # noqa: E402
-from winsp.schedule import plan_schedule  # noqa: E402
+from winsp.comm.redistribute import Transition, redistribute_rows  # noqa: E402
+from winsp.planning.schedule import plan_schedule  # noqa: E402
 
 NUM_WINDOWS = (4, 3, 3)  # SeedVR2 3B
 SHAPES = {  # post-patch (T, H, W) grids of 45-frame clips
@@ -85,7 +85,7 @@ def _rank_main(rank: int, world_size: int, shapes: dict, hidden: int, repeats: i
     import torch.distributed as dist
 
     torch.manual_seed(rank)
-    group = winsp.SPGroup(dist.group.WORLD)
+    group = winsp.comm.SPGroup(dist.group.WORLD)
     geoms = [winsp.make_geometry("regular", NUM_WINDOWS), winsp.make_geometry("shifted", NUM_WINDOWS)]
     out = {}
     for name, grid in shapes.items():

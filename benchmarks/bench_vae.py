@@ -50,7 +50,7 @@ from examples.seedvr2.vae.wavefront import (  # noqa: E402
     split_for_clip,
 )
 from tests.helpers import random_video, tiny_vae  # noqa: E402
-from winsp.group import SPGroup  # noqa: E402
+from winsp.comm.group import SPGroup  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
 
 MIB = 1024 * 1024

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import winsp  # noqa: E402
-from winsp.redistribute import Transition  # noqa: E402
+from winsp.comm.redistribute import Transition  # noqa: E402
 
 NUM_WINDOWS = (4, 3, 3)  # SeedVR2 3B's window counts (regular and shifted layers alternate)
 HIDDEN = 2560  # SeedVR2 3B hidden size
@@ -84,7 +84,7 @@ def collect(shapes: dict = SHAPES, degrees=DEGREES, hidden: int = HIDDEN,
     for name, grid in shapes.items():
         for p in degrees:
             for planner in planners:
-                plans = dict(zip(("regular", "shifted"), winsp.plan_schedule([grid], schedule, p, planner)))
+                plans = dict(zip(("regular", "shifted"), winsp.planning.plan_schedule([grid], schedule, p, planner)))
                 tokens = plans["regular"].layout.num_tokens
                 for src, dst in (("regular", "shifted"), ("shifted", "regular")):
                     moved = Transition(plans[src], plans[dst]).rows_moved
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description="rows moved per transition and balance, per planner")
-    ap.add_argument("--planners", nargs="+", default=list(winsp.PLANNERS), choices=list(winsp.PLANNERS))
+    ap.add_argument("--planners", nargs="+", default=list(winsp.planning.PLANNERS), choices=list(winsp.planning.PLANNERS))
     print(tables_markdown(planners=tuple(ap.parse_args(argv).planners)))
 
 

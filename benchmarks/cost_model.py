@@ -3,7 +3,7 @@
 Run from the repository root: ``python benchmarks/cost_model.py`` (prints the crossover tables of
 ``benchmarks/README.md``), ``--fit-gloo FILE`` to refit the communication constants on the JSON that
 ``benchmarks/bench_transition.py --json FILE`` writes, ``--detail`` for per-layer figures, ``--fit-wall FILE`` to refit
-the planner's own constants (:mod:`winsp.costs`: a row, a pair, a row moved, a collective) on the forward wall times
+the planner's own constants (:mod:`winsp.planning.costs`: a row, a pair, a row moved, a collective) on the forward wall times
 that ``benchmarks/bench_split.py --json FILE`` measures for every planner.
 
 What is modelled, per layer, with nothing overlapped (communication and compute add up):
@@ -45,10 +45,16 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.costs import (ATTENTION_EFFICIENCY, ELEMENTWISE_PER_GEMM, GEMM_EFFICIENCY, NVLINK_BYTES_PER_S,  # noqa: E402
-                         NVLINK_LATENCY_S, PEAK_BF16_FLOPS)
-from winsp.layout import build_layout  # noqa: E402
-from winsp.locality import locality_placement, overlap_edges  # noqa: E402
+from winsp.geometry.layout import build_layout  # noqa: E402
+from winsp.planning.costs import (  # noqa: E402
+    ATTENTION_EFFICIENCY,
+    ELEMENTWISE_PER_GEMM,
+    GEMM_EFFICIENCY,
+    NVLINK_BYTES_PER_S,
+    NVLINK_LATENCY_S,
+    PEAK_BF16_FLOPS,
+)
+from winsp.planning.locality import locality_placement, overlap_edges  # noqa: E402
 
 BF16 = 2
 NUM_WINDOWS = (4, 3, 3)  # both SeedVR2 models
@@ -97,7 +103,7 @@ class Device:
     """Compute side of one GPU (published figures and assumed efficiencies)."""
 
     name: str = "H100/H200 SXM"
-    peak_flops: float = PEAK_BF16_FLOPS  # dense bf16, published (winsp.costs: the default planner weighs the same)
+    peak_flops: float = PEAK_BF16_FLOPS  # dense bf16, published (winsp.planning.costs: the default planner weighs the same)
     hbm_bytes_per_s: float = 4.8e12  # H200 (H100: 3.35e12), published
     gemm_efficiency: float = GEMM_EFFICIENCY  # assumed: large bf16 GEMMs reach 60 % of peak
     attention_efficiency: float = ATTENTION_EFFICIENCY  # assumed: FlashAttention-class kernels on ~1-4K-token windows
@@ -149,7 +155,7 @@ class PlacementStats:
 def placement_stats(grid: tuple[int, int, int], p: int, planner: str, text_tokens: int = 58) -> PlacementStats:
     layouts = [build_layout([grid], winsp.make_geometry(m, NUM_WINDOWS)) for m in ("regular", "shifted")]
     placed = locality_placement(layouts, {(0, 1): 1}, p) if planner == "locality" else [None, None]
-    owners = [winsp.Plan(lay, p, rank_windows=rw).window_owner for lay, rw in zip(layouts, placed)]
+    owners = [winsp.planning.Plan(lay, p, rank_windows=rw).window_owner for lay, rw in zip(layouts, placed)]
     rows, attn = [], []
     for lay, own in zip(layouts, owners):
         rows.append(np.bincount(own, weights=lay.token_counts, minlength=p))
@@ -372,12 +378,12 @@ def fit_wall(records: list[dict], key: str = "min", measure: str = "wall") -> di
     separable). ``key``: ``"min"`` (default, least disturbed by other jobs) or ``"median"``; ``measure``: ``"wall"``
     (what users wait for) or ``"cpu"`` (the slower rank's CPU time: a loaded machine's fallback, blind to waits and
     latency). Returns the constants,
-    a :class:`winsp.costs.CostConstants` built from them (float32 rows of the measured width) and each point's
+    a :class:`winsp.planning.costs.CostConstants` built from them (float32 rows of the measured width) and each point's
     model / measured ratio.
     """
     import statistics
 
-    from winsp.costs import CostConstants
+    from winsp.planning.costs import CostConstants
 
     xs, ys, labels = [], [], []
     for r in records:
@@ -418,7 +424,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fit-gloo", type=Path, help="JSON written by benchmarks/bench_transition.py --json")
     ap.add_argument("--detail", action="store_true", help="per-layer figures at 4K x 121 frames")
     ap.add_argument("--fit-wall", type=Path, nargs="+", help="JSON files written by benchmarks/bench_split.py "
-                    "--json: refit the planner's cost constants (winsp.costs) on measured wall time")
+                    "--json: refit the planner's cost constants (winsp.planning.costs) on measured wall time")
     ap.add_argument("--fit-on", choices=("wall", "cpu"), default="wall",
                     help="with --fit-wall: fit wall time (default) or the slower rank's CPU time (a loaded machine)")
     args = ap.parse_args(argv)

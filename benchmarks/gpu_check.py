@@ -50,11 +50,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import winsp  # noqa: E402
-from winsp.attention import reference_window_attention, window_attention  # noqa: E402
-from winsp.backends import explain_backend  # noqa: E402
-from winsp.runtime import LocalWindows  # noqa: E402
 from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
 from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig  # noqa: E402
+from winsp.attention.backends import explain_backend  # noqa: E402
+from winsp.attention.windows import reference_window_attention, window_attention  # noqa: E402
+from winsp.runtime.runtime import LocalWindows  # noqa: E402
 
 TEXT_TOKENS = 58
 ATTENTION_BACKENDS = ("flash SDPA", "batched_sdpa", "torch_varlen", "flash_varlen", "flex", "flex + score_mod")
@@ -273,7 +273,7 @@ def section_vae(sizes, device, clock, memory, state) -> dict:
 def _layer(sizes: Sizes):
     t, h, w = sizes.video_latent
     grid = (t, h // 2, w // 2)
-    plan = winsp.plan_schedule([grid], [winsp.make_geometry("shifted", (4, 3, 3))], 1)[0]
+    plan = winsp.planning.plan_schedule([grid], [winsp.make_geometry("shifted", (4, 3, 3))], 1)[0]
     return grid, LocalWindows(plan, 0, (TEXT_TOKENS,)).segments
 
 
@@ -348,12 +348,12 @@ NEIGHBORHOOD_RUNS = ("flex bf16", "flex fp32", "flex fp32 + rpb", "natten bf16",
 
 
 def section_neighborhood(sizes, device, clock, memory, state) -> dict:
-    from winsp.halo import HaloExchange, neighborhood_plan
-    from winsp.halo_attention import _text_index, _video_queries, neighborhood_rpb_score_mod
-    from winsp.halo_backends import libnatten_available
-    from winsp.halo_flex import build_flex_neighborhood, flex_video_queries
-    from winsp.halo_natten import natten_boxes, natten_video_queries
-    from winsp.score_mods import ScoreMods
+    from winsp.attention.halo.backends import libnatten_available
+    from winsp.attention.halo.flex import build_flex_neighborhood, flex_video_queries
+    from winsp.attention.halo.layer import _text_index, _video_queries, neighborhood_rpb_score_mod
+    from winsp.attention.halo.natten import natten_boxes, natten_video_queries
+    from winsp.attention.score_mods import ScoreMods
+    from winsp.planning.halo import HaloExchange, neighborhood_plan
 
     cfg = sizes.neighborhood
     grid, heads, dim, text = cfg["grid"], cfg["heads"], cfg["head_dim"], cfg["text"]

@@ -22,19 +22,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import winsp  # noqa: E402
-from winsp.attention import reference_window_attention, select_backend, window_attention  # noqa: E402
-from winsp.runtime import LocalWindows  # noqa: E402
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
 from gpu_check import Clock  # noqa: E402  (benchmarks/ is on sys.path when this file runs)
 
+import winsp  # noqa: E402
+from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
+from winsp.attention.windows import reference_window_attention, select_backend, window_attention  # noqa: E402
+from winsp.runtime.runtime import LocalWindows  # noqa: E402
 
-def _segments(grid, text_len: int, method: str) -> winsp.WindowSegments:
-    plan = winsp.plan_schedule([grid], [winsp.make_geometry(method, (4, 3, 3))], 1)[0]
+
+def _segments(grid, text_len: int, method: str) -> winsp.attention.WindowSegments:
+    plan = winsp.planning.plan_schedule([grid], [winsp.make_geometry(method, (4, 3, 3))], 1)[0]
     return LocalWindows(plan, 0, (text_len,)).segments
 
 
-def _attention_flops(segments: winsp.WindowSegments, heads: int, head_dim: int) -> float:
+def _attention_flops(segments: winsp.attention.WindowSegments, heads: int, head_dim: int) -> float:
     return float(sum(4 * (v + t) ** 2 * heads * head_dim for v, t in zip(segments.vid_counts, segments.txt_lengths)))
 
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
 
     layouts = [_segments(grid, text_len, m) for m in ("regular", "shifted")]
     check = _segments((2, 10, 14), 5, "shifted")
-    backends = [b for b in winsp.available_backends(device)]
+    backends = [b for b in winsp.attention.available_backends(device)]
     if args.model == "3b":
         config = NaDiTConfig.seedvr2_at_size(**dims, mm_layers=10, rope_dim=dims["head_dim"])
     else:

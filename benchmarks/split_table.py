@@ -5,11 +5,11 @@ Run from the repository root: ``python benchmarks/split_table.py`` (a few second
 post-patch grids (``1 + (frames - 1) / 4`` latent frames, 16x spatial downsampling).
 
 1. Balance: per case and P, whether each layout splits windows, and the largest rank's rows and attention pairs
-   against a perfect split (:attr:`winsp.Plan.row_imbalance`, :attr:`~winsp.Plan.attention_imbalance`; ``imbalance``
+   against a perfect split (:attr:`winsp.planning.Plan.row_imbalance`, :attr:`~winsp.planning.Plan.attention_imbalance`; ``imbalance``
    is the worse) of the default (``"auto"``) against whole windows (LPT); rows moved per layer also for the
    ``"heads"`` plan (head parallelism with split windows: its exchanges plus the transitions between layouts).
 2. Bytes per layer, in rows of the hidden state summed over ranks: the transition into the layer's layout (rows that
-   change rank) plus its in-window exchanges (:func:`winsp.balance.exchange_rows`), averaged over the two layouts,
+   change rank) plus its in-window exchanges (:func:`winsp.planning.balance.exchange_rows`), averaged over the two layouts,
    against Ulysses' four all-to-alls (``4 N (P - 1) / P``). Bytes are these rows times ``D x 2`` (bf16).
 3. Planning time of a 32-layer schedule on a cache miss (median of 5).
 4. GPU predictions (not measurements) of one layer from :mod:`benchmarks.cost_model`'s constants: Ulysses, the
@@ -30,9 +30,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.balance import exchange_rows, predicted_compute, predicted_exchange  # noqa: E402
-from winsp.costs import DEFAULT_COSTS  # noqa: E402
-from winsp.redistribute import Transition  # noqa: E402
+from winsp.comm.redistribute import Transition  # noqa: E402
+from winsp.planning.balance import exchange_rows, predicted_compute, predicted_exchange  # noqa: E402
+from winsp.planning.costs import DEFAULT_COSTS  # noqa: E402
 
 CASES = {
     "9x256x384": (3, 16, 24), "9x512x768": (3, 32, 48), "720p image": (1, 45, 80), "1080p image": (1, 68, 120),
@@ -62,7 +62,7 @@ def predicted_layer(plans) -> float:
 def predicted_ulysses(grid, p: int, heads: int = 20) -> float:
     c = DEFAULT_COSTS
     n = math.prod(grid)
-    lays = [winsp.build_layout([grid], g) for g in SCHEDULE]
+    lays = [winsp.geometry.build_layout([grid], g) for g in SCHEDULE]
     pairs = np.mean([float((lay.token_counts.astype(np.float64) ** 2).sum()) for lay in lays])
     compute = n / p * c.row_s + pairs * math.ceil(heads / p) / heads * c.pair_s
     if p == 1:
@@ -79,9 +79,9 @@ def balance_markdown() -> str:
     for name, grid in CASES.items():
         n = math.prod(grid)
         for p in DEGREES:
-            auto = winsp.plan_schedule([grid], SCHEDULE, p)
-            lpt = winsp.plan_schedule([grid], SCHEDULE, p, "lpt")
-            heads = winsp.plan_schedule([grid], SCHEDULE, p, "heads")
+            auto = winsp.planning.plan_schedule([grid], SCHEDULE, p)
+            lpt = winsp.planning.plan_schedule([grid], SCHEDULE, p, "lpt")
+            heads = winsp.planning.plan_schedule([grid], SCHEDULE, p, "heads")
             uly = 4 * n * (p - 1) / p
             rows = layer_rows(auto)
             lines.append(
@@ -96,10 +96,10 @@ def crossover_markdown() -> str:
              "| default (predicted) | fastest |", "|---|---:|---:|---:|---:|---:|---|"]
     for name, grid in CASES.items():
         for p in DEGREES:
-            t = {"default": predicted_layer(winsp.plan_schedule([grid], SCHEDULE, p)),
+            t = {"default": predicted_layer(winsp.planning.plan_schedule([grid], SCHEDULE, p)),
                  "Ulysses": predicted_ulysses(grid, p),
-                 "LPT": predicted_layer(winsp.plan_schedule([grid], SCHEDULE, p, "lpt")),
-                 "heads plan": predicted_layer(winsp.plan_schedule([grid], SCHEDULE, p, "heads"))}
+                 "LPT": predicted_layer(winsp.planning.plan_schedule([grid], SCHEDULE, p, "lpt")),
+                 "heads plan": predicted_layer(winsp.planning.plan_schedule([grid], SCHEDULE, p, "heads"))}
             best = min(t, key=t.get)  # the default first: a tie with LPT (the same plans) names the default
             lines.append(f"| {name} | {p} | {t['Ulysses'] * 1e6:,.0f} us | {t['heads plan'] * 1e6:,.0f} us "
                          f"| {t['LPT'] * 1e6:,.0f} us | {t['default'] * 1e6:,.0f} us | {best} |")
@@ -111,7 +111,7 @@ def planning_time(grid=(31, 135, 240), p: int = 8, layers: int = 32, repeats: in
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        winsp.plan_schedule([grid], schedule, p)
+        winsp.planning.plan_schedule([grid], schedule, p)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -32,7 +32,7 @@ class ToyWindowedBlock(nn.Module):
             self.qkv_txt, self.out_txt = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
-    def forward(self, vid, txt, request: winsp.WindowRequest, scale=None):
+    def forward(self, vid, txt, request: winsp.runtime.WindowRequest, scale=None):
         def heads(x):
             return x.unflatten(-1, (3, self.heads, -1)).unbind(-3)  # q, k, v as [L, heads, head_dim]
 

@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from winsp.neighborhood import Neighborhood
+from winsp.geometry.neighborhood import Neighborhood
+
 
 def _axis_keys(n: int, k: int, d: int, causal: bool, i: int) -> set[int]:
     """NATTEN's neighbourhood of position i along one axis, as a set (written from the rules, not from winsp)."""

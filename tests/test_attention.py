@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import assert_close
-from winsp.backends import flash_varlen, varlen
-from winsp.backends import torch_varlen as torch_varlen_backend
-from winsp.attention import (
+from winsp.attention.backends import flash_varlen, varlen
+from winsp.attention.backends import torch_varlen as torch_varlen_backend
+from winsp.attention.windows import (
     WindowAttention,
     WindowSegments,
     available_backends,

@@ -11,12 +11,18 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import winsp
-from winsp.balance import (BALANCE_CAP, heads_placement, mixed_placement, placement_candidates,
-                           work_balanced_windows)
-from winsp.layout import build_layout
+from winsp.geometry.layout import build_layout
+from winsp.planning.balance import (
+    BALANCE_CAP,
+    heads_placement,
+    mixed_placement,
+    placement_candidates,
+    work_balanced_windows,
+)
 
 SEEDVR2 = [winsp.make_geometry(m, (4, 3, 3)) for m in ("regular", "shifted")]
 SCHEDULE = [SEEDVR2[i % 2] for i in range(32)]
@@ -42,10 +48,10 @@ def _shares(plan):
 @pytest.mark.parametrize("costs", ["default", "gloo-cpu"])
 @pytest.mark.parametrize("grid, p", PROMISE)
 def test_default_plans_balance_rows_and_attention(grid, p, costs):
-    from winsp.costs import DEFAULT_COSTS, GLOO_CPU_COSTS
+    from winsp.planning.costs import DEFAULT_COSTS, GLOO_CPU_COSTS
 
     assert math.prod(grid) // p >= 128
-    plans = winsp.plan_schedule([grid], SCHEDULE, p, costs=GLOO_CPU_COSTS if costs == "gloo-cpu" else DEFAULT_COSTS)
+    plans = winsp.planning.plan_schedule([grid], SCHEDULE, p, costs=GLOO_CPU_COSTS if costs == "gloo-cpu" else DEFAULT_COSTS)
     for plan in {id(pl): pl for pl in plans}.values():
         rows, attention = _shares(plan)  # recomputed here from the plan's per-rank figures
         assert rows <= BALANCE_CAP and attention <= BALANCE_CAP, (plan.layout.geometry, rows, attention)
@@ -55,16 +61,16 @@ def test_default_plans_balance_rows_and_attention(grid, p, costs):
 
 def test_the_issues_unbalanced_cases_were_whole_windows():
     """480p x 21 at P = 8: LPT's shifted layer gives one rank 1.58x the mean attention; the default does not."""
-    lpt = winsp.plan_schedule([(6, 30, 53)], SEEDVR2, 8, "lpt")[1]
+    lpt = winsp.planning.plan_schedule([(6, 30, 53)], SEEDVR2, 8, "lpt")[1]
     assert lpt.attention_imbalance > 1.5 and lpt.row_imbalance < 1.05 and lpt.imbalance == lpt.attention_imbalance
-    assert winsp.plan_schedule([(6, 30, 53)], SEEDVR2, 8)[1].imbalance <= BALANCE_CAP
+    assert winsp.planning.plan_schedule([(6, 30, 53)], SEEDVR2, 8)[1].imbalance <= BALANCE_CAP
 
 
 def test_planning_4k_x_121_at_p8_is_fast():
     grid = (31, 135, 240)
-    winsp.plan_schedule([grid], SCHEDULE, 8)  # warm imports
+    winsp.planning.plan_schedule([grid], SCHEDULE, 8)  # warm imports
     start = time.process_time()
-    winsp.plan_schedule([grid], SCHEDULE, 8)
+    winsp.planning.plan_schedule([grid], SCHEDULE, 8)
     assert time.process_time() - start < 1.0
 
 
@@ -73,7 +79,7 @@ def test_planning_4k_x_121_at_p8_is_fast():
        shifted=st.booleans())
 def test_mixed_placement_balances_both_exactly(grid, p, shifted):
     lay = build_layout([grid], SEEDVR2[int(shifted)])
-    plan = winsp.Plan(lay, p, rank_pieces=mixed_placement(lay, p))  # Plan checks the pieces tile every window
+    plan = winsp.planning.Plan(lay, p, rank_pieces=mixed_placement(lay, p))  # Plan checks the pieces tile every window
     counts = lay.token_counts
     assert len(plan.window_holders) <= 2 * (p - 1)
     n, largest = lay.num_tokens, int(counts.max())
@@ -87,9 +93,9 @@ def test_mixed_placement_balances_both_exactly(grid, p, shifted):
 def test_whole_windows_on_rows_and_pairs(grid):
     lay = build_layout([grid], SEEDVR2[1])
     placed = work_balanced_windows(lay, 8)
-    plan = winsp.Plan(lay, 8, rank_windows=placed)
+    plan = winsp.planning.Plan(lay, 8, rank_windows=placed)
     assert not plan.has_split_windows
-    assert plan.attention_imbalance <= winsp.Plan(lay, 8).attention_imbalance
+    assert plan.attention_imbalance <= winsp.planning.Plan(lay, 8).attention_imbalance
 
 
 def test_candidates_are_the_documented_placements():
@@ -105,35 +111,35 @@ def test_candidates_are_the_documented_placements():
 
 def test_whole_windows_only_keeps_the_best_balanced_whole_placement():
     lay = build_layout([(6, 30, 53)], SEEDVR2[1])
-    plan = winsp.Plan(lay, 8, **winsp.balance.choose_placement(lay, 8, allow_split=False))
+    plan = winsp.planning.Plan(lay, 8, **winsp.planning.balance.choose_placement(lay, 8, allow_split=False))
     assert not plan.has_split_windows
-    assert plan.imbalance <= winsp.Plan(lay, 8).imbalance
+    assert plan.imbalance <= winsp.planning.Plan(lay, 8).imbalance
 
 
 def test_refitted_costs_steer_auto_and_are_part_of_the_key():
-    from winsp.costs import DEFAULT_COSTS, CostConstants
+    from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 
     grid = [(1, 45, 80)]  # a 720p image: its regular layer splits one window at P = 2 under the default constants
-    default = winsp.plan_schedule(grid, SEEDVR2, 2)
+    default = winsp.planning.plan_schedule(grid, SEEDVR2, 2)
     assert default[0].has_split_windows
     # a link so slow that any exchange costs more than a whole layer: only balanced placements are still weighed,
     # and among them the one that splits fewest rows' worth
     slow = CostConstants(row_s=DEFAULT_COSTS.row_s, pair_s=DEFAULT_COSTS.pair_s, byte_s=1.0, latency_s=1.0,
                          row_bytes=DEFAULT_COSTS.row_bytes)
-    plans = winsp.plan_schedule(grid, SEEDVR2, 2, costs=slow)
+    plans = winsp.planning.plan_schedule(grid, SEEDVR2, 2, costs=slow)
     assert plans[0].key != default[0].key
     assert all(p.imbalance <= BALANCE_CAP for p in plans)
     runtime = winsp.WindowRuntime(SEEDVR2, costs=slow)
-    assert runtime.plans(grid)[0].key == winsp.plan_schedule(grid, SEEDVR2, 1, costs=slow)[0].key
+    assert runtime.plans(grid)[0].key == winsp.planning.plan_schedule(grid, SEEDVR2, 1, costs=slow)[0].key
     with pytest.raises(ValueError, match="costs must be"):
         winsp.DiffusionParallelConfig(costs=1.0)
     with pytest.raises(ValueError, match="costs must be"):
-        winsp.plan_schedule(grid, SEEDVR2, 2, costs="fast")
+        winsp.planning.plan_schedule(grid, SEEDVR2, 2, costs="fast")
 
 
 def test_auto_takes_the_mixed_placement_where_only_it_balances():
     """The toy batch test_split.py runs exactly at P = 3 under auto: both layouts get the mixed placement."""
-    from winsp.balance import choose_placement
+    from winsp.planning.balance import choose_placement
 
     for geometry in (winsp.FixedWindows((2, 5, 6)), winsp.FixedWindows((2, 5, 6), (1, 2, 3))):
         lay = build_layout([(1, 4, 7)], geometry)
@@ -154,7 +160,7 @@ def test_mixed_placement_gives_each_rank_one_piece_per_window(counts, p):
             return [(slice(0, 1), slice(0, 1), slice(int(a), int(b))) for a, b in zip(cuts, cuts[1:])]
 
     lay = build_layout([grid], Runs())
-    plan = winsp.Plan(lay, p, rank_pieces=mixed_placement(lay, p))  # refuses two pieces of a window on one rank
+    plan = winsp.planning.Plan(lay, p, rank_pieces=mixed_placement(lay, p))  # refuses two pieces of a window on one rank
     assert sum(plan.rank_rows) == lay.num_tokens
 
 
@@ -169,7 +175,7 @@ def test_cost_constants_refit_on_wall_times_recovers_known_constants():
         rec = {"clip": list(grid), "wall": {}, "stats": {}}
         for name in ("sp1", "lpt", "split", "heads", "auto"):
             p = 1 if name == "sp1" else 2
-            stats = plan_stats(winsp.plan_schedule([grid], SEEDVR2, p, "lpt" if name == "sp1" else name))
+            stats = plan_stats(winsp.planning.plan_schedule([grid], SEEDVR2, p, "lpt" if name == "sp1" else name))
             rec["stats"][name] = stats
             rec["wall"][name] = [float(np.dot(true, wall_features(stats, p)))]
         records.append(rec)

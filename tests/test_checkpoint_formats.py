@@ -376,7 +376,6 @@ def test_memory_plan_counts_packed_weights_at_their_stored_size(tmp_path):
     import argparse
 
     from examples.seedvr2.cli import _model_sizes
-
     from examples.seedvr2.dit import packable_dit_weights
 
     _, state, _, _ = _golden("3b")  # many of its keys are the released 3B's
@@ -405,7 +404,8 @@ def test_restore_from_gguf_checkpoints_stays_close_to_the_reference(tmp_path):
     from examples.seedvr2.dit import NaDiTConfig as Config
     from examples.seedvr2.pipeline import SeedVR2Pipeline
     from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig
-    from tests.test_pipeline import _golden as restore_golden, golden_inputs
+    from tests.test_pipeline import _golden as restore_golden
+    from tests.test_pipeline import golden_inputs
 
     tensors, meta = restore_golden()
     dit_path, vae_path = tmp_path / "dit.gguf", tmp_path / "vae.gguf"

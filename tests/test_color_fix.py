@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from examples.seedvr2.color_fix import (
-    COLOR_FIXES, adain_color_fix, apply_color_fix, lab_color_fix, wavelet_color_fix,
+    COLOR_FIXES,
+    adain_color_fix,
+    apply_color_fix,
+    lab_color_fix,
+    wavelet_color_fix,
 )
 from examples.seedvr2.color_space import lab_to_srgb, srgb_to_lab
 

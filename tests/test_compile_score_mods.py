@@ -22,7 +22,7 @@ class BiasedAttention(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x, txt, request: winsp.WindowRequest):
+    def forward(self, x, txt, request: winsp.runtime.WindowRequest):
         b = self.block
         key = request.layout_data("bias_key")
         center = b.center()

@@ -208,7 +208,7 @@ def _rows_of(rank: int, world_size: int) -> list:
     runtime = winsp.WindowRuntime(
         [winsp.Stage([winsp.SwinWindows((1, 3, 3), pad=True)]), winsp.Stage([winsp.FixedWindows((1, 2, 2))],
                                                                             merge=(1, 2, 2))],
-        group=winsp.SPGroup.world())
+        group=winsp.comm.SPGroup.world())
     request = runtime.request([(1, 5, 4), (1, 5, 4)])
     table = torch.arange(5 * 4 * 2, dtype=torch.float64).reshape(5, 4, 2)
     per_sample = torch.tensor([[10.0], [20.0]], dtype=torch.float64)
@@ -344,13 +344,13 @@ def test_a_region_between_sibling_levels_out_of_order_is_refused_by_the_models_f
     model = make_siblings()
     winsp.parallelize(model, sibling_plan(model, ordered=False))
     scatters = []
-    original_scatter = winsp.WindowRequest.scatter
+    original_scatter = winsp.runtime.WindowRequest.scatter
     try:
-        winsp.WindowRequest.scatter = lambda self, *a, **k: scatters.append(1) or original_scatter(self, *a, **k)
+        winsp.runtime.WindowRequest.scatter = lambda self, *a, **k: scatters.append(1) or original_scatter(self, *a, **k)
         for _ in range(2):  # refused again on the next call, not only once
             with pytest.raises(ValueError, match=r"the forward runs 'fine\.0' \(window layer 1\) where the plan expects "
                                                  r"'coarse\.0' \(window layer 0\).*Found by a forward on meta tensors"):
                 model(*make_inputs())
     finally:
-        winsp.WindowRequest.scatter = original_scatter
+        winsp.runtime.WindowRequest.scatter = original_scatter
     assert scatters == []  # no request scattered any rows

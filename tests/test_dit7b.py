@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import winsp
-from winsp.testing import run_ranks
-
 from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint, normalize_checkpoint_keys
 from examples.seedvr2.dit.rope import RotaryEmbedding3d, pixel_frequencies, unit_positions
 from tests.test_dit import random_batch, read_golden, run, split_batch
+from winsp.testing import run_ranks
 
 GOLDEN = Path(__file__).parent / "golden"
 TINY_7B = GOLDEN / "nadit7b_tiny.safetensors"

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import winsp
-from winsp import region_dropout
+from winsp.adoption import region_dropout
 from winsp.testing import check_parallel
 
 GRID, DIM, HEADS, COND = (4, 6), 8, 2, 5
@@ -167,7 +167,7 @@ def test_functional_dropout_is_refused_by_default_naming_the_block_the_function_
     with pytest.raises(ValueError, match=r"'body.blocks.0' calls torch.nn.functional.dropout\(p=0.3, training=True\) "
                                          r"on local rows \[48, 16\].*ParallelPlan\(..., dropout='rows'\)"):
         model(*make_inputs())
-    assert winsp.context.current_request_or_none() is None and not model._winsp_parallel.dropouts
+    assert winsp.runtime.context.current_request_or_none() is None and not model._winsp_parallel.dropouts
     assert not torch.overrides._get_current_function_mode_stack()  # the mode left with the refused region
     with pytest.raises(ValueError, match=r"'body.blocks.0' calls torch.dropout\(p=0.3"):
         _one_rank(kind="torch.dropout").train()(*make_inputs())

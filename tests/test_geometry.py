@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import winsp
-from winsp.geometry import FixedWindows, SeedVR2Windows, make_geometry, window_slices
-from winsp.layout import build_layout
+from winsp.geometry.layout import build_layout
+from winsp.geometry.windows import FixedWindows, SeedVR2Windows, make_geometry, window_slices
 
 GOLDEN = Path(__file__).parent / "golden" / "windows_reference.jsonl.gz"
 
@@ -35,8 +36,8 @@ def test_every_golden_line_is_reproduced_exactly():
 
 
 def test_short_method_names_are_the_same_geometry():
-    assert window_slices((12, 45, 80), (4, 3, 3), "regular") == window_slices((12, 45, 80), (4, 3, 3), winsp.REGULAR_METHOD)
-    assert window_slices((12, 45, 80), (4, 3, 3), "shifted") == window_slices((12, 45, 80), (4, 3, 3), winsp.SHIFTED_METHOD)
+    assert window_slices((12, 45, 80), (4, 3, 3), "regular") == window_slices((12, 45, 80), (4, 3, 3), winsp.geometry.REGULAR_METHOD)
+    assert window_slices((12, 45, 80), (4, 3, 3), "shifted") == window_slices((12, 45, 80), (4, 3, 3), winsp.geometry.SHIFTED_METHOD)
 
 
 grids = st.tuples(st.integers(1, 40), st.integers(1, 90), st.integers(1, 90))
@@ -159,10 +160,10 @@ def test_layout_rejects_bad_grids_and_geometries():
 @pytest.mark.parametrize("method", ["regular", "shifted"])
 def test_too_elongated_grids_raise_a_value_error_naming_the_limit(method):
     with pytest.raises(ValueError, match="rounds to 0 tokens.*14400:1"):
-        winsp.window_slices((1, 1, 14401), (1, 3, 3), method)
+        winsp.geometry.window_slices((1, 1, 14401), (1, 3, 3), method)
     with pytest.raises(ValueError, match="window width rounds to 0"):
-        winsp.window_slices((1, 14401, 1), (1, 3, 3), method)
-    assert len(winsp.window_slices((1, 1, 14399), (1, 3, 3), method)) >= 1
+        winsp.geometry.window_slices((1, 14401, 1), (1, 3, 3), method)
+    assert len(winsp.geometry.window_slices((1, 1, 14399), (1, 3, 3), method)) >= 1
 
 
 def test_geometries_whose_boxes_leave_the_grid_are_refused():
@@ -176,7 +177,7 @@ def test_geometries_whose_boxes_leave_the_grid_are_refused():
             return [(slice(0, t), slice(0, h), slice(0, w // 2)), (slice(0, t), slice(0, h), slice(w // 2, w + 3))]
 
     with pytest.raises(ValueError, match="w-slice slice\\(4, 11, None\\).*inside \\[0, 8\\)"):
-        winsp.build_layout([(2, 3, 8)], Overhanging())
+        winsp.geometry.build_layout([(2, 3, 8)], Overhanging())
 
     @dataclass(frozen=True)
     class Negative(winsp.WindowGeometry):
@@ -185,4 +186,4 @@ def test_geometries_whose_boxes_leave_the_grid_are_refused():
             return [(slice(-1, t), slice(0, h), slice(0, w))]
 
     with pytest.raises(ValueError, match="t-slice"):
-        winsp.build_layout([(2, 3, 8)], Negative())
+        winsp.geometry.build_layout([(2, 3, 8)], Negative())

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import winsp
-from winsp.group import SPGroup, new_subgroup
+from winsp.comm.group import SPGroup, new_subgroup
 from winsp.testing import run_ranks
 
 DIM, HEADS = 8, 2
@@ -301,8 +301,8 @@ def _gather_eager_and_compiled(rank: int) -> dict:
 
 
 def _spatial_gradients(group: SPGroup) -> dict[str, torch.Tensor]:
-    """Height bands (winsp.spatial, as the VAE's): halo, convolution, group norm over all bands, gather; synced."""
-    from winsp.spatial import band_sizes, distributed_group_norm, gather_bands, halo_exchange, take_band
+    """Height bands (winsp.comm.spatial, as the VAE's): halo, convolution, group norm over all bands, gather; synced."""
+    from winsp.comm.spatial import band_sizes, distributed_group_norm, gather_bands, halo_exchange, take_band
 
     torch.manual_seed(5)
     conv, norm = nn.Conv2d(4, 4, 3).double(), nn.GroupNorm(2, 4).double()
@@ -336,7 +336,7 @@ def _rank_main(rank: int, world_size: int):
         if rank >= size:
             continue
         sp = SPGroup(groups[size]) if size < world_size else SPGroup.world()
-        plans = winsp.plan_schedule(TINY, [winsp.FixedWindows((2, 4, 4))], size, NO_WINDOWS.planner)
+        plans = winsp.planning.plan_schedule(TINY, [winsp.FixedWindows((2, 4, 4))], size, NO_WINDOWS.planner)
         no_windows = 0 in plans[0].rank_token_counts
         failures: list = []
         if size == 3:
@@ -367,7 +367,7 @@ def test_all_gather_rows_backward_is_a_reduce_scatter_eager_and_compiled(world):
 
 @pytest.mark.multirank
 def test_height_sharded_spatial_ops_follow_the_same_rule(world):
-    """winsp.spatial (halo exchange, group norm statistics over all bands, gather): averaged = one rank's."""
+    """winsp.comm.spatial (halo exchange, group norm statistics over all bands, gather): averaged = one rank's."""
     for rank, result in enumerate(world):
         assert len(result["spatial"]) == 5
         assert max(result["spatial"].values()) <= 1e-9, (rank, result["spatial"])
@@ -382,14 +382,14 @@ def test_sync_finds_the_runtime_attached_to_the_model_or_its_submodules():
     inner = ChainModel(HEAD_AFTER_GATHER)
     runtime = inner.build_runtime(None)
     outer = nn.Sequential(nn.Linear(2, 2), inner)
-    assert winsp.gradients.attached_runtime(inner) is runtime
-    assert winsp.gradients.attached_runtime(outer) is runtime
-    assert winsp.gradients.attached_runtime(nn.Linear(2, 2)) is None
+    assert winsp.runtime.gradients.attached_runtime(inner) is runtime
+    assert winsp.runtime.gradients.attached_runtime(outer) is runtime
+    assert winsp.runtime.gradients.attached_runtime(nn.Linear(2, 2)) is None
     assert winsp.sync_gradients(outer) == 0  # one rank: nothing to average
     other = ChainModel(HEAD_AFTER_GATHER)
     other.build_runtime(None)
     both = nn.Sequential(inner, other)  # two regions on one group (here: one rank): that group
-    assert winsp.gradients.attached_runtime(both) in (runtime, other.runtime) and winsp.sync_gradients(both) == 0
+    assert winsp.runtime.gradients.attached_runtime(both) in (runtime, other.runtime) and winsp.sync_gradients(both) == 0
     with pytest.raises(ValueError, match="Linear has no winsp runtime attached"):
         winsp.sync_gradients([torch.zeros(1)], nn.Linear(2, 2))
 

@@ -64,10 +64,10 @@ def test_sp4_has_a_rank_without_windows():
     model = SeedVR2NaDiT(NaDiTConfig.from_metadata(meta))
     patch = model.config.patch_size
     grids = [(t // patch[0], h // patch[1], w // patch[2]) for t, h, w in SHAPES]
-    plans = winsp.plan_schedule(grids, model.window_schedule(), 4, "lpt")
+    plans = winsp.planning.plan_schedule(grids, model.window_schedule(), 4, "lpt")
     assert any(0 in plan.rank_token_counts for plan in plans)
     for world_size in (2, 3, 4):  # the default splits windows of this batch at SP = 2, 3, 4
-        assert all(plan.has_split_windows for plan in winsp.plan_schedule(grids, model.window_schedule(), world_size))
+        assert all(plan.has_split_windows for plan in winsp.planning.plan_schedule(grids, model.window_schedule(), world_size))
 
 
 def make_dit() -> SeedVR2NaDiT:

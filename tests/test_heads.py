@@ -11,19 +11,18 @@ import numpy as np
 import pytest
 
 import winsp
-from winsp.balance import heads_placement
-from winsp.layout import build_layout
-from winsp.split import SplitAttention
-from winsp.testing import run_ranks
-
 from tests.test_gradients import SHAPES, _train
+from winsp.attention.split import SplitAttention
+from winsp.geometry.layout import build_layout
+from winsp.planning.balance import heads_placement
+from winsp.testing import run_ranks
 
 SEEDVR2 = [winsp.make_geometry(m, (4, 3, 3)) for m in ("regular", "shifted")]
 
 
 @pytest.mark.parametrize("grid, p", [((3, 16, 24), 2), ((1, 45, 80), 3), ((6, 30, 53), 8), ((1, 2, 3), 8)])
 def test_every_window_is_shared_by_all_ranks_in_equal_runs(grid, p):
-    for plan in winsp.plan_schedule([grid], SEEDVR2, p, "heads"):
+    for plan in winsp.planning.plan_schedule([grid], SEEDVR2, p, "heads"):
         counts = plan.layout.token_counts
         holders = plan.window_holders
         for w, count in enumerate(counts):
@@ -39,7 +38,7 @@ def test_every_window_is_shared_by_all_ranks_in_equal_runs(grid, p):
 def test_uneven_heads_rotate_over_the_windows():
     """20 heads on 8 ranks: each window gives four ranks 3 heads and four 2; the rotation evens it out over windows."""
     lay = build_layout([(6, 30, 53)], SEEDVR2[0])  # 480p x 21 frames: 12 windows
-    plan = winsp.Plan(lay, 8, rank_pieces=heads_placement(lay, 8))
+    plan = winsp.planning.Plan(lay, 8, rank_pieces=heads_placement(lay, 8))
     heads = np.zeros(8)
     for rank in range(8):
         split = SplitAttention.build(plan, rank, 20, (58,))
@@ -50,7 +49,7 @@ def test_uneven_heads_rotate_over_the_windows():
 
 def test_heads_is_refused_for_models_with_score_mods():
     with pytest.raises(ValueError, match='"heads" splits windows'):
-        winsp.plan_schedule([(1, 6, 6)], SEEDVR2, 2, "heads", split_windows=False)
+        winsp.planning.plan_schedule([(1, 6, 6)], SEEDVR2, 2, "heads", split_windows=False)
 
 
 def _rank_main(rank, world_size):
@@ -79,5 +78,5 @@ def test_dit_under_heads_equals_one_rank_with_gradients(world_size, one_rank):
 
 def test_shapes_give_every_rank_rows_at_sp4():
     grids = [(t, h // 2, w // 2) for t, h, w in SHAPES]
-    for plan in winsp.plan_schedule(grids, SEEDVR2, 4, "heads"):
+    for plan in winsp.planning.plan_schedule(grids, SEEDVR2, 4, "heads"):
         assert min(plan.rank_rows) > 0

@@ -14,10 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import winsp
-from winsp.hierarchy import (GridStep, Stage, _place_stage, _relabel, _rows_moved, grid_change_rows, grid_sources,
-                             stage_grids)
-from winsp.schedule import plan_schedule
-from winsp.group import new_subgroup
+from winsp.comm.group import new_subgroup
+from winsp.planning.hierarchy import (
+    GridStep,
+    Stage,
+    _place_stage,
+    _relabel,
+    _rows_moved,
+    grid_change_rows,
+    grid_sources,
+    stage_grids,
+)
+from winsp.planning.schedule import plan_schedule
 from winsp.testing import run_ranks
 
 ORDER = ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # torchvision's x0, x1, x2, x3
@@ -46,7 +54,7 @@ def _dense_merge(x: torch.Tensor, grids) -> torch.Tensor:
 
 def _down_up(sp: int, group=None, planner: str = "lpt") -> dict:
     config = winsp.DiffusionParallelConfig(ulysses_degree=sp, planner=planner)
-    runtime = winsp.StagedRuntime.from_config(config, _stages(), group=group)
+    runtime = winsp.runtime.StagedRuntime.from_config(config, _stages(), group=group)
     torch.manual_seed(0)
     n = sum(t * h * w for t, h, w in GRIDS)
     x = torch.randn(n, C, dtype=torch.float64, requires_grad=True)
@@ -137,7 +145,7 @@ def test_locality_places_a_stage_where_its_input_rows_are():
 
 
 def test_to_grid_and_to_layer_refuse_wrong_stages():
-    runtime = winsp.StagedRuntime(_stages())
+    runtime = winsp.runtime.StagedRuntime(_stages())
     request = runtime.request(GRIDS)
     rows = request.scatter(torch.zeros(sum(t * h * w for t, h, w in GRIDS), 4))
     with pytest.raises(ValueError, match="another grid"):
@@ -149,7 +157,7 @@ def test_to_grid_and_to_layer_refuse_wrong_stages():
     with pytest.raises(ValueError, match="divisible by 4"):
         request.to_grid(merged[:, :6], 2)
     with pytest.raises(ValueError, match="cannot merge or split"):
-        winsp.StagedRuntime([Stage([winsp.SwinWindows((1, 2, 2))], merge=(1, 2, 2))])
+        winsp.runtime.StagedRuntime([Stage([winsp.SwinWindows((1, 2, 2))], merge=(1, 2, 2))])
     with pytest.raises(ValueError, match="order must list every child"):
         Stage([winsp.SwinWindows((1, 2, 2))], merge=(1, 2, 2), order=((0, 0, 0),))
 
@@ -174,7 +182,7 @@ def test_merge_and_split_by_any_factor_and_order(grid, factor, data):
     order = tuple(data.draw(st.permutations(children)))
     window = data.draw(st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)))
     geometry = winsp.SwinWindows(window)
-    runtime = winsp.StagedRuntime([Stage([geometry]), Stage([geometry], merge=factor, order=order),
+    runtime = winsp.runtime.StagedRuntime([Stage([geometry]), Stage([geometry], merge=factor, order=order),
                                    Stage([geometry], split=factor, like=0, order=order)])
     x = torch.randn(grid[0] * grid[1] * grid[2], 2, dtype=torch.float64)
     request = runtime.request([grid])
@@ -194,7 +202,7 @@ def test_grid_change_rows_reports_each_boundary_against_an_all_gather():
 
 
 def test_a_flat_schedule_is_one_stage_of_the_same_runtime():
-    from winsp.hierarchy import staged_plans
+    from winsp.planning.hierarchy import staged_plans
 
     schedule = [winsp.FixedWindows((1, 2, 2)), winsp.FixedWindows((1, 2, 2), shift=(0, 1, 1))]
     flat, staged = winsp.WindowRuntime(schedule), winsp.WindowRuntime([Stage(schedule)])
@@ -205,8 +213,8 @@ def test_a_flat_schedule_is_one_stage_of_the_same_runtime():
             a = plan_schedule(grids, schedule, world, planner)
             b = staged_plans([Stage(schedule)], grids, world, planner, split_windows=True)
             assert [p.key for p in a] == [p.key for p in b] and [p.rank_pieces for p in a] == [p.rank_pieces for p in b]
-    assert isinstance(winsp.StagedRuntime([Stage(schedule)]), winsp.WindowRuntime)
-    assert winsp.StagedRequest is winsp.WindowRequest
+    assert isinstance(winsp.runtime.StagedRuntime([Stage(schedule)]), winsp.WindowRuntime)
+    assert winsp.runtime.StagedRequest is winsp.runtime.WindowRequest
     request = flat.request(grids)
     x = torch.randn(sum(t * h * w for t, h, w in grids), 3)
     rows = request.scatter(x)

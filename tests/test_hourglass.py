@@ -118,11 +118,11 @@ def test_a_forward_order_that_does_not_match_the_forward_is_refused_naming_both_
     with pytest.raises(ValueError, match=r"runs 'body.splits.1' \(the grid change into stage 4\) where the plan "
                                          r"expects 'body.splits.0' \(the grid change into stage 3\).*meta tensors"):
         model(clip())
-    assert winsp.context.current_request_or_none() is None
+    assert winsp.runtime.context.current_request_or_none() is None
     model._winsp_parallel.order.dry_run_done = True  # as for a model that cannot run on meta tensors: checked as it runs
     with pytest.raises(ValueError, match=r"runs 'body.splits.1' .*Refused before 'body.splits.1' moved any rows"):
         model(clip())
-    assert winsp.context.current_request_or_none() is None
+    assert winsp.runtime.context.current_request_or_none() is None
     with pytest.raises(ValueError, match="'body.up.0.blocks.0.attn', which no glob of ParallelPlan.forward_order"):
         winsp.parallelize(make_model(), winsp.ParallelPlan(**{**plan.__dict__, "forward_order": order[:2]}))
 
@@ -157,7 +157,7 @@ def test_a_module_that_reshapes_local_rows_is_caught_where_it_happens():
 def test_swapped_modules_keep_the_originals_attributes():
     model = parallelize(make_model())
     attn = model.body.mid.attn
-    assert isinstance(attn, winsp.Swapped) and attn.heads == 2 and attn.window is None
+    assert isinstance(attn, winsp.adoption.Swapped) and attn.heads == 2 and attn.window is None
     assert model.body.down[0].blocks[1].attn.shift == (1, 1, 1)
 
 
@@ -198,7 +198,7 @@ def two_input() -> torch.Tensor:
 def test_sync_gradients_and_check_parallel_on_a_model_with_two_regions():
     model = make_two()
     parallel_two(model, 1)
-    assert winsp.gradients.attached_runtime(model) is not None  # two runtimes, one group: no error
+    assert winsp.runtime.gradients.attached_runtime(model) is not None  # two runtimes, one group: no error
     report = check_parallel(make_two, parallel_two, two_input, world_sizes=(2,), timeout=240)
     assert report.ok and report.max_error("param") > 0
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import winsp
-from winsp.layout import build_layout
-from winsp.locality import cut_weight, locality_placement, overlap_edges
-from winsp.planner import Plan
-from winsp.redistribute import Transition
-from winsp.schedule import PLANNER_VERSIONS, PLANNERS, check_planner, plan_schedule, schedule_key
+from winsp.comm.redistribute import Transition
+from winsp.geometry.layout import build_layout
+from winsp.planning.locality import cut_weight, locality_placement, overlap_edges
+from winsp.planning.plan import Plan
+from winsp.planning.schedule import PLANNER_VERSIONS, PLANNERS, check_planner, plan_schedule, schedule_key
 
 REG = winsp.make_geometry("regular", (4, 3, 3))
 SHIFT = winsp.make_geometry("shifted", (4, 3, 3))
@@ -38,7 +39,7 @@ def _check_valid(plans, grids, world_size):
 
 def test_planner_registry():
     assert PLANNERS == ("auto", "lpt", "locality", "split", "heads")
-    assert PLANNER_VERSIONS["lpt"] == winsp.PLANNER_VERSION and PLANNER_VERSIONS["locality"] != PLANNER_VERSIONS["lpt"]
+    assert PLANNER_VERSIONS["lpt"] == winsp.planning.PLANNER_VERSION and PLANNER_VERSIONS["locality"] != PLANNER_VERSIONS["lpt"]
     assert check_planner("locality") == "locality"
     with pytest.raises(ValueError, match="unknown planner 'nearest'.*locality"):
         check_planner("nearest")

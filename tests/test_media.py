@@ -14,27 +14,26 @@ from hypothesis import strategies as st
 
 av = pytest.importorskip("av")
 
-from tests.media_files import write_clip_with_audio, write_truncated_faststart  # noqa: E402
-
 from examples.seedvr2.color_fix import wavelet_color_fix, wavelet_lowpass  # noqa: E402
 from examples.seedvr2.media import (  # noqa: E402
     DecoderOutOfMemory,
     MediaError,
-    center_crop,
     MediaWriter,
+    center_crop,
+    default_output_path,
     frames_to_model,
     h264_frame_size,
     iter_frames,
     model_to_frames,
-    probe_media,
-    same_file,
-    default_output_path,
     parse_resolution,
     plan_geometry,
+    probe_media,
     read_media,
     resize_frames,
+    same_file,
     write_media,
 )
+from tests.media_files import write_clip_with_audio, write_truncated_faststart  # noqa: E402
 
 
 def smooth_clip(t: int, h: int, w: int, seed: int = 0) -> np.ndarray:

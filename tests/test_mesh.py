@@ -1,11 +1,11 @@
-"""winsp.mesh: temporal groups x window-SP subgroups, the interleaved schedule, ordered collection at the writer."""
+"""winsp.comm.temporal: temporal groups x window-SP subgroups, the interleaved schedule, ordered collection at the writer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from winsp.mesh import TemporalMesh, build_temporal_mesh, interleaved_schedule, ordered_results
+from winsp.comm.temporal import TemporalMesh, build_temporal_mesh, interleaved_schedule, ordered_results
 from winsp.testing import run_ranks
 
 TIMEOUT = 120.0

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 import winsp
-from winsp.halo import HaloExchange, block_halo_rows, choose_splits, neighborhood_plan
-from winsp.halo_attention import halo_tensors, neighborhood_rpb_score_mod
-from winsp.neighborhood import Neighborhood, axis_neighbours, neighbourhood_ids
-from winsp.testing import run_ranks
-
 from tests.na_oracle import _axis_keys, oracle_attention
+from winsp.attention.halo.layer import halo_tensors, neighborhood_rpb_score_mod
+from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, neighbourhood_ids
+from winsp.planning.halo import HaloExchange, block_halo_rows, choose_splits, neighborhood_plan
+from winsp.testing import run_ranks
 
 HEADS, HEAD_DIM = 2, 4
 NATTEN_HEAD_DIM = 8  # natten's CPU (flex) path wants a power of two >= 8
@@ -105,9 +104,9 @@ def test_bad_neighborhoods_are_refused():
     with pytest.raises(ValueError, match="causal"):
         Neighborhood(3, causal=(1, 0, 0))
     with pytest.raises(ValueError, match=r"along w needs at least 6 tokens"):
-        winsp.plan_schedule([(2, 8, 5)], [Neighborhood((1, 3, 3), dilation=(1, 1, 2))], 2)
+        winsp.planning.plan_schedule([(2, 8, 5)], [Neighborhood((1, 3, 3), dilation=(1, 1, 2))], 2)
     with pytest.raises(ValueError, match="not a partition into windows"):
-        winsp.build_layout([(1, 4, 4)], Neighborhood(3))
+        winsp.geometry.build_layout([(1, 4, 4)], Neighborhood(3))
     assert Neighborhood((7, 7)) == Neighborhood((1, 7, 7)) and Neighborhood(3).kernel == (3, 3, 3)
 
 
@@ -145,7 +144,7 @@ def test_one_rank_equals_the_oracle_in_float64_with_gradients(name):
 def test_neighborhood_layers_share_one_plan_and_move_only_halos():
     a, b = Neighborhood((1, 3, 3)), Neighborhood((1, 5, 3), dilation=(1, 1, 2))
     win = winsp.FixedWindows((1, 4, 4))
-    plans = winsp.plan_schedule([(2, 12, 16)], [a, b, a, win, a], 4)
+    plans = winsp.planning.plan_schedule([(2, 12, 16)], [a, b, a, win, a], 4)
     assert plans[0] is plans[1] is plans[2] is plans[4] and plans[3] is not plans[0]
     assert plans[0].rank_rows == (96,) * 4
     rt = winsp.WindowRuntime([a, b, a, win, a])
@@ -258,7 +257,7 @@ def _model_rank(rank, world_size, names):
         params = [x, txt, w] + [t for t, geom in zip(tables, MODELS[name][2]) if isinstance(geom, Neighborhood)]
         for p in params:
             p.requires_grad_(True)
-        runtime = winsp.WindowRuntime(MODELS[name][2], group=winsp.SPGroup.world())
+        runtime = winsp.WindowRuntime(MODELS[name][2], group=winsp.comm.SPGroup.world())
         out, txt_out = _model_forward(runtime, name, x, txt, w, tables)
         (out.square().sum() + txt_out.square().sum()).backward()
         winsp.sync_gradients(params, runtime)
@@ -333,7 +332,7 @@ def test_halo_bytes_targets():
 def test_fused_kv_view_is_k_and_v_of_one_projection():
     """Inference gathers k and v of a fused qkv projection in one go: the view must be exactly (k, v), and only
     for slices of one buffer at a positive offset, never when autograd records."""
-    from winsp.halo_attention import _fused_kv
+    from winsp.attention.halo.layer import _fused_kv
 
     qkv = torch.randn(7, 3 * HEADS * HEAD_DIM)
     q, k, v = qkv.view(-1, 3, HEADS, HEAD_DIM).unbind(1)
@@ -353,7 +352,7 @@ def test_fused_kv_view_is_k_and_v_of_one_projection():
 
 
 def test_start_all_to_all_single_checks_its_out_buffer():
-    group = winsp.SPGroup()
+    group = winsp.comm.SPGroup()
     rows = torch.randn(3, 2)
     buffer = torch.zeros(5, 2)
     assert torch.equal(group.start_all_to_all_single(rows, [3], [3], out=buffer[2:]).wait(), rows)
@@ -368,7 +367,7 @@ def test_start_all_to_all_single_checks_its_out_buffer():
 def test_text_index_from_the_request_equals_the_one_from_the_rows(lengths):
     """The runtime builds each sample's padded text index from its Python lengths (no data-dependent size under
     torch.compile); it must equal the index computed from the text rows' samples."""
-    from winsp.halo_attention import _text_index, _text_index_of, _text_samples
+    from winsp.attention.halo.layer import _text_index, _text_index_of, _text_samples
 
     grids = [(1, 3, 3)] * len(lengths)
     req = winsp.WindowRuntime([Neighborhood((1, 3, 3))]).request(grids, list(lengths))
@@ -414,8 +413,8 @@ def test_the_tiled_path_compiles_with_text_and_bias(backend):
 def test_query_tiles_put_the_longer_tiles_where_they_cost_fewer_pairs():
     """A tile's key reach is clamped at the grid's border: a box ending at the far border takes its longer tiles
     there, so the two halves of a cut grid pay the same padded pairs (longer-first would cost the second 2 % more)."""
-    from winsp.halo import _axis_tiles
-    from winsp.neighborhood import axis_reach
+    from winsp.geometry.neighborhood import axis_reach
+    from winsp.planning.halo import _axis_tiles
 
     def pairs(tiles):
         return sum((hi - lo) * axis_reach(32, 7, 1, False, lo, hi).size for lo, hi in tiles)

@@ -16,15 +16,14 @@ import pytest
 import torch
 
 import winsp
-from winsp.halo import HaloExchange, neighborhood_plan
-from winsp.halo_attention import _text_index, _video_queries, halo_tensors, neighborhood_rpb_score_mod
-from winsp.halo_backends import explain_neighborhood_backend, neighborhood_backend
-from winsp.halo_flex import build_flex_neighborhood
-from winsp.halo_natten import box_is_exact, natten_boxes, natten_plan_reason, natten_video_queries
-from winsp.neighborhood import Neighborhood
-from winsp.testing import run_ranks
-
 from tests.na_oracle import _axis_keys
+from winsp.attention.halo.backends import explain_neighborhood_backend, neighborhood_backend
+from winsp.attention.halo.flex import build_flex_neighborhood
+from winsp.attention.halo.layer import _text_index, _video_queries, halo_tensors, neighborhood_rpb_score_mod
+from winsp.attention.halo.natten import box_is_exact, natten_boxes, natten_plan_reason, natten_video_queries
+from winsp.geometry.neighborhood import Neighborhood
+from winsp.planning.halo import HaloExchange, neighborhood_plan
+from winsp.testing import run_ranks
 
 natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
                                               "pip install 'winsp[natten]'")
@@ -123,11 +122,11 @@ def test_flex_equals_the_tiled_path_in_float64_with_score_and_mask_mods():
 def test_compiled_flex_lowers_the_mask_and_the_bias_on_a_rank_with_halos(monkeypatch):
     """Compiled FlexAttention (inductor, as on CUDA; here its CPU kernel) under the block mask with the rpb score_mod,
     at rank 1 of 2 (local and halo key rows), against the tiled path (one compile: it is the slow part)."""
-    import winsp.halo_flex as halo_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    from winsp.halo_flex import flex_video_queries
-    from winsp.score_mods import ScoreMods
+    import winsp.attention.halo.flex as halo_flex
+    from winsp.attention.halo.flex import flex_video_queries
+    from winsp.attention.score_mods import ScoreMods
 
     monkeypatch.setattr(halo_flex, "_kernel", lambda device: torch.compile(flex_attention, dynamic=False))
     grids, geom = [(4, 10, 12)], Neighborhood((2, 3, 3), (1, 2, 1), (True, False, False))
@@ -148,7 +147,7 @@ def test_compiled_flex_lowers_the_mask_and_the_bias_on_a_rank_with_halos(monkeyp
 
 def _backends_rank(rank, world_size, names):
     results = {}
-    group = winsp.SPGroup.world()
+    group = winsp.comm.SPGroup.world()
     for name in names:
         inputs = _inputs(name)
         geom = CASES[name][2]
@@ -172,7 +171,7 @@ def _backends_rank(rank, world_size, names):
 def _dispatch_grads(name, group, forced: bool):
     """Gradients through the runtime's default path, or (``forced``) through the dispatch point every other backend
     takes (the whole exchange, then a kernel: here the tiled one, which has a CPU backward), its reverse included."""
-    import winsp.halo_backends as halo_backends
+    import winsp.attention.halo.backends as halo_backends
 
     inputs = [x.requires_grad_(True) for x in _inputs(name, torch.float64)]
     runner = halo_backends.neighborhood_runner
@@ -238,7 +237,7 @@ def test_box_is_exact_follows_the_rules():
 def test_a_causal_axis_is_padded_to_natten_s_minimum():
     """Causal time at rank 0 reaches only its own 2 frames, fewer than NATTEN's kernel x dilation (6): the box is padded
     after them (never attended), which is exact; a non-causal axis is never padded."""
-    from winsp.halo_natten import extended_box
+    from winsp.attention.halo.natten import extended_box
 
     geom = CASES["3d-causal-time"][2]
     box, why = extended_box((6, 8, 7), geom, [(0, 2), (0, 8), (0, 7)])
@@ -309,7 +308,7 @@ def test_a_ragged_dilated_halo_is_refused_naming_the_rank_and_axis():
 
 
 def test_a_rank_that_holds_nothing_gets_empty_outputs_from_every_backend():
-    from winsp.halo_flex import flex_video_queries
+    from winsp.attention.halo.flex import flex_video_queries
 
     geom = Neighborhood((3,))
     plan = neighborhood_plan([(1, 1, 3)], [geom], 4)

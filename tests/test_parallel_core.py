@@ -6,9 +6,9 @@ import torch
 
 import winsp
 from examples.toy_windowed_block import ToyWindowedDiT
-from winsp.group import SPGroup
-from winsp.redistribute import Transition, redistribute_rows
-from winsp.schedule import plan_schedule
+from winsp.comm.group import SPGroup
+from winsp.comm.redistribute import Transition, redistribute_rows
+from winsp.planning.schedule import plan_schedule
 from winsp.testing import run_ranks
 
 REG, SHIFT = winsp.make_geometry("regular", (4, 3, 3)), winsp.make_geometry("shifted", (4, 3, 3))
@@ -65,14 +65,14 @@ def _core_worker(rank, world_size):
     for grids, geom_a, geom_b in CASES:
         a, b = _plan(grids, geom_a, world_size), _plan(grids, geom_b, world_size)
         x = _canonical(grids)
-        xa = winsp.scatter_rows(x, a, group)
+        xa = winsp.comm.scatter_rows(x, a, group)
         xb = _move(xa, a, b, group)
         back = _move(xb, b, a, group)
-        full = winsp.gather_rows(xb, b, group)
+        full = winsp.comm.gather_rows(xb, b, group)
         text_lengths = [3 + s for s in range(len(grids))]
-        reduced = winsp.reduce_window_text(_window_text(a, rank, text_lengths),
+        reduced = winsp.comm.reduce_window_text(_window_text(a, rank, text_lengths),
                                            _local(a, rank, text_lengths).text, group)
-        half = winsp.reduce_window_text(_window_text(a, rank, text_lengths).bfloat16(),
+        half = winsp.comm.reduce_window_text(_window_text(a, rank, text_lengths).bfloat16(),
                                         _local(a, rank, text_lengths).text, group)
         report.append(dict(
             entry_exact=torch.equal(xa, x[torch.from_numpy(a.rank_token_ids(rank))]),
@@ -89,7 +89,7 @@ def _core_worker(rank, world_size):
 
 
 def _local(plan, rank, text_lengths):
-    from winsp.runtime import LocalWindows
+    from winsp.runtime.runtime import LocalWindows
     return LocalWindows(plan, rank, tuple(text_lengths))
 
 

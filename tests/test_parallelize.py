@@ -83,14 +83,14 @@ def test_current_request_only_inside_the_region():
     seen = []
     model.features[0][0].norm1.register_forward_hook(lambda m, a, o: seen.append(winsp.current_request()))
     model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64))
-    assert isinstance(seen[0], winsp.StagedRequest)
-    assert winsp.context.current_request_or_none() is None
+    assert isinstance(seen[0], winsp.runtime.StagedRequest)
+    assert winsp.runtime.context.current_request_or_none() is None
 
 
 def test_the_swin3d_adapter_is_at_most_40_lines():
-    from examples.adapter_lines import model_specific_lines
-
     from pathlib import Path
+
+    from examples.adapter_lines import model_specific_lines
 
     assert model_specific_lines(str(Path(__file__).parents[1] / "examples" / "swin3d" / "adapter.py")) <= 40
 
@@ -104,7 +104,7 @@ def test_a_region_that_raises_leaves_no_request_behind():
     handle = model.features[0][1].register_forward_pre_hook(fail)
     with pytest.raises(RuntimeError, match="boom"):
         model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64))
-    assert winsp.context.current_request_or_none() is None
+    assert winsp.runtime.context.current_request_or_none() is None
     handle.remove()
     assert model(torch.randn(1, 3, 2, 12, 12, dtype=torch.float64)).shape == (1, 5)
 
@@ -154,7 +154,7 @@ def test_two_attention_layers_under_one_parent_need_an_entry_glob():
     ("body.down.0.attn", "body.**.*attn", True),
 ])
 def test_globs_match_path_components(path, pattern, expected):
-    from winsp.parallelize import path_matches
+    from winsp.adoption.parallelize import path_matches
 
     assert path_matches(path, pattern) is expected
 

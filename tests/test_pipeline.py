@@ -256,7 +256,7 @@ def restore_golden_errors(pipe: SeedVR2Pipeline) -> dict:
 
 def _rank_run_modes(rank: int, world: int, modes: tuple, job) -> dict:
     """``job(pipeline)`` on this rank for each VAE mode, over the whole world as the SP group."""
-    from winsp.group import SPGroup
+    from winsp.comm.group import SPGroup
 
     dit, vae = build_golden_models()
     return {mode: job(SeedVR2Pipeline(dit, vae, mode, group=SPGroup.world())) for mode in modes}

@@ -4,12 +4,13 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import winsp
-from winsp.planner import PLANNER_VERSION, Plan, lpt_assign
-from winsp.schedule import PLANNER_VERSIONS, plan_schedule
-from winsp.layout import build_layout
+from winsp.geometry.layout import build_layout
+from winsp.planning.plan import PLANNER_VERSION, Plan, lpt_assign
+from winsp.planning.schedule import PLANNER_VERSIONS, plan_schedule
 
 
 def brute_force_lpt(counts, world_size):
@@ -106,7 +107,7 @@ def test_schedule_shares_one_plan_per_geometry():
 
 
 def test_given_placement_is_used_and_checked():
-    lay = winsp.build_layout([(4, 8, 8)], winsp.FixedWindows((2, 4, 4)))  # 8 windows
+    lay = winsp.geometry.build_layout([(4, 8, 8)], winsp.FixedWindows((2, 4, 4)))  # 8 windows
     plan = Plan(lay, 2, rank_windows=[[7, 0, 3], [1, 2, 4, 5, 6]])
     assert plan.rank_windows == ((7, 0, 3), (1, 2, 4, 5, 6))
     expected = np.concatenate([lay.window_token_ids(w) for w in (7, 0, 3)])

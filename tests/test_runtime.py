@@ -139,7 +139,7 @@ def test_from_config_rejects_other_config_types():
 
 
 def test_nn_modules_compose_the_request_steps():
-    from winsp.nn import EnsureLayout, GatherWindows, ReplicatedTextWindowAttention, ScatterWindows
+    from winsp.runtime.nn import EnsureLayout, GatherWindows, ReplicatedTextWindowAttention, ScatterWindows
 
     rt = winsp.WindowRuntime([REG, SHIFT])
     grid = (5, 32, 56)

@@ -13,8 +13,8 @@ import torch
 
 import winsp
 from tests.test_attention import STRUCTURES, make_inputs, structure
-from winsp.attention import reference_window_attention, window_attention
-from winsp.backends import explain_backend
+from winsp.attention.backends import explain_backend
+from winsp.attention.windows import reference_window_attention, window_attention
 
 TOL = 1e-10
 

@@ -7,13 +7,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import winsp
-from winsp.balance import choose_placement, split_placement
-from winsp.layout import build_layout
-from winsp.redistribute import Transition
-from winsp.split import head_bounds
+from winsp.attention.split import head_bounds
+from winsp.comm.redistribute import Transition
+from winsp.geometry.layout import build_layout
+from winsp.planning.balance import choose_placement, split_placement
 from winsp.testing import run_ranks
 
 GEOMETRIES = [winsp.FixedWindows((2, 5, 6)), winsp.FixedWindows((2, 5, 6), (1, 2, 3))]
@@ -38,7 +39,7 @@ def _layout(grids, geometry=GEOMETRIES[0]):
        shifted=st.booleans())
 def test_split_placement_is_contiguous_and_balanced(grid, p, shifted):
     lay = _layout([grid], GEOMETRIES[int(shifted)])
-    plan = winsp.Plan(lay, p, rank_pieces=split_placement(lay, p))
+    plan = winsp.planning.Plan(lay, p, rank_pieces=split_placement(lay, p))
     positions = np.concatenate([plan.rank_positions(r) for r in range(p)])
     assert np.array_equal(positions, np.arange(lay.num_tokens))  # rank after rank, in window order
     n = lay.num_tokens
@@ -49,10 +50,10 @@ def test_split_placement_is_contiguous_and_balanced(grid, p, shifted):
 
 def test_plan_reports_rows_attention_and_both_bounds():
     lay = build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3)))  # 4 windows of 9 tokens
-    lpt = winsp.Plan(lay, 3)
+    lpt = winsp.planning.Plan(lay, 3)
     assert lpt.rank_rows == (18, 9, 9) and lpt.rank_attention == (162, 81, 81)
     assert lpt.imbalance == pytest.approx(18 / 12) == lpt.row_imbalance == lpt.window_bound_imbalance
-    split = winsp.Plan(lay, 3, rank_pieces=[[(0, 0, 9), (1, 0, 3)], [(1, 3, 9), (2, 0, 6)], [(2, 6, 9), (3, 0, 9)]])
+    split = winsp.planning.Plan(lay, 3, rank_pieces=[[(0, 0, 9), (1, 0, 3)], [(1, 3, 9), (2, 0, 6)], [(2, 6, 9), (3, 0, 9)]])
     assert split.rank_rows == (12, 12, 12) and split.imbalance == 1.0 == split.row_imbalance
     assert split.window_holders == {1: ((0, 0, 3), (1, 3, 9)), 2: ((1, 0, 6), (2, 6, 9))}
     assert split.rank_windows == ((0,), (), (3,))
@@ -68,7 +69,7 @@ def test_plan_reports_rows_attention_and_both_bounds():
 ])
 def test_bad_pieces_are_refused(pieces, match):
     with pytest.raises(ValueError, match=match):
-        winsp.Plan(build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3))), 2, rank_pieces=pieces)
+        winsp.planning.Plan(build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3))), 2, rank_pieces=pieces)
 
 
 def test_head_bounds_tile_the_heads_in_proportion():
@@ -85,19 +86,19 @@ def test_auto_splits_only_where_whole_windows_cannot_balance():
     assert "rank_pieces" in choose_placement(few, 2)
     assert "rank_windows" in choose_placement(few, 2, allow_split=False)
     many = build_layout([(12, 45, 80)], winsp.make_geometry("regular", (4, 3, 3)))  # 720p x 45: 27 windows
-    plan = winsp.Plan(many, 2, **choose_placement(many, 2))
+    plan = winsp.planning.Plan(many, 2, **choose_placement(many, 2))
     assert not plan.has_split_windows and plan.imbalance < 1.05
 
 
 def test_split_planner_refuses_a_model_with_score_mods():
     with pytest.raises(ValueError, match="split_windows=False"):
-        winsp.plan_schedule([(1, 6, 6)], GEOMETRIES, 2, "split", split_windows=False)
+        winsp.planning.plan_schedule([(1, 6, 6)], GEOMETRIES, 2, "split", split_windows=False)
 
 
 def test_transitions_between_split_and_whole_layouts_move_each_row_once():
     grids = BATCHES["packed"][0]
-    split = winsp.plan_schedule(grids, GEOMETRIES, 3, "split")
-    whole = winsp.plan_schedule(grids, GEOMETRIES, 3, "lpt")
+    split = winsp.planning.plan_schedule(grids, GEOMETRIES, 3, "split")
+    whole = winsp.planning.plan_schedule(grids, GEOMETRIES, 3, "lpt")
     assert split[0].has_split_windows
     for a, b in [(split[0], whole[1]), (whole[0], split[1]), (split[0], split[1])]:
         t = Transition(a, b)
@@ -143,7 +144,7 @@ def _rank_main(rank, world_size, planner, batch):
     x, txt, w = _inputs(grids, text_lengths)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    runtime = winsp.WindowRuntime(_schedule(batch), group=winsp.SPGroup.world(), planner=planner)
+    runtime = winsp.WindowRuntime(_schedule(batch), group=winsp.comm.SPGroup.world(), planner=planner)
     out, txt_out = _forward(runtime, grids, text_lengths, x, txt, w)
     out.square().sum().backward()
     winsp.sync_gradients([w], runtime)  # the gradient convention: every rank's share, averaged over the group
@@ -175,7 +176,7 @@ def test_split_windows_equal_one_rank(world_size, planner, batch):
 
 def _score_mod_rank(rank, world_size):
     grids, text_lengths = BATCHES["few"]
-    runtime = winsp.WindowRuntime(SEEDVR2, group=winsp.SPGroup.world())
+    runtime = winsp.WindowRuntime(SEEDVR2, group=winsp.comm.SPGroup.world())
     out = {"auto_splits": runtime.plans(grids)[0].has_split_windows}
     req = runtime.request(grids=grids, text_lengths=text_lengths)
     q = torch.randn(req.layout(0).num_rows, HEADS, HEAD_DIM)
@@ -203,12 +204,12 @@ def test_score_mods_are_refused_on_split_layouts_and_avoided_when_declared():
 # ---- the split path's local fast paths ------------------------------------------------------------------------
 
 def test_local_rows_of_whole_and_split_windows_are_slices_where_the_order_allows():
-    from winsp.split import SplitAttention, join_local_rows, split_local_rows
+    from winsp.attention.split import SplitAttention, join_local_rows, split_local_rows
 
     lay = build_layout([(3, 16, 24)], SEEDVR2[0])  # 3 windows of 384 rows
     small = build_layout([(1, 6, 6)], winsp.FixedWindows((1, 3, 3)))  # 4 windows of 9 rows
-    cases = [(winsp.Plan(lay, 2, rank_pieces=split_placement(lay, 2)), ["whole_first", "split_first"]),
-             (winsp.Plan(small, 3, rank_pieces=[[(0, 0, 9), (1, 0, 3)], [(1, 3, 9), (2, 0, 9), (3, 0, 5)],
+    cases = [(winsp.planning.Plan(lay, 2, rank_pieces=split_placement(lay, 2)), ["whole_first", "split_first"]),
+             (winsp.planning.Plan(small, 3, rank_pieces=[[(0, 0, 9), (1, 0, 3)], [(1, 3, 9), (2, 0, 9), (3, 0, 5)],
                                                 [(3, 5, 9)]]), ["whole_first", "gather", "whole_first"])]
     for plan, orders in cases:
         for rank, order in enumerate(orders):
@@ -220,19 +221,19 @@ def test_local_rows_of_whole_and_split_windows_are_slices_where_the_order_allows
             assert torch.equal(whole, x.index_select(0, tensors.whole_rows))
             assert torch.equal(pieces, x.index_select(0, tensors.split_rows))
             assert torch.equal(join_local_rows(whole, pieces, tensors), x)
-    heads = winsp.Plan(lay, 2, rank_pieces=winsp.balance.heads_placement(lay, 2))
+    heads = winsp.planning.Plan(lay, 2, rank_pieces=winsp.planning.balance.heads_placement(lay, 2))
     assert SplitAttention.build(heads, 1, 4, (5,)).row_order == "whole_first"  # no whole window: all slices
 
 
 def test_a_transition_that_keeps_every_row_in_place_does_nothing():
-    from winsp.redistribute import redistribute_rows
+    from winsp.comm.redistribute import redistribute_rows
 
     # a 9x256x384 clip's shifted windows are its regular ones (the half-window shift moves no edge)
-    plans = winsp.plan_schedule([(3, 16, 24)], SEEDVR2, 2)
+    plans = winsp.planning.plan_schedule([(3, 16, 24)], SEEDVR2, 2)
     assert plans[0] is not plans[1]
     step = Transition(plans[0], plans[1]).for_rank(0).to("cpu")
     assert step.keeps_rows
     x = torch.randn(plans[0].rank_rows[0], 3)
-    assert redistribute_rows(x, step, winsp.SPGroup(None)) is x
-    lpt = winsp.plan_schedule([(3, 10, 12)], GEOMETRIES, 2, "lpt")
+    assert redistribute_rows(x, step, winsp.comm.SPGroup(None)) is x
+    lpt = winsp.planning.plan_schedule([(3, 10, 12)], GEOMETRIES, 2, "lpt")
     assert not Transition(lpt[0], lpt[1]).for_rank(0).to("cpu").keeps_rows

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import winsp
-from winsp.store import RuntimeStore
+from winsp.runtime.store import RuntimeStore
 
 REG = winsp.make_geometry("regular", (4, 3, 3))
 SHIFT = winsp.make_geometry("shifted", (4, 3, 3))

@@ -13,11 +13,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 import torch
 
 from examples.swin3d.compare import STAGES, compare_with_torchvision, parallelize_with_stages, swin3d_t_with_stages
-from winsp.group import new_subgroup
+from winsp.comm.group import new_subgroup
 from winsp.testing import check_parallel, run_ranks
 
 if importlib.util.find_spec("torchvision") is None:

@@ -6,7 +6,7 @@
   roll + mask (its own ``_compute_attention_mask_3d``).
 - Otherwise padding decides: with ``pad=True`` the windows lie on the padded grid and winsp's attention (padding rows
   zeroed before qkv) equals torchvision's; clipping instead (``pad=False``) drops the padded keys and differs.
-- :func:`winsp.swin.window_raster` is the raster position torchvision indexes its bias with, clamped axes included.
+- :func:`winsp.geometry.swin.window_raster` is the raster position torchvision indexes its bias with, clamped axes included.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import winsp
-from winsp.swin import window_raster
+from winsp.geometry.swin import window_raster
 
 if importlib.util.find_spec("torchvision") is None:
     pytest.skip("torchvision is not installed (pip install -e '.[test]')", allow_module_level=True)
@@ -111,7 +111,7 @@ def test_padding_is_what_keeps_a_non_multiple_grid_exact(shift):
     expected = original(x)
     errors = {}
     for pad in (True, False):
-        runtime = winsp.StagedRuntime([winsp.Stage([winsp.SwinWindows((2, 3, 3), shift, pad=pad)])])
+        runtime = winsp.runtime.StagedRuntime([winsp.Stage([winsp.SwinWindows((2, 3, 3), shift, pad=pad)])])
         request = runtime.request([(3, 4, 5)] * 2)
         with request.active():
             out = SwinAttention3d(original, 0)(request.scatter(x.reshape(-1, 16)))

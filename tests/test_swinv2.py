@@ -19,7 +19,7 @@ import winsp  # noqa: E402
 from examples.swinv2 import parallelize, plan  # noqa: E402
 from examples.swinv2.hf_import import import_swinv2  # noqa: E402
 from examples.swinv2.parity import ALL_CASES, compare_with_original, tiny_config  # noqa: E402
-from winsp.group import new_subgroup  # noqa: E402
+from winsp.comm.group import new_subgroup  # noqa: E402
 from winsp.testing import check_parallel, run_ranks  # noqa: E402
 
 OUTPUT_TOL, GRAD_TOL = 1e-9, 1e-9
@@ -113,7 +113,7 @@ def test_plan_follows_hf_clamping_shift_and_merge_order():
     deep = model_cls(tiny_config(depths=(2, 12), num_heads=(2, 4)))  # two-digit block indices (Swin V2-B has 18)
     assert [len(st.layers) for st in plan(deep).stages] == [2, 12]
     parallelize(deep)
-    assert sum(isinstance(m, winsp.Swapped) for m in deep.modules()) == 14 + 1
+    assert sum(isinstance(m, winsp.adoption.Swapped) for m in deep.modules()) == 14 + 1
 
 
 def test_train_mode_really_drops_paths():

@@ -11,10 +11,10 @@ import torch
 from examples.seedvr2.temporal import (
     TemporalBatch,
     TemporalBlender,
-    clip_noise,
-    noise_seed,
     check_batching,
+    clip_noise,
     crossfade,
+    noise_seed,
     plan_temporal_batches,
     temporal_batches,
 )

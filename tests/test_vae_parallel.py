@@ -1,4 +1,4 @@
-"""Spatial parallelism of the causal video VAE: winsp.spatial collectives, height-sharded and tiled runs."""
+"""Spatial parallelism of the causal video VAE: winsp.comm.spatial collectives, height-sharded and tiled runs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from examples.seedvr2.vae.memory import peak_tensor_bytes
 from examples.seedvr2.vae.sharding import decode_sharded, encode_sharded
 from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled
-from winsp.group import SPGroup
-from winsp.spatial import (
+from tests.helpers import random_video, tiny_vae
+from winsp.comm.group import SPGroup
+from winsp.comm.spatial import (
     band_offsets,
     band_sizes,
     distributed_group_norm,
@@ -19,13 +20,12 @@ from winsp.spatial import (
     halo_exchange,
     take_band,
 )
-from tests.helpers import random_video, tiny_vae
 from winsp.testing import RankError, run_ranks
 
 TIMEOUT = 120.0
 
 
-# ---- winsp.spatial at one rank --------------------------------------------------------------------------------
+# ---- winsp.comm.spatial at one rank --------------------------------------------------------------------------------
 
 
 def test_band_sizes_cover_and_balance():
@@ -57,7 +57,7 @@ def test_mean_var_is_stable_under_a_large_offset():
     assert abs(var.item() - x.float().double().var(correction=0).item()) < 1e-9
 
 
-# ---- winsp.spatial across ranks ------------------------------------------------------------------------------
+# ---- winsp.comm.spatial across ranks ------------------------------------------------------------------------------
 
 
 def _spatial_rank(rank: int, world: int, sizes: list[int]) -> dict:

@@ -19,7 +19,7 @@ from examples.seedvr2.vae.wavefront import (
     split_for_clip,
 )
 from tests.helpers import random_video, tiny_vae
-from winsp.group import SPGroup
+from winsp.comm.group import SPGroup
 from winsp.testing import RankError, run_ranks
 
 TIMEOUT = 180.0
@@ -107,7 +107,7 @@ def test_wavefront_six_ranks_three_by_two():
 
 def _subgroup_rank(rank: int, world: int) -> bool:
     """Two SP groups of two ranks (world ranks 0-1 and 2-3), each running its own clip as a wavefront."""
-    from winsp.group import new_subgroup
+    from winsp.comm.group import new_subgroup
 
     torch.set_num_threads(1)
     groups = [new_subgroup([0, 1]), new_subgroup([2, 3])]

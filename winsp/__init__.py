@@ -2,103 +2,57 @@
 
 Each rank owns whole attention windows, so attention needs no communication, every rank keeps all heads, and rows
 move only where the window layout changes between layers.
+
+The package is layered, each layer importing only those below it (checked in CI by ``import-linter``)::
+
+    winsp.testing    run ranks, compare a parallel model with the original
+    winsp.adoption   parallelize an existing model: plans, swaps, region checks
+    winsp.runtime    the layer schedule, requests, gradients
+    winsp.attention  window, split-window and neighborhood kernels
+    winsp.comm       torch.distributed: redistribution, text reduction, bands
+    winsp.planning   placements and schedules, pure functions of shapes
+    winsp.geometry   windows, neighborhoods, layouts
+    winsp.utils      argument checks
+
+This top level holds what the README and guides call; everything else is in those subpackages.
 """
 
-from .config import DiffusionParallelConfig
-from .geometry import (
-    FixedWindows,
-    REGULAR_METHOD,
-    SHIFTED_METHOD,
-    SeedVR2Windows,
-    WindowGeometry,
-    make_geometry,
-    window_slices,
+from winsp import testing  # noqa: F401
+from winsp.adoption import (
+    ChannelsLast,
+    FlatTokens,
+    ParallelPlan,
+    Region,
+    TokenIO,
+    adopt,
+    parallelize,
+    swapped,
+    unparallelize,
 )
-from .group import SPGroup
-from .layout import Layout, build_layout
-from .planner import PLANNER_VERSION, Plan, lpt_assign
-from .schedule import PLANNERS, plan_schedule
-from .redistribute import Transition, ensure_layout, gather_rows, redistribute_rows, scatter_rows
-from .text import reduce_window_text
-from .segments import WindowSegments
-from .backends import available_backends
-from .attention import WindowAttention, reference_window_attention, window_attention
-from .store import RuntimeStore
-from .runtime import StagedRequest, StagedRuntime, WindowRequest, WindowRuntime
-from .gradients import sync_gradients
-from .nn import WindowParallel
-from .mesh import TemporalMesh, build_temporal_mesh, interleaved_schedule, ordered_results
-from .context import active_request, current_request
-from .swin import SwinWindows
-from .stages import Stage
-from .drop_path import RowDropout, SampleDropPath, row_dropout
-from .parallelize import ChannelsLast, ParallelPlan, Region, TokenIO, adopt, is_parallelized, parallelize, unparallelize
-from .token_io import FlatTokens
-from .swapped import Swapped, swapped
-from .neighborhood import Neighborhood
-from .halo_attention import halo_tensors, neighborhood_attention, neighborhood_rpb_score_mod
+from winsp.attention import WindowAttention, neighborhood_attention, window_attention
+from winsp.comm import SPGroup  # noqa: F401  (kept importable as winsp.SPGroup for type hints; not in __all__)
+from winsp.geometry import FixedWindows, Neighborhood, SeedVR2Windows, SwinWindows, WindowGeometry, make_geometry
+from winsp.planning import Stage
+from winsp.runtime import (
+    DiffusionParallelConfig,
+    RowDropout,
+    SampleDropPath,
+    WindowParallel,
+    WindowRuntime,
+    current_request,
+    sync_gradients,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Neighborhood",
-    "halo_tensors",
-    "neighborhood_attention",
-    "neighborhood_rpb_score_mod",
-    "unparallelize",
-    "parallelize",
-    "is_parallelized",
-    "current_request",
-    "adopt",
-    "active_request",
-    "TokenIO",
-    "SwinWindows",
-    "StagedRuntime",
-    "StagedRequest",
-    "Stage",
-    "SampleDropPath",
-    "RowDropout",
-    "row_dropout",
-    "Region",
-    "ParallelPlan",
-    "ChannelsLast",
-    "FlatTokens",
-    "Swapped",
-    "swapped",
-    "DiffusionParallelConfig",
-    "FixedWindows",
-    "Layout",
-    "PLANNERS",
-    "PLANNER_VERSION",
-    "Plan",
-    "REGULAR_METHOD",
-    "RuntimeStore",
-    "SHIFTED_METHOD",
-    "SPGroup",
-    "SeedVR2Windows",
-    "TemporalMesh",
-    "Transition",
-    "WindowAttention",
-    "WindowGeometry",
-    "WindowParallel",
-    "WindowRequest",
-    "WindowRuntime",
-    "WindowSegments",
-    "available_backends",
-    "build_layout",
-    "build_temporal_mesh",
-    "ensure_layout",
-    "gather_rows",
-    "interleaved_schedule",
-    "lpt_assign",
-    "make_geometry",
-    "ordered_results",
-    "plan_schedule",
-    "redistribute_rows",
-    "reduce_window_text",
-    "reference_window_attention",
-    "scatter_rows",
-    "sync_gradients",
-    "window_attention",
-    "window_slices",
+    # adopt an existing model
+    "parallelize", "unparallelize", "ParallelPlan", "Region", "Stage", "ChannelsLast", "TokenIO", "FlatTokens",
+    "swapped", "adopt", "current_request", "RowDropout", "SampleDropPath",
+    # the request API
+    "DiffusionParallelConfig", "WindowRuntime", "WindowParallel", "sync_gradients",
+    # geometry
+    "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "Neighborhood", "make_geometry",
+    # kernels
+    "window_attention", "WindowAttention", "neighborhood_attention",
 ]

@@ -252,7 +252,7 @@ def _collect(run: dict) -> dict:
 
 def _parallel_rank(rank: int, world_size: int, make_original, make_parallel, make_inputs, loss, seed: int,
                    train: bool) -> dict:
-    from .gradients import sync_gradients
+    from winsp.runtime.gradients import sync_gradients
 
     torch.manual_seed(seed)
     weights = sum(float(p.detach().double().abs().sum()) for p in make_original().parameters())

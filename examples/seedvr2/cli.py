@@ -37,30 +37,30 @@ from typing import Optional, Sequence
 
 import torch
 
-from winsp.group import abort_world, init_world_from_env, shutdown_world
+from winsp.comm.group import abort_world, init_world_from_env, shutdown_world
 
 from .color_fix import COLOR_FIXES
 from .media import (
     DEFAULT_CRF,
     IMAGE_EXTENSIONS,
+    Geometry,
     MediaError,
     check_output_directory,
     check_scale,
     default_output_path,
-    h264_frame_size,
-    same_file,
-    Geometry,
     frames_to_model,
+    h264_frame_size,
     model_to_frames,
     output_kind,
     parse_resolution,
     plan_geometry,
+    same_file,
 )
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
-from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
 from .checkpoint_dtypes import WEIGHT_MODES
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
 
 PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
@@ -435,7 +435,6 @@ def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torc
         return DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model].vid_dim, 0
     from .dit import NaDiTConfig
     from .vae import VideoVAEConfig
-
     from .weight_memory import run_weight_bytes
 
     weights = run_weight_bytes(args.model, args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
@@ -454,7 +453,7 @@ def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: "Ru
     raises: the failed ones their own error (the lowest of them reports it, see ``state.reporter``), the others
     :class:`PeerFailed`; all of them are then at the same point and leave the group together.
     """
-    from winsp.group import SPGroup
+    from winsp.comm.group import SPGroup
 
     from .memory_limits import MemoryLimit
 
@@ -559,7 +558,7 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
 
 def _per_rank_figures(values: list[float], device: torch.device) -> list[list[float]]:
     """Every rank's ``values`` (one row per rank), through winsp's world group (one collective)."""
-    from winsp.group import SPGroup
+    from winsp.comm.group import SPGroup
 
     world = SPGroup.world()
     row = torch.tensor([values], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
@@ -633,14 +632,13 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     state = RunState() if state is None else state
     import numpy as np
 
-    from winsp.mesh import build_temporal_mesh, ordered_results
+    from winsp.comm.temporal import build_temporal_mesh, ordered_results
 
     from .media import MediaWriter, iter_frames
-    from .pipeline import SeedVR2Pipeline
     from .memory_fit import tile_overlap
-    from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
-
     from .memory_limits import usable_memory
+    from .pipeline import SeedVR2Pipeline
+    from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
 
     # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
     # then the ranks meet once (the only collective before the run) and agree to start, or all stop.

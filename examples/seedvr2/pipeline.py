@@ -228,7 +228,7 @@ class SeedVR2Pipeline:
             :mod:`examples.seedvr2.vae.sharding`), ``"tiled"`` (the VAE package's tiled mode), or ``"wavefront"``
             (the ranks run consecutive causal chunks at once, with the height split too where that is faster; see
             :mod:`examples.seedvr2.vae.wavefront`).
-        group: the SP group (a :class:`winsp.group.SPGroup`, a ``torch.distributed`` process group, or None for a
+        group: the SP group (a :class:`winsp.comm.group.SPGroup`, a ``torch.distributed`` process group, or None for a
             single rank). The DiT's window runtime is built over it with ``ulysses_degree`` = its size.
         parallel_config: optional :class:`winsp.DiffusionParallelConfig` (e.g. to pick the attention backend); its
             ``ulysses_degree`` must equal the group size.
@@ -256,7 +256,7 @@ class SeedVR2Pipeline:
         vae_tile_overlap: int = 64,
     ) -> None:
         import winsp
-        from winsp.group import SPGroup
+        from winsp.comm.group import SPGroup
 
         if vae_parallel not in VAE_PARALLEL_MODES:
             raise ValueError(f"vae_parallel must be one of {VAE_PARALLEL_MODES}, got {vae_parallel!r}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from winsp.hierarchy import grid_change_rows
+from winsp.planning.hierarchy import grid_change_rows
 from winsp.testing import run_ranks
 
 from .adapter import swin3d_plan

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 import winsp
-from winsp.swin import relative_position_score_mod, window_raster
+from winsp.geometry.swin import relative_position_score_mod, window_raster
 
 __all__ = ["parallelize", "swin3d_plan", "SwinAttention3d", "SwinPatchMerging"]
 

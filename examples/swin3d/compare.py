@@ -30,7 +30,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def stage_output(output: torch.Tensor) -> torch.Tensor:
     """A stage's output as the model's ``[B, T, H, W, C]``: as is outside a region, gathered from the local rows
     inside one (an extra all-gather: for checks only)."""
-    request = winsp.context.current_request_or_none()
+    request = winsp.runtime.context.current_request_or_none()
     if request is None:
         return output
     rows = request.gather(output)

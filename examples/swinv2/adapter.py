@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 import winsp
-from winsp.swin import relative_position_score_mod, window_raster
+from winsp.geometry.swin import relative_position_score_mod, window_raster
 
 MERGE_ORDER = ((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))  # HF: x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], ...
 BLOCKS = "encoder.layers.*.blocks.*"  # a * stays inside one path component
@@ -79,7 +79,7 @@ def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None =
     """
     cfg = getattr(model, "config", None)
     dropout = [k for k in ("attention_probs_dropout_prob", "hidden_dropout_prob") if getattr(cfg, k, 0)]
-    if getattr(cfg, "model_type", None) != "swinv2" or dropout or winsp.is_parallelized(model):
+    if getattr(cfg, "model_type", None) != "swinv2" or dropout or winsp.adoption.is_parallelized(model):
         raise ValueError(f"examples.swinv2.parallelize needs a transformers Swinv2Model, without dropout, not parallelized "
                          f"already; got {type(model).__name__} (dropout: {dropout or 'none'})")
     return winsp.parallelize(model, plan(model), config, group=group)

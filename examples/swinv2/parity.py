@@ -56,7 +56,7 @@ def boundary_rows(rank: int, world_size: int, size: int = 36) -> list[tuple[int,
         found.append((request.grid_step(module.index).rows_moved, int(request.valid_rows.sum())))
 
     for module in model.modules():
-        if isinstance(module, winsp.Swapped) and module.swapped_from == "Swinv2PatchMerging":
+        if isinstance(module, winsp.adoption.Swapped) and module.swapped_from == "Swinv2PatchMerging":
             module.register_forward_pre_hook(record)
     model(torch.randn(2, 3, size, size, dtype=torch.float64))
     return found

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import winsp
-from winsp.compile import planning
+from winsp.utils.compile import planning
 
 from .block import NaDiTBlock
 from .config import NaDiTConfig
@@ -43,7 +43,7 @@ class ForwardContext:
     attributes at layer i's tensors, so a block sees only tensors and never an index it would specialise on.
     """
 
-    def __init__(self, request: "winsp.WindowRequest", emb_slots: Optional[Tensor], text_lengths: Sequence[int],
+    def __init__(self, request: "winsp.runtime.WindowRequest", emb_slots: Optional[Tensor], text_lengths: Sequence[int],
                  ropes: Sequence[Optional[RotaryEmbedding3d]], head_dim: int, rope_groups: Sequence[int],
                  device: torch.device) -> None:
         self.request = request

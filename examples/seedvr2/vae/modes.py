@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from winsp.group import SPGroup
+from winsp.comm.group import SPGroup
 
 from .model import CausalVideoVAE
 from .sharding import decode_sharded, encode_sharded

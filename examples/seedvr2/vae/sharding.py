@@ -1,6 +1,6 @@
 """Height-sharded VAE runs: every rank of a window-SP group encodes or decodes one band of rows.
 
-The band split is chosen in latent rows (:func:`winsp.spatial.band_sizes`, uneven heights allowed: bands differ
+The band split is chosen in latent rows (:func:`winsp.comm.spatial.band_sizes`, uneven heights allowed: bands differ
 by at most one latent row) and scaled by 2 at each resolution level, so a band is always 8 pixel rows per latent
 row and every stride-2 convolution starts on an even row. Inside the model (see :mod:`.context`):
 
@@ -24,15 +24,15 @@ The entry points take the full tensor on every rank (the SP ranks hold the same 
 result on every rank; pass ``gather=False`` to keep only this rank's band. Temporal chunking
 (``vae.set_temporal_chunking``) applies inside each rank as usual; to spread the chunks over the ranks
 instead (or as well), see :mod:`.wavefront`. Nothing here calls ``torch.distributed``:
-all communication goes through :class:`winsp.group.SPGroup` via :mod:`winsp.spatial`.
+all communication goes through :class:`winsp.comm.group.SPGroup` via :mod:`winsp.comm.spatial`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from winsp.group import SPGroup
-from winsp.spatial import band_sizes, distributed_group_norm, gather_bands, halo_exchange, take_band
+from winsp.comm.group import SPGroup
+from winsp.comm.spatial import band_sizes, distributed_group_norm, gather_bands, halo_exchange, take_band
 
 from .model import CausalVideoVAE, moments_to_latent
 

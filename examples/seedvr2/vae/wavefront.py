@@ -15,7 +15,7 @@ It combines with height sharding (:mod:`.sharding`): a :class:`VAESplit` of ``T 
 :func:`choose_split` picks the split for a clip from a small cost model. A rank that gets no chunk (``T`` larger
 than the chunk count) only takes part in the final gather.
 
-Nothing here calls ``torch.distributed``: communication goes through :class:`winsp.group.SPGroup`.
+Nothing here calls ``torch.distributed``: communication goes through :class:`winsp.comm.group.SPGroup`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from winsp.group import SPGroup
-from winsp.spatial import band_offsets, band_sizes, take_band
+from winsp.comm.group import SPGroup
+from winsp.comm.spatial import band_offsets, band_sizes, take_band
 
 from .context import CausalCache, RunContext
 from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent

@@ -1,0 +1,23 @@
+"""Layer 6, adoption: make an existing model window-parallel without editing its code.
+
+:func:`~winsp.adoption.parallelize.parallelize` applies a :class:`~winsp.adoption.parallelize.ParallelPlan` (plain
+data about the model); :func:`~winsp.adoption.swapped.swapped` writes a module swap as one function;
+:class:`~winsp.adoption.token_io.FlatTokens` reads ``[B, L, C]`` regions. The region checks and the functional
+dropout policy run inside a region.
+"""
+
+from winsp.adoption.parallelize import (
+    ChannelsLast,
+    ParallelPlan,
+    Region,
+    TokenIO,
+    adopt,
+    is_parallelized,
+    parallelize,
+    unparallelize,
+)
+from winsp.adoption.swapped import Swapped, swapped
+from winsp.adoption.token_io import FlatTokens
+
+__all__ = ["parallelize", "unparallelize", "is_parallelized", "ParallelPlan", "Region", "ChannelsLast", "TokenIO",
+           "FlatTokens", "adopt", "swapped", "Swapped"]

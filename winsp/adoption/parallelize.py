@@ -1,0 +1,518 @@
+"""``winsp.parallelize``: make an existing window-attention model window-parallel without editing its code.
+
+A :class:`ParallelPlan` is plain data about the model: which module call is the window-parallel *region* (its input
+tokens are scattered to the ranks' windows, its output gathered back), which modules are attention layers (swapped
+for winsp modules that reuse their parameters, so ``state_dict`` keys and checkpoints are unchanged), the window
+geometry of every layer grouped in :class:`~winsp.planning.hierarchy.Stage` s, the modules that change the grid between
+stages (patch merging), and any other module to swap (a per-sample drop path). :func:`parallelize` applies it in
+place with forward hooks and module swaps; :func:`unparallelize` takes it all back.
+
+Inside the region every unchanged module runs on this rank's local rows ``[L, C]`` (tokenwise code such as norms,
+MLPs and residuals needs nothing); the swapped modules reach the request through :func:`winsp.current_request`.
+Before each attention layer's *entry* module (by default the attention's parent, i.e. the block, so the residual
+stream moves with it) the rows move into that layer's layout.
+
+The runtime is attached to the root module as ``model._winsp_runtime`` (not a parameter or buffer), where
+``winsp.sync_gradients(model)`` finds the SP group.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+import winsp.adoption.region_dropout as region_dropout
+import winsp.runtime.context as context
+from winsp.adoption.recompute import watch_recompute
+from winsp.adoption.region_checks import ForwardOrder, Step, watch_rows
+from winsp.geometry.windows import Grid
+from winsp.planning.stages import Stage, check_stages
+from winsp.runtime.config import DiffusionParallelConfig
+from winsp.runtime.runtime import WindowRuntime
+
+__all__ = [
+    "ParallelPlan",
+    "Region",
+    "TokenIO",
+    "ChannelsLast",
+    "parallelize",
+    "unparallelize",
+    "adopt",
+    "is_parallelized",
+]
+
+
+class TokenIO:
+    """How a region's input holds its tokens and how its output is rebuilt from the gathered rows.
+
+    Subclass it for a model whose region takes tokens some other way (``[B, L, C]`` plus a grid argument, a
+    dataclass output, ...). Every method sees the region start's ``(args, kwargs)`` or the region end's output.
+    """
+
+    def read(self, args: tuple, kwargs: dict) -> tuple[Tensor, list[Grid]]:
+        """(canonical rows ``[N, ...]``: every sample's tokens row-major in (t, h, w), samples concatenated; grids)."""
+        raise NotImplementedError
+
+    def with_rows(self, args: tuple, kwargs: dict, rows: Tensor) -> tuple[tuple, dict]:
+        """The start module's ``(args, kwargs)`` with the local rows in place of the tokens."""
+        raise NotImplementedError
+
+    def output_rows(self, output: Any) -> Tensor:
+        """The local rows inside the end module's output."""
+        raise NotImplementedError
+
+    def with_output(self, output: Any, rows: Tensor, grids: Sequence[Grid]) -> Any:
+        """The end module's output rebuilt from the gathered canonical rows of ``grids``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ChannelsLast(TokenIO):
+    """Tokens as the first positional argument ``[B, T, H, W, C]`` (``spatial_dims=3``) or ``[B, H, W, C]`` (2).
+
+    Every sample of the batch has the same grid; the region's output is the same layout on the last stage's grid.
+    """
+
+    spatial_dims: int = 3
+
+    def __post_init__(self) -> None:
+        if self.spatial_dims not in (2, 3):
+            raise ValueError(f"ChannelsLast.spatial_dims must be 2 or 3, got {self.spatial_dims!r}")
+
+    def read(self, args, kwargs):
+        if not args or not isinstance(args[0], Tensor) or args[0].dim() != self.spatial_dims + 2:
+            want = "[B, T, H, W, C]" if self.spatial_dims == 3 else "[B, H, W, C]"
+            got = tuple(args[0].shape) if args and isinstance(args[0], Tensor) else type(args[0]).__name__ if args \
+                else "no positional argument"
+            raise ValueError(f"the region's first input must be a {want} tensor, got {got}")
+        x = args[0]
+        grid = tuple(x.shape[1:-1]) if self.spatial_dims == 3 else (1,) + tuple(x.shape[1:-1])
+        return x.reshape(-1, x.shape[-1]), [grid] * x.shape[0]
+
+    def with_rows(self, args, kwargs, rows):
+        return (rows,) + tuple(args[1:]), kwargs
+
+    def output_rows(self, output):
+        if not isinstance(output, Tensor):
+            raise ValueError(f"ChannelsLast: the region's end module must return a tensor, got {type(output).__name__}")
+        return output
+
+    def with_output(self, output, rows, grids):
+        if len(set(grids)) != 1:
+            raise ValueError(f"ChannelsLast: samples end on different grids {sorted(set(grids))}")
+        grid = grids[0] if self.spatial_dims == 3 else grids[0][1:]
+        return rows.reshape((len(grids),) + tuple(grid) + tuple(rows.shape[1:]))
+
+
+@dataclass(frozen=True)
+class Region:
+    """The window-parallel part of a forward: from the call of module ``start`` to the return of module ``end``.
+
+    ``start``'s input tokens are scattered (``tokens`` reads them and the grids), ``end``'s output is gathered and
+    rebuilt (the gather is the only all-gather of the forward; ``start == end`` is the usual case: a model's
+    ``features`` / ``encoder`` container).
+    """
+
+    start: str
+    end: str
+    tokens: TokenIO = field(default_factory=ChannelsLast)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What :func:`parallelize` does to a model (module paths are ``named_modules`` names, matched by globs component
+    by component: ``*`` stays inside one path component, ``**`` spans any number, see :func:`path_matches`; where a
+    glob is taken, a tuple of globs matches a module matching any of them, still in ``named_modules`` order).
+
+    Args:
+        region: the window-parallel region.
+        stages: the window geometry of every attention layer, per stage (one stage for a model on one grid).
+        attention: glob of the attention modules, matched in ``named_modules`` order, which must be forward order:
+            the i-th match is layer i.
+        make_attention: ``(original, layer) -> module`` reusing the original's parameters (see :func:`adopt`).
+        layer_entry: ``"parent"`` (rows move into layer i's layout when the attention's parent module is called:
+            the block, whose residual then moves too), or a glob matching one entry module per layer.
+        grid_changes: glob of the modules that change the grid (patch merging), in forward order: the i-th one leads
+            into the i-th stage that merges or splits.
+        make_grid_change: ``(original, stage) -> module`` (calls ``current_request().to_grid(x, stage)``).
+        swaps: ``(glob, factory)`` pairs: every module matching the glob is replaced by ``factory(original)``
+            (e.g. a drop path that must draw per sample: :class:`winsp.SampleDropPath`; an element-wise dropout:
+            :meth:`winsp.RowDropout.like`).
+        forward_order: globs of the model's containers in the order its forward runs them, for a model whose
+            modules register in another order than they run (a U-net registering its up levels before the middle, or
+            in reverse): each attention (and grid-change, and entry) match is placed by the first glob matching it
+            or one of its parents, matches under one glob keep ``named_modules`` order, and a match under none is
+            refused. None: ``named_modules`` order. Either way the forward is checked against it: a module that runs
+            out of the plan's order is refused before its rows move.
+        dropout: element-wise dropout on local rows in a training forward: ``"refuse"`` (an ``nn.Dropout`` module or
+            an ``F.dropout`` / ``torch.dropout`` call is refused, naming the module) or ``"rows"`` (both draw exactly
+            the original's mask, as :class:`winsp.RowDropout` does, for an original whose tensor there is
+            channels-last with the tokens row-major: winsp cannot see that, so it is the plan's to say). Channel-wise
+            and alpha dropouts on local rows are refused either way; dropout on other tensors runs unchanged.
+            ``"unchecked"``: functional dropout is not watched (it costs about 2 us a torch call in a training
+            forward), for a model known to call none on local rows; ``nn.Dropout`` modules are still refused.
+    """
+
+    region: Region
+    stages: tuple[Stage, ...]
+    attention: Union[str, tuple[str, ...]]
+    make_attention: Callable[[nn.Module, int], nn.Module]
+    layer_entry: Union[str, tuple[str, ...]] = "parent"
+    grid_changes: Union[str, tuple[str, ...], None] = None
+    make_grid_change: Optional[Callable[[nn.Module, int], nn.Module]] = None
+    swaps: tuple[tuple[str, Callable[[nn.Module], nn.Module]], ...] = ()
+    forward_order: Optional[tuple[str, ...]] = None
+    dropout: str = "refuse"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.region, Region):
+            raise ValueError(f"ParallelPlan.region must be a winsp.Region, got {type(self.region).__name__}")
+        if self.dropout not in region_dropout.DROPOUT_POLICIES:
+            raise ValueError(f"ParallelPlan.dropout must be one of {region_dropout.DROPOUT_POLICIES}, got "
+                             f"{self.dropout!r}")
+        object.__setattr__(self, "stages", check_stages(self.stages))
+        if (self.grid_changes is None) != (self.make_grid_change is None):
+            raise ValueError("ParallelPlan: give grid_changes and make_grid_change together")
+        object.__setattr__(self, "swaps", tuple(tuple(s) for s in self.swaps))
+        if self.forward_order is not None:
+            order = (self.forward_order,) if isinstance(self.forward_order, str) else tuple(self.forward_order)
+            if not order or not all(isinstance(g, str) and g for g in order):
+                raise ValueError(f"ParallelPlan.forward_order must be non-empty globs of module paths, got "
+                                 f"{self.forward_order!r}")
+            object.__setattr__(self, "forward_order", order)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(st.layers) for st in self.stages)
+
+
+def adopt(module: nn.Module, original: nn.Module) -> nn.Module:
+    """Register ``original``'s parameters, buffers (same persistence) and submodules on ``module`` under the same
+    names, so a swapped-in module shares the original's tensors and keeps its ``state_dict`` keys; returns ``module``.
+    """
+    for name, param in original.named_parameters(recurse=False):
+        module.register_parameter(name, param)
+    for name, buf in original.named_buffers(recurse=False):
+        module.register_buffer(name, buf, persistent=name not in original._non_persistent_buffers_set)
+    for name, child in original.named_children():
+        module.add_module(name, child)
+    module.train(original.training)
+    return module
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether :func:`parallelize` was applied to ``model`` (and not undone)."""
+    return getattr(model, "_winsp_parallel", None) is not None
+
+
+@dataclass(eq=False)
+class _Applied:
+    plan: ParallelPlan
+    swapped: list  # (parent, name, original) in application order
+    handles: list
+    tokens: list  # ContextVar tokens of regions in progress
+    order: ForwardOrder
+    dropouts: list = field(default_factory=list)  # per region call in progress: its RegionDropout (None in eval)
+
+
+def path_matches(path: str, pattern: str) -> bool:
+    """Whether module path ``path`` matches ``pattern``, component by component (split on ``.``).
+
+    A component of the pattern is an fnmatch glob of one path component (``*`` never crosses a dot, so
+    ``layers.*.blocks.*`` does not match ``layers.0.blocks.0.attn``); ``**`` matches any number of components,
+    none included (``body.**.attn``).
+    """
+    def match(parts: list[str], globs: list[str]) -> bool:
+        if not globs:
+            return not parts
+        if globs[0] == "**":
+            return any(match(parts[i:], globs[1:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], globs[0]) and match(parts[1:], globs[1:])
+
+    return match(path.split("."), pattern.split("."))
+
+
+def _matches(model: nn.Module, pattern, what: str) -> list[tuple[str, nn.Module]]:
+    """Modules whose path matches the glob ``pattern`` (or any glob of a tuple of them), in ``named_modules`` order."""
+    patterns = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+    found = [(n, m) for n, m in model.named_modules() if n and any(path_matches(n, p) for p in patterns)]
+    if not found:
+        raise ValueError(f"ParallelPlan.{what}={pattern!r} matches no module of {type(model).__name__}")
+    return found
+
+
+def _in_forward_order(found: list[tuple[str, nn.Module]], order: Optional[tuple[str, ...]],
+                      what: str) -> list[tuple[str, nn.Module]]:
+    """``found`` sorted by the first ``order`` glob matching each path or a parent of it (stable); as is for None."""
+    if order is None:
+        return found
+
+    def rank(path: str) -> int:
+        parts = path.split(".")
+        for i, pattern in enumerate(order):
+            if any(path_matches(".".join(parts[:n]), pattern) for n in range(1, len(parts) + 1)):
+                return i
+        raise ValueError(f"ParallelPlan.{what} matches {path!r}, which no glob of ParallelPlan.forward_order={order!r} "
+                         f"covers; list every container the forward runs, in the order it runs them")
+
+    ranks = {path: rank(path) for path, _ in found}
+    return sorted(found, key=lambda item: ranks[item[0]])
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent_path, _, name = path.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), name
+
+
+def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: str) -> None:
+    parent, name = _parent(model, path)
+    original = getattr(parent, name)
+    before = {k: v for k, v in original.state_dict(keep_vars=True).items()}
+    after = {k: v for k, v in new.state_dict(keep_vars=True).items()}
+    if before.keys() != after.keys() or any(before[k] is not after[k] for k in before):
+        differ = sorted(set(before) ^ set(after)) or sorted(k for k in before if before[k] is not after[k])
+        raise ValueError(f"{what} for {path!r} must reuse the original module's parameters and buffers under the "
+                         f"same names (state_dict keys unchanged; winsp.adopt(new, original) does it); these "
+                         f"differ: {differ}")
+    new.train(original.training)
+    parent._modules[name] = new
+    applied.swapped.append((parent, name, original))
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[DiffusionParallelConfig] = None, *,
+                group=None) -> nn.Module:
+    """Make ``model`` window-parallel in place as ``plan`` says, on the SP group ``config`` asks for; returns it.
+
+    ``config`` None runs one rank. Under ``torch.distributed`` pass ``DiffusionParallelConfig(ulysses_degree=N)``
+    (the world, or ``group=`` a subgroup of N ranks). Every rank must call the model with identical inputs; the
+    region's output is complete on every rank. Gradients follow winsp's convention: call
+    ``winsp.sync_gradients(model)`` after ``backward``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"parallelize: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise ValueError(f"parallelize: plan must be a winsp.ParallelPlan, got {type(plan).__name__}")
+    if is_parallelized(model):
+        raise ValueError("parallelize: this model is parallelized already; call winsp.unparallelize(model) first")
+    modules = dict(model.named_modules())
+    for end in ("start", "end"):
+        path = getattr(plan.region, end)
+        if path not in modules:
+            raise ValueError(f"Region.{end}={path!r} is not a module path of {type(model).__name__}")
+    attention = _in_forward_order(_matches(model, plan.attention, "attention"), plan.forward_order, "attention")
+    if len(attention) != plan.num_layers:
+        raise ValueError(f"ParallelPlan.attention={plan.attention!r} matches {len(attention)} modules but the stages "
+                         f"list {plan.num_layers} layers ({[len(s.layers) for s in plan.stages]} per stage)")
+    if plan.layer_entry == "parent":
+        entry_paths = [path.rpartition(".")[0] for path, _ in attention]
+    else:
+        entry_paths = [path for path, _ in _in_forward_order(_matches(model, plan.layer_entry, "layer_entry"),
+                                                             plan.forward_order, "layer_entry")]
+        if len(entry_paths) != len(attention):
+            raise ValueError(f"ParallelPlan.layer_entry={plan.layer_entry!r} matches {len(entry_paths)} modules, one "
+                             f"per attention layer ({len(attention)}) is needed")
+    if len(set(entry_paths)) != len(entry_paths):
+        shared = sorted({p for p in entry_paths if entry_paths.count(p) > 1})
+        raise ValueError(f"attention layers share the entry module(s) {shared}: rows can move into one layer's layout "
+                         f"per entry; give ParallelPlan.layer_entry a glob matching one module per layer")
+    changing = [s for s, st in enumerate(plan.stages) if st.changes_grid]
+    grid_changes = _in_forward_order(_matches(model, plan.grid_changes, "grid_changes"), plan.forward_order,
+                                     "grid_changes") if plan.grid_changes else []
+    if len(grid_changes) != len(changing):
+        raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
+                         f"change the grid (stages {changing})")
+    swaps = [(path, factory) for pattern, factory in plan.swaps for path, _ in _matches(model, pattern, "swaps")]
+
+    runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
+    order = ForwardOrder(_steps(plan, entry_paths, dict(zip(changing, (p for p, _ in grid_changes)))))
+    applied = _Applied(plan=plan, swapped=[], handles=[], tokens=[], order=order)
+    try:
+        for layer, (path, original) in enumerate(attention):
+            _swap(model, path, plan.make_attention(original, layer), applied, "make_attention")
+        for stage, (path, original) in zip(changing, grid_changes):
+            _swap(model, path, plan.make_grid_change(original, stage), applied, "make_grid_change")
+        for path, factory in swaps:
+            _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
+        step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
+        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes)})
+        if plan.region.start != plan.region.end:  # the forward between them is the model's own: dry-run the model
+            applied.handles.append(model.register_forward_pre_hook(_model_dry_run(applied, model, step_paths),
+                                                                   with_kwargs=True))
+        # before the entries' hooks: a region may start at its first block, which is also a layer entry
+        applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
+            _region_start(runtime, plan.region.tokens, applied, model, step_paths), with_kwargs=True))
+        for layer, path in enumerate(entry_paths):  # looked up after the swaps: an entry may have been swapped
+            entry = model.get_submodule(path) if path else model
+            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer, order)))
+        for stage, (path, _) in zip(changing, grid_changes):
+            applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
+        applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]),
+                                      dropout=plan.dropout, modes=applied.dropouts)
+        applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []),  # activation checkpointing
+                                           modes=applied.dropouts)
+        io = plan.region.tokens
+        applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
+            _region_end(io, applied), with_kwargs=True, always_call=True))
+    except BaseException:
+        _undo(applied)
+        raise
+    model._winsp_runtime = runtime
+    model._winsp_parallel = applied
+    return model
+
+
+def unparallelize(model: nn.Module) -> nn.Module:
+    """Undo :func:`parallelize`: the original modules back in place, hooks removed, the runtime detached."""
+    applied = getattr(model, "_winsp_parallel", None)
+    if applied is None:
+        raise ValueError("unparallelize: this model was not parallelized by winsp.parallelize")
+    _undo(applied)
+    del model._winsp_parallel
+    del model._winsp_runtime
+    return model
+
+
+def _undo(applied: _Applied) -> None:
+    for handle in reversed(applied.handles):
+        handle.remove()
+    for parent, name, original in reversed(applied.swapped):
+        parent._modules[name] = original
+    applied.handles.clear()
+    applied.swapped.clear()
+
+
+def _steps(plan: ParallelPlan, entry_paths: list[str], grid_paths: dict[int, str]) -> tuple[Step, ...]:
+    """The plan's steps in the order its forward must run them: per stage, its grid change, then its layers."""
+    steps, layer = [], 0
+    for s, st in enumerate(plan.stages):
+        if st.changes_grid:
+            steps.append(Step("grid", s, grid_paths[s]))
+        for _ in st.layers:
+            steps.append(Step("layer", layer, entry_paths[layer]))
+            layer += 1
+    return tuple(steps)
+
+
+def _inner_paths(model: nn.Module, region: Region, grid_paths: list[str]) -> list[str]:
+    """Modules inside the region whose row shape is checked: below the region's start and end (or their common
+    parent), except the grid changes and their parents (their output is on another grid)."""
+    start, end = region.start.split("."), region.end.split(".")
+    n = 0
+    while n < min(len(start), len(end)) and start[n] == end[n]:
+        n += 1
+    top = ".".join(start[:n]) if region.start and region.end else ""
+    skip = {region.start, region.end}
+    for path in grid_paths:
+        parts = path.split(".")
+        skip |= {".".join(parts[:k]) for k in range(1, len(parts) + 1)}
+    return [path for path, _ in model.named_modules()
+            if path and path not in skip and (not top or path.startswith(top + "."))]
+
+
+def _layer_entry(layer: int, order: ForwardOrder):
+    def hook(module: nn.Module, args: tuple):
+        if not args or not isinstance(args[0], Tensor):
+            raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
+                             f"first positional argument")
+        order.arrive("layer", layer)
+        return (context.current_request().to_layer(args[0], layer),) + tuple(args[1:])
+
+    return hook
+
+
+def _grid_change(stage: int, order: ForwardOrder):
+    def hook(module: nn.Module, args: tuple):
+        order.arrive("grid", stage)
+
+    return hook
+
+
+def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model: nn.Module, paths: dict):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if applied.order.recording is not None:  # the dry forward below
+            return None
+        if applied.plan.region.start == applied.plan.region.end and not applied.order.dry_run_done:
+            applied.order.check_dry_run(lambda: _forward_on_meta(model, module, applied, paths, args, kwargs))
+        rows, grids = io.read(args, kwargs)
+        request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
+        local = request.scatter(rows)
+        applied.tokens.append(context._enter(request))
+        watched = module.training and applied.plan.dropout != "unchecked"
+        applied.dropouts.append(region_dropout.enter(applied.plan.dropout, applied.plan.region.start)
+                                if watched else None)
+        applied.order.begin()
+        return io.with_rows(args, kwargs, local)
+
+    return hook
+
+
+def _model_dry_run(applied: _Applied, model: nn.Module, paths: dict):
+    """For a region whose start and end are different modules: before the model's first forward, the model's forward
+    on meta tensors, checked against the plan's steps (the region may run any number of times in it)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if applied.order.recording is None and not applied.order.dry_run_done and not applied.tokens:
+            if not applied.order.check_dry_run(lambda: _forward_on_meta(model, module, applied, paths, args, kwargs),
+                                               repeats=True):
+                applied.order.dry_run_done = True  # cannot run on meta tensors: checked step by step as it runs
+        return None
+
+    return hook
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, paths: dict, args: tuple,
+                     kwargs: dict) -> None:
+    """The region's forward with the original modules back in place, on meta tensors (parameters, buffers and inputs),
+    noting each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
+    user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
+    current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
+    stash: list = []
+    try:
+        for parent, name, original in applied.swapped:
+            parent._modules[name] = original
+        for module in region.modules():
+            stash.append((module, {d: getattr(module, d) for d in _HOOK_DICTS if hasattr(module, d)}))
+            for d in stash[-1][1]:
+                object.__setattr__(module, d, OrderedDict())
+        for (kind, index), path in paths.items():
+            target = model.get_submodule(path) if path else model
+            target.register_forward_pre_hook(lambda module, a, kind=kind, index=index: applied.order.arrive(kind, index))
+        meta = {name: torch.empty_like(t, device="meta")
+                for name, t in list(region.named_parameters()) + list(region.named_buffers())}
+        to_meta = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.func.functional_call(region, meta, tuple(to_meta(a) for a in args),
+                                       {k: to_meta(v) for k, v in kwargs.items()})
+    finally:
+        for module, hooks in stash:
+            for d, value in hooks.items():
+                object.__setattr__(module, d, value)
+        for parent, name, module in current:
+            parent._modules[name] = module
+
+
+def _region_end(io: TokenIO, applied: _Applied):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if not applied.tokens:
+            return None
+        token, dropout = applied.tokens.pop(), applied.dropouts.pop()
+        try:
+            applied.order.end(completed=output is not None)
+            if output is None:  # the region raised; the hook only restores the context
+                return None
+            request = context.current_request()
+            rows = request.gather(io.output_rows(output))
+            return io.with_output(output, rows, request.stage_model_grids[request.stage])
+        finally:
+            region_dropout.leave(dropout)
+            context._leave(token)
+
+    return hook

@@ -1,0 +1,118 @@
+"""Functional dropout inside a :func:`winsp.parallelize` region: reproduced on local rows, or refused by path.
+
+A block may call ``F.dropout(x, p, self.training)`` (or ``torch.dropout``) itself instead of holding an
+``nn.Dropout``: no module to swap, and on local rows ``[L, ...]`` its mask would be drawn over this rank's rows only,
+not over the original's whole tensor, so the parallel model would silently draw other numbers. While a region runs a
+training forward, :class:`RegionDropout` (a ``TorchFunctionMode``) sees every dropout call on a tensor of local rows
+(dim 0 is this rank's row count) and, as ``ParallelPlan.dropout`` says:
+
+- ``"refuse"`` (the default): raises, naming the innermost region module whose forward made the call, the function,
+  ``p`` and the fix;
+- ``"rows"``: draws as :class:`winsp.RowDropout` does (the original's mask over the full ``[N, ...]`` tensor of the
+  current grid, channels-last with the tokens row-major, then this rank's rows: :func:`winsp.row_dropout`);
+- ``"unchecked"``: no mode is pushed (a mode costs about 2 us a torch call in a training forward); for a model known
+  to call no functional dropout on local rows. ``nn.Dropout`` modules are still refused by their hooks.
+
+Channel-wise and alpha dropouts (``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``) have no row-wise
+equivalent and are refused by name either way. Dropout on any other tensor (a per-sample conditioning vector
+``[B, C]``, drawn alike on every rank since every rank holds the same generator state), with ``p == 0`` or not
+training runs unchanged. An eval forward pushes no mode, so inference pays nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+import winsp.runtime.drop_path as drop_path
+from winsp.runtime.context import current_request_or_none
+from winsp.runtime.drop_path import row_dropout
+from winsp.utils.compile import planning
+
+__all__ = ["DROPOUT_POLICIES", "RegionDropout"]
+
+DROPOUT_POLICIES = ("refuse", "rows", "unchecked")
+
+# element-wise dropout drawn as the original draws: function -> (its name in messages, in place: None for the argument)
+_ELEMENTWISE = {F.dropout: ("torch.nn.functional.dropout", None), torch.dropout: ("torch.dropout", False),
+                torch.dropout_: ("torch.dropout_", True)}
+_CHANNELS = "it drops whole channels or rescales otherwise, which has no row-wise equivalent"
+# refused on local rows: function -> (its name, why)
+_NO_ROW_WISE = {
+    **{f: (f"torch.nn.functional.{f.__name__}", _CHANNELS)
+       for f in (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)},
+    **{f: (f"torch.{f.__name__}", _CHANNELS)
+       for f in (torch.alpha_dropout, torch.alpha_dropout_, torch.feature_dropout, torch.feature_dropout_,
+                 torch.feature_alpha_dropout, torch.feature_alpha_dropout_)},
+    torch.native_dropout: ("torch.native_dropout", "it returns its mask too, which winsp does not draw row-wise"),
+}
+_ORDER = ("input", "p", "training", "inplace")  # the functional signatures; torch.* names the third "train"
+
+
+def _arguments(args: tuple, kwargs: dict) -> tuple[object, float, bool, bool]:
+    """(input, p, training, inplace) of a dropout call, whichever of its signatures it used."""
+    named = dict(zip(_ORDER, args))
+    named.update({("training" if k == "train" else k): v for k, v in kwargs.items()})
+    return named.get("input"), float(named.get("p", 0.5)), bool(named.get("training", True)), bool(
+        named.get("inplace", False))
+
+
+class RegionDropout(TorchFunctionMode):
+    """Active while one region call runs a training forward; ``paths`` is the stack of region modules running now
+    (the region's start at the bottom; :func:`winsp.adoption.region_checks.watch_rows` pushes and pops the inner ones)."""
+
+    def __init__(self, policy: str, start: str) -> None:
+        super().__init__()
+        if policy not in DROPOUT_POLICIES:
+            raise ValueError(f"ParallelPlan.dropout must be one of {DROPOUT_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.paths: list[str] = [start or "<root>"]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        elementwise = _ELEMENTWISE.get(func)
+        refused = _NO_ROW_WISE.get(func) if elementwise is None else None
+        if elementwise is None and refused is None:
+            return func(*args, **kwargs)
+        return self._dropout(func, elementwise, refused, args, kwargs)
+
+    @planning  # eager under torch.compile: a traced draw would run again through this mode when its graph runs
+    def _dropout(self, func, elementwise, refused, args, kwargs):
+        if drop_path.drawing():
+            return func(*args, **kwargs)
+        name = (elementwise or refused)[0]
+        x, p, training, inplace = _arguments(args, kwargs)
+        if elementwise is not None and elementwise[1] is not None:
+            inplace = elementwise[1]
+        request = current_request_or_none()
+        if (not training or p == 0.0 or request is None or request._now is None or not isinstance(x, Tensor)
+                or x.dim() == 0 or x.shape[0] != request._now.num_rows):
+            return func(*args, **kwargs)
+        where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on local rows "
+                 f"{list(x.shape)} (rank {request.group.rank})")
+        if elementwise is None:
+            raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
+                             f"in the parallel model, end the region before it, or train with it off")
+        if self.policy == "refuse":
+            raise ValueError(f"{where}: its mask would be drawn over this rank's rows only, not as the original draws "
+                             f"it over the whole tensor. If the original's tensor there is channels-last with the "
+                             f"tokens row-major (as winsp.ChannelsLast region inputs are), set "
+                             f"ParallelPlan(..., dropout='rows') to draw exactly the original's mask (as "
+                             f"winsp.RowDropout does); otherwise end the region before it or train with it off")
+        return row_dropout(x, p, request, inplace=inplace)
+
+
+def enter(policy: str, start: str) -> RegionDropout:
+    """Push a :class:`RegionDropout` for one region call; :func:`leave` pops it."""
+    mode = RegionDropout(policy, start)
+    mode.__enter__()
+    return mode
+
+
+def leave(mode: Optional[RegionDropout]) -> None:
+    if mode is not None:
+        mode.__exit__(None, None, None)

@@ -1,0 +1,473 @@
+"""A request: one forward's window-parallel state and the per-layer steps that move and attend local rows.
+
+Made by :meth:`winsp.WindowRuntime.request` (the planning phase, where every tensor the steps read is prepared or
+found in the runtime's store). The steps are tensor ops on those prepared tensors and Python constants, so they trace
+without graph breaks: ``scatter`` (canonical rows -> this rank's rows), ``to_layer`` (a redistribution only where the
+layout really changes), ``to_grid`` (a stage's sharded merge or split), ``attention`` (on local rows, plus the
+replicated-text reduction) and ``gather`` (the canonical output on every rank). Each step's backward is its forward's
+exact adjoint, which is what :func:`winsp.sync_gradients`' convention rests on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from winsp.attention.backends import Runner, bind_backend, explain_backend
+from winsp.attention.halo.layer import neighborhood_layer
+from winsp.attention.score_mods import check_score_mods
+from winsp.attention.split import join_local_rows, refuse_score_mods, split_attention, split_local_rows
+from winsp.attention.windows import _scale, attend
+from winsp.comm.redistribute import gather_rows, redistribute_rows
+from winsp.comm.text import finish_text_reduction, reduce_window_text, sum_window_text
+from winsp.geometry.neighborhood import is_neighborhood
+from winsp.geometry.windows import WindowGeometry
+from winsp.planning.grid_step import GridStep, StageRows
+from winsp.planning.plan import Plan
+from winsp.runtime.local import LayoutTensors, LocalWindows
+
+if TYPE_CHECKING:
+    from winsp.runtime.runtime import WindowRuntime
+
+__all__ = ["WindowRequest", "PreparedRequest"]
+
+
+@dataclass(eq=False)
+class PreparedRequest:
+    """A store entry: the plans of one request shape and, for this rank and device, every prepared tensor.
+
+    ``slot_of_layer[i]`` is the index in ``layouts`` of layer i's plan (layers with equal geometry share a slot);
+    ``stage_rows[slot]`` tells that layout's padding rows; ``steps[(a, b)]`` moves rows from slot a's layout to slot
+    b's; ``runners[(slot, dtype, modded)]`` is the attention backend chosen for that layout, dtype and whether the call
+    modifies scores, as ``(name, runner, why)``; ``hook_data[(slot, name)]`` is what layout hook ``name`` built.
+    """
+
+    plans: tuple[Plan, ...]
+    slot_of_layer: tuple[int, ...]
+    layouts: tuple[LayoutTensors, ...]
+    stage_rows: tuple[StageRows, ...]
+    stage_model_grids: tuple
+    stage_laid_grids: tuple
+    steps: dict
+    runners: dict
+    hook_data: dict
+    splits: dict = field(default_factory=dict)  # (slot, heads) -> SplitAttentionTensors, for layouts that split
+
+
+class WindowRequest:
+    """One forward's window-parallel state: which layout the local rows are in, and the steps between layouts.
+
+    Cheap to make: a view of the runtime store's :class:`PreparedRequest` plus the current layer. ``grids`` are the
+    batch's stage-0 model grids; ``stage_model_grids`` / ``stage_laid_grids`` those of every stage.
+    """
+
+    def __init__(self, runtime: "WindowRuntime", prepared: PreparedRequest, grids, text_lengths,
+                 device: torch.device) -> None:
+        self.runtime = runtime
+        self.prepared = prepared
+        self.grids = self.model_grids = grids
+        self.stage_model_grids, self.stage_laid_grids = prepared.stage_model_grids, prepared.stage_laid_grids
+        self.text_lengths = text_lengths
+        self.num_text_rows = sum(text_lengths)
+        self.device = device
+        self.group = runtime.group
+        self.layer: int | None = None
+        self.transitions_done = 0
+        # the current layout, kept as an object and a slot so the per-layer steps never specialise on the layer index
+        self._slot: int | None = None
+        self._now: LayoutTensors | None = None
+
+    # ---- plans and layouts -------------------------------------------------------------------------------
+
+    def _check_layer(self, layer: object) -> int:
+        n = len(self.prepared.slot_of_layer)
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+            raise ValueError(f"layer must be an integer layer index, got {layer!r}")
+        if not 0 <= layer < n:
+            raise ValueError(f"layer {layer} is outside the schedule of {n} layers")
+        return int(layer)
+
+    def _current(self) -> int:
+        if self.layer is None:
+            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        return self.layer
+
+    def _current_layout(self) -> LayoutTensors:
+        if self._now is None:
+            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        return self._now
+
+    def _enter(self, layer: int) -> int:
+        """Make ``layer`` current; returns its layout slot."""
+        slot = self.prepared.slot_of_layer[layer]
+        self.layer, self._slot, self._now = layer, slot, self.prepared.layouts[slot]
+        return slot
+
+    def _layer_layout(self, layer: object) -> LayoutTensors:
+        """The current layout, checked to be ``layer``'s (the rows of a layer must be in that layer's layout)."""
+        layer = self._check_layer(layer)
+        now = self._current_layout()
+        if self.prepared.slot_of_layer[layer] != self._slot:
+            schedule = self.runtime.schedule
+            raise ValueError(
+                f"rank {self.group.rank}: layer {layer} attends in the windows of {schedule[layer]!r}, but the rows "
+                f"are in layer {self.layer}'s layout ({schedule[self.layer]!r}); call request.to_layer(x, {layer}) "
+                f"before layer {layer}'s attention"
+            )
+        return now
+
+    def plan(self, layer: int) -> Plan:
+        """The plan of layer ``layer``'s layout (layers with equal geometry share one plan object)."""
+        return self.prepared.plans[self._check_layer(layer)]
+
+    def layout(self, layer: int | None = None) -> LayoutTensors:
+        """This rank's prepared share of ``layer``'s layout (default: the current layer)."""
+        if layer is None:
+            return self._current_layout()
+        return self.prepared.layouts[self.prepared.slot_of_layer[self._check_layer(layer)]]
+
+    def local(self, layer: int | None = None) -> LocalWindows:
+        """This rank's windows in ``layer``'s layout (default: the current layer), CPU side."""
+        return self.layout(layer).local
+
+    @property
+    def stage(self) -> int:
+        """The stage of the current layer (0 for a model on one grid)."""
+        return self.runtime.stage_of_layer[self._current()]
+
+    def geometry(self, layer: int | None = None) -> WindowGeometry:
+        """The window geometry of ``layer`` (default: the current layer)."""
+        return self.runtime.schedule[self._current() if layer is None else self._check_layer(layer)]
+
+    def _rows(self, layer: int | None = None) -> StageRows:
+        slot = self._slot if layer is None else self.prepared.slot_of_layer[self._check_layer(layer)]
+        if slot is None:
+            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        return self.prepared.stage_rows[slot]
+
+    @property
+    def valid_rows(self) -> Tensor:
+        """[L_local] bool: True for rows inside the model grid, False for padding rows of a padded stage grid."""
+        return self._rows().valid
+
+    @property
+    def model_rows(self) -> Tensor:
+        """[L_local] canonical id of each local row in the current stage's *model* grids (the row of the original
+        model's ``[N, ...]`` tensor it is; ``num_model_rows`` for a padding row)."""
+        return self._rows().scatter_index
+
+    @property
+    def num_model_rows(self) -> int:
+        """Rows of the original model's tensor on the current stage's grids (padding excluded)."""
+        return sum(t * h * w for t, h, w in self.stage_model_grids[self.stage])
+
+    @property
+    def laid_grid(self) -> Tensor:
+        """[L_local, 3] the laid-out (padded) grid of each local row's sample (``grid_coords`` live in it)."""
+        return self._rows().laid_grid
+
+    @property
+    def window_coords(self) -> Tensor:
+        """[L_local, 3] window-local (dt, dh, dw) of each local row in the current layout."""
+        return self._current_layout().window_coords
+
+    @property
+    def window_shape(self) -> Tensor:
+        """[L_local, 3] extent (t, h, w) of the window of each local row (for window-size-relative positions)."""
+        return self._current_layout().window_shape
+
+    @property
+    def grid_coords(self) -> Tensor:
+        """[L_local, 3] global (t, h, w) of each local row inside its sample's grid, in the current layout."""
+        return self._current_layout().grid_coords
+
+    @property
+    def token_ids(self) -> Tensor:
+        """[L_local] canonical packed token id of each local row in the current layout."""
+        return self._current_layout().token_ids
+
+    @property
+    def row_sample(self) -> Tensor:
+        """[L_local] sample index of each local row in the current layout."""
+        return self._current_layout().row_sample
+
+    def sample_rows(self, x: Tensor) -> Tensor:
+        """This rank's local rows (current layout) of a per-sample tensor ``[B, ...]``: ``x[row_sample]``.
+
+        For what the original broadcasts over its tokens per sample (a conditioning vector ``[B, C]`` viewed as
+        ``[B, 1, 1, C]``: adaLN, a timestep embedding). No collective; backward sums into each sample's row.
+        """
+        samples = len(self.stage_model_grids[self.stage])
+        if x.dim() == 0 or x.shape[0] != samples:
+            raise ValueError(f"sample_rows: expected a per-sample tensor [{samples}, ...] (the request has {samples} "
+                             f"samples), got {list(x.shape)}")
+        return x.index_select(0, self.row_sample)
+
+    def grid_rows(self, x: Tensor, *, spatial_dims: int = 3) -> Tensor:
+        """This rank's local rows (current layout) of a tensor given per position of the current stage's grid and
+        shared by every sample: ``[T, H, W, ...]`` (``spatial_dims=3``), ``[H, W, ...]`` (2, a grid ``(1, H, W)``)
+        or ``[W, ...]`` (1). For positions (axial RoPE), per-token tables, masks. Padding rows get zeros.
+
+        No collective; backward sums into the positions read.
+        """
+        if spatial_dims not in (1, 2, 3):
+            raise ValueError(f"grid_rows: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}")
+        grids = sorted(set(self.stage_model_grids[self.stage]))
+        if len(grids) != 1:
+            raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a tensor "
+                             f"per grid position shared by every sample cannot describe them (give canonical rows "
+                             f"[N, ...] to request.scatter instead)")
+        grid = grids[0]
+        if any(g != 1 for g in grid[:3 - spatial_dims]) or tuple(x.shape[:spatial_dims]) != grid[3 - spatial_dims:]:
+            raise ValueError(f"grid_rows: a tensor with {spatial_dims} grid dimension(s) {list(x.shape)} does not "
+                             f"match stage {self.stage}'s grid (t, h, w) = {grid} (spatial_dims=3 takes [T, H, W, ...],"
+                             f" 2 [H, W, ...] for t = 1, 1 [W, ...] for t = h = 1)")
+        per_sample = grid[0] * grid[1] * grid[2]
+        rows = self._rows()
+        flat = x.reshape((per_sample,) + tuple(x.shape[spatial_dims:]))
+        if not rows.padded:
+            return flat.index_select(0, rows.scatter_index % per_sample)
+        index = torch.where(rows.valid, rows.scatter_index % per_sample, per_sample)
+        return torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))]).index_select(0, index)
+
+    @property
+    def window_ids(self) -> Tensor:
+        """[L_local] id of each local row's window in the current layout (the geometry's window order per sample)."""
+        return self._current_layout().window_ids
+
+    @property
+    def local_window(self) -> Tensor:
+        """[L_local] index of each local row's window among this rank's windows (local rows are window-major)."""
+        return self._current_layout().local_window
+
+    def layout_data(self, name: str, layer: int | None = None) -> Any:
+        """What layout hook ``name`` (:meth:`WindowRuntime.register_layout_hook`) built for the current layer's layout
+        (or ``layer``'s)."""
+        slot = self._slot if layer is None else self.prepared.slot_of_layer[self._check_layer(layer)]
+        if slot is None:
+            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        if (slot, name) not in self.prepared.hook_data:
+            raise ValueError(f"no layout hook named {name!r} was registered before this request was made; "
+                             f"registered: {sorted(self.runtime.layout_hooks)}")
+        return self.prepared.hook_data[(slot, name)]
+
+    def _runner(self, slot: int, dtype: torch.dtype | None, modded: bool = False) -> tuple[str, Runner, tuple]:
+        key = (slot, dtype, modded)
+        found = self.prepared.runners.get(key)
+        if found is None:
+            lay = self.prepared.layouts[slot]
+            name, why = explain_backend(self.device, lay.segments, self.runtime.attention_backend, dtype=dtype,
+                                        modded=modded)
+            found = self.prepared.runners[key] = (name, bind_backend(name, lay.segments, lay.index), why)
+        return found
+
+    def backend(self, dtype: torch.dtype | None = None, *, modded: bool = False) -> str:
+        """The attention backend of this request's layouts for ``dtype`` and calls with (``modded``) or without score
+        mods (names joined by '+' where they differ)."""
+        names = dict.fromkeys(self._runner(slot, dtype, modded)[0] for slot in range(len(self.prepared.layouts)))
+        return "+".join(names)
+
+    def backend_reasons(self, dtype: torch.dtype | None = None, *, modded: bool = False) -> tuple[str, ...]:
+        """Why ``"auto"`` passed over the backends before the one :meth:`backend` names (empty for an explicit one)."""
+        return tuple(dict.fromkeys(r for slot in range(len(self.prepared.layouts))
+                                   for r in self._runner(slot, dtype, modded)[2]))
+
+    @property
+    def execution_path(self) -> str:
+        """The runtime's :meth:`~WindowRuntime.describe` for this request's device and backend."""
+        return self.runtime.describe(self.device, self.backend(None))
+
+    # ---- the steps ---------------------------------------------------------------------------------------
+
+    def scatter(self, x: Tensor, layer: int = 0) -> Tensor:
+        """Entry: this rank's rows of a canonical packed tensor [N, ...] (the same on every rank) of ``layer``'s stage's
+        model grids, in ``layer``'s layout (padding rows of a padded grid: zeros).
+
+        Backward: the gradient of this rank's rows of its own copy (no collective).
+        """
+        layer = self._check_layer(layer)
+        stage = self.runtime.stage_of_layer[layer]
+        grids = self.stage_model_grids[stage]
+        total = sum(t * h * w for t, h, w in grids)
+        if x.shape[0] != total:
+            where = f"stage {stage}'s grids" if len(self.runtime.stages) > 1 else "the batch's grids"
+            raise ValueError(f"scatter: the canonical tensor has {x.shape[0]} rows but {where} {grids} have {total} "
+                             f"tokens")
+        rows = self._rows(layer)
+        self._enter(layer)
+        if not rows.padded:
+            return x.index_select(0, self._now.token_ids)
+        return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, rows.scatter_index)
+
+    def to_layer(self, x: Tensor, layer: int, *, source: int | None = None) -> Tensor:
+        """Bring local rows into ``layer``'s layout; nothing happens if it is the current one.
+
+        ``source``: the rows are in that earlier layer's layout (a skip kept from it); the current layer stays. Both
+        layers must lie on one grid (the same stage, or a stage cropped ``like`` it); :meth:`to_grid` changes grids.
+        """
+        layer = self._check_layer(layer)
+        if source is not None:
+            source = self._check_layer(source)
+            src, dst = (self.prepared.slot_of_layer[i] for i in (source, layer))
+            if src == dst:
+                return x
+            self._check_same_grid(source, layer, f"to_layer(source={source})")
+            return redistribute_rows(x, self._transition(src, dst), self.group)
+        here = self._current()
+        self._check_same_grid(here, layer, "to_layer")
+        src = self._slot
+        dst = self._enter(layer)
+        if src == dst:
+            return x
+        self.transitions_done += 1
+        return redistribute_rows(x, self._transition(src, dst), self.group)
+
+    def _check_same_grid(self, here: int, layer: int, what: str) -> None:
+        stage_of = self.runtime.stage_of_layer
+        if self.stage_laid_grids[stage_of[here]] != self.stage_laid_grids[stage_of[layer]]:
+            raise ValueError(
+                f"{what}: layer {layer} is in stage {stage_of[layer]}, on another grid than layer {here} (stage "
+                f"{stage_of[here]}); a grid change (request.to_grid(x, stage)) must come between them. If the model "
+                f"does run them in this order, the plan's stages or layer order do not follow the forward"
+            )
+
+    def _transition(self, src: int, dst: int):
+        step = self.prepared.steps.get((src, dst))
+        if step is None:  # a jump the schedule does not make between neighbours: prepared now, once
+            step = self.prepared.steps[(src, dst)] = self.runtime._step(
+                self.prepared.layouts[src].plan, self.prepared.layouts[dst].plan, self.device)
+        return step
+
+    def to_grid(self, x: Tensor, stage: int) -> Tensor:
+        """The grid change into ``stage`` (the next one): local rows of its first layer's layout (of stage s's last
+        layer for a split cropped ``like`` s: see :meth:`WindowRuntime.landing_layer`).
+
+        A merge returns ``[L, K * C, ...]`` (children's channels side by side in the stage's ``order``, zeros for
+        children outside the grid); a split takes ``[L, C, ...]`` with ``C = K * C'`` and returns ``[L, C', ...]``.
+        Only rows whose output row lives on another rank move (one all-to-all, none if no row does).
+        """
+        self._check_grid_change(stage)
+        out = self.runtime._grid_step(self, self._slot, stage)(x, self.group)
+        self._enter(self.runtime.landing_layer(stage))
+        self.transitions_done += 1
+        return out
+
+    def _check_grid_change(self, stage: object) -> None:
+        stages = self.runtime.stages
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 < stage < len(stages):
+            raise ValueError(f"to_grid: stage must be 1 .. {len(stages) - 1}, got {stage!r}")
+        if not stages[stage].changes_grid:
+            raise ValueError(f"to_grid: stage {stage} keeps the previous grid; use to_layer")
+        here = self.stage
+        if here != stage - 1:
+            raise ValueError(f"to_grid: rows are in stage {here}; stage {stage} follows stage {stage - 1}")
+
+    def grid_step(self, stage: int) -> GridStep:
+        """The prepared step :meth:`to_grid` takes from the current layout into ``stage`` (``rows_moved`` etc.)."""
+        self._check_grid_change(stage)
+        return self.runtime._grid_step(self, self._slot, stage)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """Exit: the canonical tensor [N, ...] of the current stage's model grids from every rank's local rows,
+        complete on every rank (padding rows dropped).
+
+        Backward: a reduce-scatter: this rank's rows receive the sum over ranks of the gradients of every rank's copy
+        of them (each rank's copy is its own contribution; :func:`winsp.sync_gradients` averages afterwards).
+        """
+        lay = self._current_layout()
+        rows = self.prepared.stage_rows[self._slot]
+        out = gather_rows(x, lay.plan, self.group, lay.gather_order)
+        return out.index_select(0, rows.crop_index) if rows.padded else out
+
+    def active(self):
+        """``with request.active():`` makes this request the one :func:`winsp.current_request` returns."""
+        from winsp.runtime.context import active_request
+
+        return active_request(self)
+
+    def reduce_text(self, window_text: Tensor) -> Tensor:
+        """Mean over all windows (all ranks) of window-major per-window text outputs; identical on every rank."""
+        return reduce_window_text(window_text, self._current_layout().text, self.group)
+
+    def attention(
+        self,
+        q_vid: Tensor,
+        k_vid: Tensor,
+        v_vid: Tensor,
+        q_txt: Tensor | None = None,
+        k_txt: Tensor | None = None,
+        v_txt: Tensor | None = None,
+        *,
+        layer: int,
+        score_mod=None,
+        mask_mod=None,
+        softmax_scale: float | None = None,
+        text_output: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Window attention of layer ``layer`` on local rows over [window video, sample text], then the text reduction.
+
+        Video tensors are [L_local, heads, head_dim]; text tensors [sum(text_lengths), heads, head_dim] replicated
+        (or None). Returns (video output [L_local, heads, head_dim], text output [L_txt, heads, head_dim] or None).
+        The rows must be in ``layer``'s layout (``to_layer(x, layer)`` first), else a ValueError names both layouts.
+        ``score_mod(score, head, q_row, k_row)`` / ``mask_mod(head, q_row, k_row)`` modify video x video scores, rows
+        being local row indices (:mod:`winsp.attention.score_mods`). ``text_output=False`` (a layer whose text output is never
+        read, e.g. a model's last block) skips the text reduction and its all-reduce; every rank must pass the same
+        value.
+        """
+        lay = self._layer_layout(layer)
+        if q_vid.shape[0] != lay.num_rows:
+            raise ValueError(
+                f"rank {self.group.rank}: attention got {q_vid.shape[0]} video rows, layer {self.layer}'s layout "
+                f"gives this rank {lay.num_rows}"
+            )
+        has_text = q_txt is not None
+        if has_text:
+            for name, t in (("q_txt", q_txt), ("k_txt", k_txt), ("v_txt", v_txt)):
+                if t is not None and t.shape[0] != self.num_text_rows:
+                    raise ValueError(
+                        f"{name} has {t.shape[0]} rows but the request's text_lengths {self.text_lengths} describe "
+                        f"{self.num_text_rows}"
+                    )
+        elif self.num_text_rows:
+            raise ValueError(f"the request has text lengths {self.text_lengths} but attention got no text tensors")
+        mods = check_score_mods(score_mod, mask_mod)
+        if mods:
+            self.runtime._modded_seen = True
+        if is_neighborhood(self.runtime.schedule[layer]):  # halo exchange + local neighbourhoods (winsp.planning.halo)
+            return neighborhood_layer(self, layer, (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), mods,
+                                      softmax_scale, has_text and text_output)
+        if lay.plan.has_split_windows:
+            refuse_score_mods(lay.plan, score_mod, mask_mod)
+            return self._attention_split(lay, self._runner(self._slot, q_vid.dtype, False)[1], (q_vid, k_vid, v_vid),
+                                         (q_txt, k_txt, v_txt), softmax_scale, has_text and text_output)
+        runner = self._runner(self._slot, q_vid.dtype, bool(mods))[1]
+        vid_out, window_text = attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, lay.segments, lay.index, runner,
+                                      softmax_scale=softmax_scale, mods=mods)
+        if not (has_text and text_output):
+            return vid_out, None
+        return vid_out, reduce_window_text(window_text, lay.text, self.group)
+
+    def _attention_split(self, lay: LayoutTensors, runner: Runner, qkv: tuple, qkv_txt: tuple,
+                         softmax_scale: float | None, text_output: bool) -> tuple[Tensor, Tensor | None]:
+        """:meth:`attention` on a layout with split windows: whole windows as usual, split ones head-parallel."""
+        q = qkv[0]
+        split = self.prepared.splits.get((self._slot, q.shape[1]))
+        if split is None:  # first call at this head count: prepared once, then a plain look-up like the runners
+            split = self.prepared.splits[(self._slot, q.shape[1])] = self.runtime._split(
+                lay.plan, self.text_lengths, q.shape[1], self.device)
+        parts = [split_local_rows(t, split) for t in qkv]  # slices where the local rows allow (no copy)
+        vid_whole, window_text = attend(*(w for w, _ in parts), *qkv_txt,
+                                        lay.segments, lay.index, runner, softmax_scale=softmax_scale)
+        txt = tuple(t if t is not None else q.new_zeros((0,) + tuple(q.shape[1:])) for t in qkv_txt)
+        vid_split, txt_split = split_attention(*(p for _, p in parts), *txt, split, self.group,
+                                               _scale(q, softmax_scale))
+        vid_out = join_local_rows(vid_whole, vid_split, split)
+        if not text_output:
+            return vid_out, None
+        acc = sum_window_text(window_text, lay.text, self.group)
+        acc = acc.view(-1, q.shape[-1]).index_add(0, split.text_index, txt_split.to(acc.dtype)).view_as(acc)
+        return vid_out, finish_text_reduction(acc, lay.text, self.group, q.dtype)
