@@ -44,7 +44,7 @@ def _check_boxes(boxes, grid: Grid, geometry: WindowGeometry) -> None:
     for i, box in enumerate(boxes):
         if len(box) != 3 or not all(isinstance(s, slice) for s in box):
             raise ValueError(f"geometry {geometry!r}: window {i} of grid {grid} is not three slices: {box!r}")
-        for axis, s, size in zip("thw", box, grid):
+        for axis, s, size in zip("thw", box, grid, strict=True):
             if s.step not in (None, 1) or not _is_index(s.start) or not _is_index(s.stop) \
                     or not 0 <= s.start < s.stop <= size:
                 raise ValueError(
@@ -143,6 +143,7 @@ class Layout:
                 out = np.empty((self.num_tokens,) + values.shape[2:], dtype=np.int64)
             positions = self.offsets[members][:, None] + np.arange(lt.size)[None, :]
             out[positions.reshape(-1)] = values.reshape((-1,) + values.shape[2:])
+        assert out is not None, "a layout has at least one window (every grid axis is >= 1)"
         return out
 
     def _window_token_ids(self, members, lt, lh, lw) -> np.ndarray:

@@ -24,23 +24,27 @@ class DiffusionParallelConfig:
     """Parallel configuration of one diffusion request.
 
     Args:
-        ulysses_degree: the window-SP degree N (the size of the SP group; the world, or a subgroup given by the caller).
+        ulysses_degree: the window-SP degree N (the size of the SP group; the world, or a subgroup given by the
+            caller).
         ring_degree: must be 1 (ring attention does not apply to windowed attention).
         allgather: must be False (no K/V all-gather strategy).
         ulysses_mode: must be ``"strict"``; ``"advanced_uaa"`` (head padding) is refused.
         advanced_uaa: must be False (same as ``ulysses_mode="advanced_uaa"``).
         ulysses_a2a_permute: must be False (there is no head all-to-all to permute).
-        attention_backend: ``"auto"`` or a backend name of :mod:`winsp.attention.backends` (checked here, at construction).
+        attention_backend: ``"auto"`` or a backend name of :mod:`winsp.attention.backends` (checked here, at
+            construction).
         neighborhood_backend: the kernel of neighborhood layers, ``"auto"``, ``"tiled"``, ``"flex"`` or ``"natten"``
             (:mod:`winsp.attention.halo.backends`; checked here).
         planner: how rows are placed on ranks: ``"auto"`` (the default: per layout, whole windows, split windows or
-            head parallelism, whichever the cost constants of :mod:`winsp.planning.costs` predict is fastest among those that
-            keep rows and attention within 5 % of a perfect split), ``"lpt"`` or ``"locality"`` (whole windows
-            always), ``"split"`` (always cut the rows evenly, splitting windows), ``"heads"`` (head parallelism:
-            every window over all ranks); see :data:`winsp.planning.schedule.PLANNERS`. Every planner gives the same output.
+            head parallelism, whichever the cost constants of :mod:`winsp.planning.costs` predict is fastest among
+            those that keep rows and attention within 5 % of a perfect split), ``"lpt"`` or ``"locality"`` (whole
+            windows always), ``"split"`` (always cut the rows evenly, splitting windows), ``"heads"`` (head
+            parallelism: every window over all ranks); see :data:`winsp.planning.schedule.PLANNERS`. Every planner
+            gives the same output.
         plan_cache_size: how many request shapes the runtime's store keeps (plans, transitions, indices).
-        costs: the cost constants ``"auto"`` weighs placements with (None: :data:`winsp.planning.costs.DEFAULT_COSTS`, SeedVR2
-            3B on an NVLink GPU node; ``benchmarks/cost_model.py --fit-wall`` refits them on measured wall time).
+        costs: the cost constants ``"auto"`` weighs placements with (None:
+            :data:`winsp.planning.costs.DEFAULT_COSTS`, SeedVR2 3B on an NVLink GPU node;
+            ``benchmarks/cost_model.py --fit-wall`` refits them on measured wall time).
     """
 
     ulysses_degree: int = 1
@@ -74,7 +78,8 @@ class DiffusionParallelConfig:
         check_neighborhood_backend(self.neighborhood_backend)
         check_planner(self.planner)
         if self.costs is not None and not isinstance(self.costs, CostConstants):
-            raise ValueError(f"costs must be a winsp.planning.costs.CostConstants or None, got {type(self.costs).__name__}")
+            raise ValueError("costs must be a winsp.planning.costs.CostConstants or None, got "
+                             f"{type(self.costs).__name__}")
 
     @property
     def sp_degree(self) -> int:

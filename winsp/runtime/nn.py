@@ -1,8 +1,8 @@
 """``nn.Module`` pieces for composing window parallelism into a DiT.
 
 :class:`WindowParallel` is the one way a model holds its runtime (SeedVR2, the toy model and the guide all use it).
-The step modules take the current :class:`~winsp.runtime.runtime.WindowRequest` as an argument, so one instance serves every
-request and holds no per-request state.
+The step modules take the current :class:`~winsp.runtime.runtime.WindowRequest` as an argument, so one instance serves
+every request and holds no per-request state.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ and makes the requests that execute the plans.
 
 A model builds one :class:`WindowRuntime` (its window geometries, one per layer, flat or in
 :class:`~winsp.planning.stages.Stage` s, and the SP group), then for each forward asks it for a
-:class:`~winsp.runtime.request.WindowRequest` over that batch's grids. Making the request is the *planning* phase: plans come
-from pure functions (:func:`winsp.plan_schedule` for one stage, :func:`winsp.planning.hierarchy.staged_plans` over stages),
-and they, the transitions, each rank's windows and every device index tensor are kept in the runtime's store (built
-on a miss, numpy on the CPU). It is marked for torch.compile to leave alone. The request's steps are the *per-layer*
-phase (:mod:`winsp.runtime.request`). Model code calls only these; it never sees a collective.
+:class:`~winsp.runtime.request.WindowRequest` over that batch's grids. Making the request is the *planning* phase: plans
+come from pure functions (:func:`winsp.plan_schedule` for one stage, :func:`winsp.planning.hierarchy.staged_plans` over
+stages), and they, the transitions, each rank's windows and every device index tensor are kept in the runtime's store
+(built on a miss, numpy on the CPU). It is marked for torch.compile to leave alone. The request's steps are the
+*per-layer* phase (:mod:`winsp.runtime.request`). Model code calls only these; it never sees a collective.
 
 Gradient convention: every rank computes the same loss from replicated values, each rank's copy of a replicated value
 is its own contribution, and after ``backward`` :func:`winsp.sync_gradients` averages the gradients over the SP group
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from functools import cached_property
+from itertools import pairwise
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -53,10 +54,11 @@ _log = logging.getLogger("winsp")
 
 def as_stages(schedule: Sequence[WindowGeometry] | Sequence[Stage]) -> tuple[Stage, ...]:
     """A runtime's stages: a list of :class:`Stage` as given (checked), or a flat schedule as one stage."""
-    items = tuple(schedule) if not isinstance(schedule, (str, bytes)) else (schedule,)
-    if items and all(isinstance(s, Stage) for s in items):
-        return check_stages(items)
-    if any(isinstance(s, Stage) for s in items):
+    items: tuple = tuple(schedule) if not isinstance(schedule, (str, bytes)) else (schedule,)
+    stages = [s for s in items if isinstance(s, Stage)]
+    if items and len(stages) == len(items):
+        return check_stages(stages)
+    if stages:
         raise ValueError("give a runtime either one WindowGeometry per layer or a list of winsp.Stage, not a mix")
     return (Stage(_check_schedule(items)),)
 
@@ -236,7 +238,8 @@ class WindowRuntime:
         return self.first_layer[stage]
 
     def stage_grids(self, grids: Sequence[Sequence[int]]) -> tuple[tuple, tuple]:
-        """(model grids, laid-out grids) of each stage for these stage-0 grids (:func:`winsp.planning.stages.stage_grids`)."""
+        """(model grids, laid-out grids) of each stage for these stage-0 grids
+        (:func:`winsp.planning.stages.stage_grids`)."""
         grids = check_grids(grids)
         return self.store.get(("stage-grids", grids), lambda: stage_grids(self.stages, grids))
 
@@ -291,7 +294,7 @@ class WindowRuntime:
 
         def build() -> GridStep:
             sources, chunk = self._sources(stage, request.model_grids)
-            parts = 1 if chunk is None else len(self.stages[stage].order)
+            parts = 1 if chunk is None else self.stages[stage].children
             return GridStep.build(src, dst, sources, chunk, parts, self.rank, request.device)
 
         return self.store.get(key, build)
@@ -310,7 +313,7 @@ class WindowRuntime:
             stage_of_slot = {slot: self.stage_of_layer[layer] for layer, slot in enumerate(slot_of_layer)}
             rows = tuple(self._stage_rows(lay, stage_of_slot[s], grids, device) for s, lay in enumerate(layouts))
             steps = {}
-            for a, b in zip(slot_of_layer, slot_of_layer[1:]):
+            for a, b in pairwise(slot_of_layer):
                 if a != b and (a, b) not in steps and distinct[a].layout.grids == distinct[b].layout.grids:
                     steps[(a, b)] = self._step(distinct[a], distinct[b], device)
             model, laid = self.stage_grids(grids)
