@@ -15,7 +15,7 @@ import numpy as np
 
 from winsp.geometry.windows import Grid, WindowGeometry, check_grid
 
-__all__ = ["Layout", "build_layout", "check_grids", "inverse_permutation"]
+__all__ = ["Grids", "Layout", "build_layout", "check_grids", "inverse_permutation"]
 
 
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:
@@ -25,14 +25,28 @@ def inverse_permutation(perm: np.ndarray) -> np.ndarray:
     return inv
 
 
-def check_grids(grids: Sequence[Sequence[int]]) -> tuple[Grid, ...]:
-    """Validate a list of (T, H, W) grids (one per sample) and return them as a tuple of int tuples."""
+class Grids(tuple[Grid, ...]):
+    """The (t, h, w) grids of a packed batch, one per sample, that :func:`check_grids` has checked.
+
+    A plain tuple of int triples that says by its type that it needs no further check: grids are checked once, where
+    they enter (:meth:`winsp.WindowRuntime.request`, or a public planning function given plain tuples), and the code
+    further in takes :class:`Grids` as they are (:func:`check_grids` returns one unchanged).
+    """
+
+    __slots__ = ()
+
+
+def check_grids(grids: Sequence[Sequence[int]]) -> Grids:
+    """Validate a list of (T, H, W) grids (one per sample) and return them as :class:`Grids` (returned as they are
+    when they already are: checked once)."""
+    if isinstance(grids, Grids):
+        return grids
     if isinstance(grids, (str, bytes)) or not hasattr(grids, "__len__") or len(grids) == 0:
         raise ValueError(f"grids must be a non-empty list of (T, H, W) grids, got {grids!r}")
     if len(grids) == 3 and all(isinstance(g, (int, np.integer)) for g in grids):
         raise ValueError(f"grids must be a list of (T, H, W) grids, one per sample; got a single grid {tuple(grids)}:"
                          f" wrap it as [{tuple(grids)}]")
-    return tuple(check_grid(g, f"grids[{i}]") for i, g in enumerate(grids))
+    return Grids(check_grid(g, f"grids[{i}]") for i, g in enumerate(grids))
 
 
 def _is_index(v) -> bool:

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from winsp.geometry.layout import check_grids
+from winsp.geometry.layout import Grids, check_grids
 from winsp.geometry.windows import Grid, WindowGeometry, _positive_int_triple
 from winsp.planning.schedule import _check_schedule
 
@@ -113,21 +113,26 @@ def check_stages(stages: Sequence[Stage]) -> tuple[Stage, ...]:
     return stages
 
 
-def stage_grids(stages: Sequence[Stage], grids: Sequence[Sequence[int]]) -> tuple[tuple, tuple]:
+def stage_grids(stages: Sequence[Stage], grids: Sequence[Sequence[int]]) -> tuple[tuple[Grids, ...],
+                                                                                   tuple[Grids, ...]]:
     """(model grids, laid-out grids) of every stage for a batch whose stage-0 grids are ``grids``.
 
     The laid-out grid is the model grid padded by the stage's geometry; every layer of a stage must agree on it.
+    ``grids`` are checked here unless they already are :class:`~winsp.geometry.layout.Grids`; a later stage's model
+    grids follow from them (merged or split), and the laid-out grids, which the geometry computes, are checked once,
+    here.
     """
     grids = check_grids(grids)
-    model: list[tuple[Grid, ...]] = []
-    laid: list[tuple[Grid, ...]] = []
+    model: list[Grids] = []
+    laid: list[Grids] = []
     for i, st in enumerate(stages):
+        cur: Grids
         if i == 0:
             cur = grids
         elif st.merge != (1, 1, 1):
-            cur = tuple(_merged(grid, st.merge) for grid in model[-1])
+            cur = Grids(_merged(grid, st.merge) for grid in model[-1])
         elif st.split != (1, 1, 1):
-            cur = tuple(_split(grid, st.split) for grid in model[-1])
+            cur = Grids(_split(grid, st.split) for grid in model[-1])
             if st.like is not None:
                 target = model[st.like]
                 for s, (big, want) in enumerate(zip(cur, target, strict=True)):
@@ -143,8 +148,8 @@ def stage_grids(stages: Sequence[Stage], grids: Sequence[Sequence[int]]) -> tupl
             if other != padded:
                 raise ValueError(f"stage {i}: layer {j}'s geometry pads the grids to {other}, layer 0's to "
                                  f"{padded}; the layers of one stage must share one laid-out grid")
-        model.append(tuple(cur))
-        laid.append(padded)
+        model.append(cur)
+        laid.append(cur if padded == cur else check_grids(padded))  # a geometry's padding, checked once
     return tuple(model), tuple(laid)
 
 

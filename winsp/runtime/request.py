@@ -11,7 +11,7 @@ exact adjoint, which is what :func:`winsp.sync_gradients`' convention rests on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -24,16 +24,55 @@ from winsp.attention.split import join_local_rows, refuse_score_mods, split_atte
 from winsp.attention.windows import _scale, attend
 from winsp.comm.redistribute import gather_rows, redistribute_rows
 from winsp.comm.text import finish_text_reduction, reduce_window_text, sum_window_text
+from winsp.geometry.layout import Grids, check_grids
 from winsp.geometry.neighborhood import is_neighborhood
 from winsp.geometry.windows import WindowGeometry
 from winsp.planning.grid_step import GridStep, StageRows
 from winsp.planning.plan import Plan
 from winsp.runtime.local import LayoutTensors, LocalWindows
+from winsp.utils.checks import count_tuple
 
 if TYPE_CHECKING:
     from winsp.runtime.runtime import WindowRuntime
 
-__all__ = ["WindowRequest", "PreparedRequest"]
+__all__ = ["CheckedRequest", "WindowRequest", "PreparedRequest"]
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request's inputs, checked once where they enter (:meth:`CheckedRequest.check`, which
+    :meth:`winsp.WindowRuntime.request` calls): the code further in takes this and checks nothing again.
+
+    ``grids``: the stage-0 model grids, one per sample (:class:`~winsp.geometry.layout.Grids`); ``text_lengths``:
+    one per sample (zeros for a model without text); ``device``: where the prepared tensors live; ``dtype``: the
+    attention inputs' dtype (None: the backend is chosen at the first attention call); ``score_mods``: whether
+    attention calls pass a ``score_mod`` / ``mask_mod`` (None: as the runtime's earlier requests did).
+    """
+
+    grids: Grids
+    text_lengths: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype | None = None
+    score_mods: bool | None = None
+
+    @classmethod
+    def check(cls, grids: Sequence[Sequence[int]], text_lengths: Sequence[int] | None = None, *,
+              device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+              score_mods: bool | None = None) -> "CheckedRequest":
+        """The checked inputs; a ValueError naming the first one that is wrong."""
+        checked = check_grids(grids)
+        if text_lengths is None:
+            lengths = (0,) * len(checked)
+        else:
+            lengths = count_tuple("text_lengths", text_lengths)
+            if len(lengths) != len(checked):
+                raise ValueError(f"text_lengths has {len(lengths)} entries but there are {len(checked)} samples")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if score_mods is not None and not isinstance(score_mods, bool):
+            raise ValueError(f"score_mods must be True, False or None, got {score_mods!r}")
+        return cls(checked, lengths, torch.device(device) if device is not None else torch.device("cpu"), dtype,
+                   score_mods)
 
 
 @dataclass(eq=False)
@@ -50,8 +89,8 @@ class PreparedRequest:
     slot_of_layer: tuple[int, ...]
     layouts: tuple[LayoutTensors, ...]
     stage_rows: tuple[StageRows, ...]
-    stage_model_grids: tuple
-    stage_laid_grids: tuple
+    stage_model_grids: tuple[Grids, ...]
+    stage_laid_grids: tuple[Grids, ...]
     steps: dict
     runners: dict
     hook_data: dict
@@ -61,19 +100,20 @@ class PreparedRequest:
 class WindowRequest:
     """One forward's window-parallel state: which layout the local rows are in, and the steps between layouts.
 
-    Cheap to make: a view of the runtime store's :class:`PreparedRequest` plus the current layer. ``grids`` are the
-    batch's stage-0 model grids; ``stage_model_grids`` / ``stage_laid_grids`` those of every stage.
+    Cheap to make: a view of the runtime store's :class:`PreparedRequest` plus the current layer. ``inputs`` are the
+    request's checked inputs; ``grids`` the batch's stage-0 model grids; ``stage_model_grids`` /
+    ``stage_laid_grids`` those of every stage.
     """
 
-    def __init__(self, runtime: "WindowRuntime", prepared: PreparedRequest, grids, text_lengths,
-                 device: torch.device) -> None:
+    def __init__(self, runtime: "WindowRuntime", prepared: PreparedRequest, inputs: CheckedRequest) -> None:
         self.runtime = runtime
         self.prepared = prepared
-        self.grids = self.model_grids = grids
+        self.inputs = inputs
+        self.grids = self.model_grids = inputs.grids
         self.stage_model_grids, self.stage_laid_grids = prepared.stage_model_grids, prepared.stage_laid_grids
-        self.text_lengths = text_lengths
-        self.num_text_rows = sum(text_lengths)
-        self.device = device
+        self.text_lengths = inputs.text_lengths
+        self.num_text_rows = sum(inputs.text_lengths)
+        self.device = inputs.device
         self.group = runtime.group
         self.layer: int | None = None
         self.transitions_done = 0

@@ -31,7 +31,7 @@ from winsp.attention.halo.backends import check_neighborhood_backend
 from winsp.attention.split import SplitAttention, SplitAttentionTensors
 from winsp.comm.group import SPGroup
 from winsp.comm.redistribute import RankTransitionTensors, Transition
-from winsp.geometry.layout import check_grids
+from winsp.geometry.layout import Grids, check_grids
 from winsp.geometry.windows import WindowGeometry
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 from winsp.planning.grid_step import GridStep, StageRows
@@ -41,13 +41,12 @@ from winsp.planning.schedule import _check_schedule, check_planner
 from winsp.planning.stages import Stage, check_stages, grid_sources, stage_grids
 from winsp.runtime.config import DiffusionParallelConfig
 from winsp.runtime.local import LayoutTensors, LocalWindows, layout_tensors
-from winsp.runtime.request import PreparedRequest, WindowRequest
+from winsp.runtime.request import CheckedRequest, PreparedRequest, WindowRequest
 from winsp.runtime.store import CacheInfo, RuntimeStore
-from winsp.utils.checks import count_tuple
 from winsp.utils.compile import planning
 
-__all__ = ["WindowRuntime", "WindowRequest", "StagedRuntime", "StagedRequest", "LocalWindows", "LayoutTensors",
-           "PreparedRequest", "as_stages"]
+__all__ = ["WindowRuntime", "WindowRequest", "CheckedRequest", "StagedRuntime", "StagedRequest", "LocalWindows",
+           "LayoutTensors", "PreparedRequest", "as_stages"]
 
 _log = logging.getLogger("winsp")
 
@@ -237,10 +236,12 @@ class WindowRuntime:
             return self.first_layer[st.like] + len(self.stages[st.like].layers) - 1
         return self.first_layer[stage]
 
-    def stage_grids(self, grids: Sequence[Sequence[int]]) -> tuple[tuple, tuple]:
+    def stage_grids(self, grids: Sequence[Sequence[int]]) -> tuple[tuple[Grids, ...], tuple[Grids, ...]]:
         """(model grids, laid-out grids) of each stage for these stage-0 grids
         (:func:`winsp.planning.stages.stage_grids`)."""
-        grids = check_grids(grids)
+        return self._stage_grids(check_grids(grids))
+
+    def _stage_grids(self, grids: Grids) -> tuple[tuple[Grids, ...], tuple[Grids, ...]]:
         return self.store.get(("stage-grids", grids), lambda: stage_grids(self.stages, grids))
 
     def plans(self, grids: Sequence[Sequence[int]], *, split_windows: bool | None = None) -> tuple[Plan, ...]:
@@ -249,10 +250,12 @@ class WindowRuntime:
 
         ``split_windows`` (default: the runtime's) False keeps every window whole (attention with score mods).
         """
-        grids = check_grids(grids)
         split = self.split_windows if split_windows is None else bool(split_windows)
-        return self.store.get(("plans", grids, split), lambda: staged_plans(
-            self.stages, grids, self.world_size, self.planner, split_windows=split, costs=self.costs))
+        return self._plans(check_grids(grids), split)
+
+    def _plans(self, grids: Grids, split_windows: bool) -> tuple[Plan, ...]:
+        return self.store.get(("plans", grids, split_windows), lambda: staged_plans(
+            self.stages, grids, self.world_size, self.planner, split_windows=split_windows, costs=self.costs))
 
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
@@ -267,9 +270,9 @@ class WindowRuntime:
         return self.store.get(("layout", plan.key or id(plan), self.rank, text_lengths, str(device)),
                               lambda: layout_tensors(plan, self.rank, text_lengths, device))
 
-    def _stage_rows(self, layout: LayoutTensors, stage: int, grids, device: torch.device) -> StageRows:
+    def _stage_rows(self, layout: LayoutTensors, stage: int, grids: Grids, device: torch.device) -> StageRows:
         def build() -> StageRows:
-            model, laid = self.stage_grids(grids)
+            model, laid = self._stage_grids(grids)
             local = layout.local
             return StageRows.build(layout.plan, self.rank, local.row_sample, local.token_ids, model[stage],
                                    laid[stage], device)
@@ -277,14 +280,14 @@ class WindowRuntime:
         key = ("stage-rows", layout.plan.key or id(layout.plan), stage, grids, self.rank, str(device))
         return self.store.get(key, build)
 
-    def _sources(self, stage: int, grids) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    def _sources(self, stage: int, grids: Grids) -> tuple[np.ndarray, Optional[np.ndarray]]:
         def build():
-            model, laid = self.stage_grids(grids)
+            model, laid = self._stage_grids(grids)
             st = self.stages[stage]
             sources, chunk = grid_sources(st, model[stage - 1], laid[stage - 1], model[stage], laid[stage])
             return sources, (chunk if st.split != (1, 1, 1) else None)
 
-        return self.store.get(("grid-sources", check_grids(grids), stage), build)
+        return self.store.get(("grid-sources", grids, stage), build)
 
     def _grid_step(self, request: WindowRequest, src_slot: int, stage: int) -> GridStep:
         src = request.prepared.layouts[src_slot].plan
@@ -299,10 +302,11 @@ class WindowRuntime:
 
         return self.store.get(key, build)
 
-    def _prepare(self, grids, text_lengths: tuple[int, ...], device: torch.device,
-                 split_windows: bool) -> PreparedRequest:
+    def _prepare(self, inputs: CheckedRequest, split_windows: bool) -> PreparedRequest:
+        grids, text_lengths, device = inputs.grids, inputs.text_lengths, inputs.device
+
         def build() -> PreparedRequest:
-            plans = self.plans(grids, split_windows=split_windows)
+            plans = self._plans(grids, split_windows)
             distinct: list[Plan] = []
             slot_of_layer = []
             for plan in plans:
@@ -316,7 +320,7 @@ class WindowRuntime:
             for a, b in pairwise(slot_of_layer):
                 if a != b and (a, b) not in steps and distinct[a].layout.grids == distinct[b].layout.grids:
                     steps[(a, b)] = self._step(distinct[a], distinct[b], device)
-            model, laid = self.stage_grids(grids)
+            model, laid = self._stage_grids(grids)
             return PreparedRequest(plans=plans, slot_of_layer=tuple(slot_of_layer), layouts=layouts, stage_rows=rows,
                                    stage_model_grids=model, stage_laid_grids=laid, steps=steps, runners={},
                                    hook_data={})
@@ -342,34 +346,26 @@ class WindowRuntime:
         ``score_mods`` says whether attention calls will pass a ``score_mod`` / ``mask_mod`` (their backend is then
         chosen here as well, and the default planner keeps every window whole, since a split window has no
         per-local-row tensors for them); None: as this runtime's earlier requests did.
+
+        The inputs are checked here, once, into a :class:`~winsp.runtime.request.CheckedRequest`; planning and
+        preparing take that and check nothing again.
         """
-        grids = check_grids(grids)
-        text_lengths = _check_text_lengths(text_lengths, len(grids))
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if score_mods is not None and not isinstance(score_mods, bool):
-            raise ValueError(f"score_mods must be True, False or None, got {score_mods!r}")
-        modded = self._modded_seen if score_mods is None else score_mods
-        prepared = self._prepare(grids, text_lengths, device, self.split_windows and not modded)
+        return self._request(CheckedRequest.check(grids, text_lengths, device=device, dtype=dtype,
+                                                  score_mods=score_mods))
+
+    def _request(self, inputs: CheckedRequest) -> WindowRequest:
+        """Plan (or find in the store) and prepare a request whose inputs are checked: this checks nothing again."""
+        modded = self._modded_seen if inputs.score_mods is None else inputs.score_mods
+        prepared = self._prepare(inputs, self.split_windows and not modded)
         for name in self.layout_hooks:
             for slot, layout in enumerate(prepared.layouts):
-                prepared.hook_data[(slot, name)] = self._hook_data(name, layout, text_lengths, device)
-        request = WindowRequest(self, prepared, grids, text_lengths, device)
-        if dtype is not None:
+                prepared.hook_data[(slot, name)] = self._hook_data(name, layout, inputs.text_lengths, inputs.device)
+        request = WindowRequest(self, prepared, inputs)
+        if inputs.dtype is not None:
             for slot in range(len(prepared.layouts)):
-                request._runner(slot, dtype, modded)
-        self._last = (device, dtype, request.backend(dtype, modded=modded))
+                request._runner(slot, inputs.dtype, modded)
+        self._last = (inputs.device, inputs.dtype, request.backend(inputs.dtype, modded=modded))
         return request
-
-
-def _check_text_lengths(text_lengths, num_samples: int) -> tuple[int, ...]:
-    if text_lengths is None:
-        return (0,) * num_samples
-    out = count_tuple("text_lengths", text_lengths)
-    if len(out) != num_samples:
-        raise ValueError(f"text_lengths has {len(out)} entries but there are {num_samples} samples")
-    return out
 
 
 class StagedRuntime(WindowRuntime):
