@@ -312,7 +312,7 @@ def check_parallel(
             weights on every call: ``torch.manual_seed(seed)`` runs before each call.
         make_parallel: ``make_parallel(original, world_size)`` turns a freshly built original into the parallel
             model: return a new module (e.g. your winsp model with ``load_state_dict(original.state_dict())`` and
-            ``build_runtime(DiffusionParallelConfig(ulysses_degree=world_size))``), or change ``original`` in place and
+            ``build_runtime(DiffusionParallelConfig(sp_degree=world_size))``), or change ``original`` in place and
             return None or it (``winsp.parallelize``). Its parameter names must be the original's (a wrapper's prefix
             such as ``module.`` is dropped when matching).
         make_inputs: the forward's inputs, a tuple of positional arguments (or a dict of keyword arguments, or one

@@ -288,7 +288,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
                 group=None) -> nn.Module:
     """Make ``model`` window-parallel in place as ``plan`` says, on the SP group ``config`` asks for; returns it.
 
-    ``config`` None runs one rank. Under ``torch.distributed`` pass ``DiffusionParallelConfig(ulysses_degree=N)``
+    ``config`` None runs one rank. Under ``torch.distributed`` pass ``DiffusionParallelConfig(sp_degree=N)``
     (the world, or ``group=`` a subgroup of N ranks). Every rank must call the model with identical inputs; the
     region's output is complete on every rank. Gradients follow winsp's convention: call
     ``winsp.sync_gradients(model)`` after ``backward``.

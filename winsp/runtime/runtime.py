@@ -124,8 +124,8 @@ class WindowRuntime:
         """Build the runtime a :class:`DiffusionParallelConfig` asks for (``options``: other keyword arguments of
         the constructor, e.g. ``split_windows``).
 
-        ``ulysses_degree`` N = 1 needs no process group. For N > 1 torch.distributed must be initialised; ``group``
-        defaults to the world, and its size must equal N.
+        The SP degree N (``sp_degree``, ``ulysses_degree`` in the vLLM-Omni lineage) = 1 needs no process group. For
+        N > 1 torch.distributed must be initialised; ``group`` defaults to the world, and its size must equal N.
         """
         config = config if config is not None else DiffusionParallelConfig()
         if not isinstance(config, DiffusionParallelConfig):
@@ -190,7 +190,12 @@ class WindowRuntime:
         return usable[0] if usable else "grouped_sdpa"
 
     def describe(self, device: torch.device | str = "cpu", backend: str | None = None) -> str:
-        """A one-line report of the execution path, e.g. ``window-aligned SP, Plan A (auto), 4 ranks, grouped SDPA``."""
+        """A one-line report of the execution path, e.g. ``window-aligned SP, Plan A (auto), 4 ranks, grouped SDPA``.
+
+        "Plan A" names how rows move between layouts: every layout change re-shards the activation with one
+        all-to-all (:mod:`winsp.comm.redistribute`), as opposed to exchanging only halos (neighborhood layers,
+        :mod:`winsp.planning.halo`); the planner follows in parentheses.
+        """
         backend = (backend or self.backend_for(device)).replace("_", " ").replace("sdpa", "SDPA")
         if self.world_size == 1:
             return f"window attention, single rank (no communication), {backend}"
