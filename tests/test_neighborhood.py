@@ -304,7 +304,7 @@ def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):
     results = run_ranks(_model_rank, world_size, names, timeout=240)
     for name in names:
         ref_out, ref_txt, ref_grads = _one_rank(name)
-        for rank, by_name in enumerate(results):
+        for by_name in results:
             out, txt_out, grads, rows, inferred = by_name[name]
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(txt_out, ref_txt, rtol=1e-12, atol=1e-12)

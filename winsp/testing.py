@@ -23,11 +23,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "RankError", "check_parallel", "ParallelReport", "Discrepancy", "DEFAULT_TOLERANCES"]
+__all__ = ["run_ranks", "RankError", "check_parallel", "ParallelCheckError", "ParallelReport", "Discrepancy",
+           "DEFAULT_TOLERANCES"]
 
 
 class RankError(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
+
+
+class ParallelCheckError(AssertionError):
+    """:func:`check_parallel` found a difference; ``report`` is the full :class:`ParallelReport`."""
+
+    def __init__(self, message: str, report: "ParallelReport") -> None:
+        super().__init__(message)
+        self.report = report
 
 
 def _free_port() -> int:
@@ -303,7 +312,7 @@ def check_parallel(
             weights on every call: ``torch.manual_seed(seed)`` runs before each call.
         make_parallel: ``make_parallel(original, world_size)`` turns a freshly built original into the parallel
             model: return a new module (e.g. your winsp model with ``load_state_dict(original.state_dict())`` and
-            ``build_runtime(DiffusionParallelConfig(ulysses_degree=world_size))``), or change ``original`` in place and
+            ``build_runtime(DiffusionParallelConfig(sp_degree=world_size))``), or change ``original`` in place and
             return None or it (``winsp.parallelize``). Its parameter names must be the original's (a wrapper's prefix
             such as ``module.`` is dropped when matching).
         make_inputs: the forward's inputs, a tuple of positional arguments (or a dict of keyword arguments, or one
@@ -386,7 +395,5 @@ def check_parallel(
         head = (f"{worst.kind} {worst.name} differs from the original by {worst.error:.3g} (tolerance "
                 f"{worst.tolerance:.3g}, max |original| {worst.scale:.3g}) at world size {worst.world_size}, rank "
                 f"{worst.rank}" if worst else report.problems[0])
-        error = AssertionError(f"check_parallel: {head}\n{report}")
-        error.report = report
-        raise error
+        raise ParallelCheckError(f"check_parallel: {head}\n{report}", report)
     return report
