@@ -13,7 +13,8 @@ import math
 import os
 import pickle
 import queue as queue_mod
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,19 +40,11 @@ class ParallelCheckError(AssertionError):
         self.report = report
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, out) -> None:
+def _rank_main(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple, kwargs: dict, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -78,9 +71,12 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    # Rendezvous through a file of our own, not a TCP port: a "free" port can be taken by another process between
+    # choosing it and binding it, which failed tests when several suites ran at once.
+    store_dir = tempfile.mkdtemp(prefix="winsp-ranks-")
+    init_method = "file://" + os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, kwargs, out), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, world_size, init_method, fn, args, kwargs, out), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -124,6 +120,7 @@ def run_ranks(
                 p.kill()
         for p in procs:
             p.join(timeout=5)
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 # ---- comparing a parallelised model with the original ------------------------------------------------------------
