@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from . import stage_clock
 from .color_fix import apply_color_fix
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, TemporalBlender, clip_noise, temporal_batches
 from .vae.modes import VAE_MODES, make_vae_runner
@@ -415,11 +416,14 @@ class SeedVR2Pipeline:
         not given. ``trace`` (a dict) receives the intermediates (``latent``, ``condition``, ``dit_vid``,
         ``timestep``, ``velocity``, ``restored_latent``).
         """
-        latent = self.encode(video)
-        restored = self.denoise(latent, txt, noise=noise, generator=generator, trace=trace)
+        with stage_clock.stage("VAE encode"):
+            latent = self.encode(video)
+        with stage_clock.stage("DiT"):
+            restored = self.denoise(latent, txt, noise=noise, generator=generator, trace=trace)
         if trace is not None:
             trace.update(latent=latent, restored_latent=restored)
-        return self.decode(restored, video.shape[1])
+        with stage_clock.stage("VAE decode"):
+            return self.decode(restored, video.shape[1])
 
     # ---- long clips -------------------------------------------------------------------------------------------
     def restore_batch(
@@ -435,8 +439,9 @@ class SeedVR2Pipeline:
         restored = self.restore(video, txt, noise=noise)
         method = ("wavelet" if color_fix else "none") if isinstance(color_fix, bool) else color_fix
         if method != "none":
-            reference = video.to(restored.device).transpose(0, 1)
-            restored = apply_color_fix(method, restored.transpose(0, 1), reference).transpose(0, 1)
+            with stage_clock.stage("colour fix"):
+                reference = video.to(restored.device).transpose(0, 1)
+                restored = apply_color_fix(method, restored.transpose(0, 1), reference).transpose(0, 1)
         return restored
 
     def restore_stream(
