@@ -862,18 +862,19 @@ def _main(args: argparse.Namespace) -> int:
         raise
     finally:
         launch.close(failed=failed)
-        _write_profile(launch.rank)
+        _write_profile(launch.rank, progress.seconds)
     if launch.rank == 0:
         print(summary, file=sys.stderr)
     return 0
 
 
-def _write_profile(rank: int) -> None:
-    """With ``SEEDVR2_PROFILE=DIR``: this rank's stage figures to ``DIR/rank<N>.json`` (see :mod:`.stage_clock`)."""
+def _write_profile(rank: int, cli_stages: dict) -> None:
+    """With ``SEEDVR2_PROFILE=DIR``: this rank's stage figures (and the CLI's own ``cli_stages`` seconds) to
+    ``DIR/rank<N>.json`` (see :mod:`.stage_clock`)."""
     from . import stage_clock
 
     directory = os.environ.get(stage_clock.PROFILE_ENV)
     if directory and stage_clock.active() is not None:
         stage_clock.active().mark("main left")
-        stage_clock.write_profile(directory, rank)
+        stage_clock.write_profile(directory, rank, {"cli": dict(cli_stages)})
         stage_clock.disable()

@@ -77,7 +77,7 @@ class StageClock:
 T = TypeVar("T")
 _END = object()
 _ACTIVE: Optional[StageClock] = None
-_WRAPPED: list[tuple[type, str, object]] = []
+_WRAPPED: list[tuple[object, str, object]] = []
 #: the group methods that block on other ranks (timed as collective waits with ``comm=True``)
 _BLOCKING = ("all_reduce_sum", "all_reduce_sum_", "all_to_all_single", "all_gather_rows", "recv_")
 
@@ -149,6 +149,21 @@ def _wrap_collectives(clock: StageClock) -> None:
 
         _WRAPPED.append((cls, name, original))
         setattr(cls, name, timed)
+    from winsp.comm import temporal
+
+    for name in ("send_tensor", "recv_tensor"):  # finished batches on their way to the writer
+        original = getattr(temporal, name)
+
+        def moved(*args, __original=original, **kwargs):
+            with stage("batch transfer"):
+                start = time.perf_counter()
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    clock.count_comm(time.perf_counter() - start)
+
+        _WRAPPED.append((temporal, name, original))
+        setattr(temporal, name, moved)
 
 
 def write_profile(directory: str, rank: int, extra: Optional[dict] = None) -> str:
