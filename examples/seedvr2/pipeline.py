@@ -272,6 +272,7 @@ class SeedVR2Pipeline:
         self.vae_tile_size, self.vae_tile_overlap = vae_tile_size, vae_tile_overlap
         # height sharding over one rank is the whole frame: run it as such
         mode = "replicated" if vae_parallel in ("height", "wavefront") and self.group.size == 1 else vae_parallel
+        self.vae_splits: set = set()  # the wavefront's (encode, decode) splits used so far
         self.vae_runner = make_vae_runner(
             mode, vae, group=self.group, tile_size=vae_tile_size, overlap=vae_tile_overlap
         )
@@ -325,8 +326,22 @@ class SeedVR2Pipeline:
         """One line: the DiT's execution path and how the VAE runs."""
         vae = {"replicated": "VAE replicated", "height": f"VAE height-sharded x{self.group.size}",
                "tiled": f"VAE tiled ({self.vae_tile_size}px tiles)",
-               "wavefront": f"VAE temporal wavefront x{self.group.size}"}[self.vae_parallel]
+               "wavefront": f"VAE wavefront x{self.group.size}"}[self.vae_parallel]
+        if self.vae_parallel == "wavefront" and self.vae_splits:  # what the cost model chose for the clips that ran
+            from .vae.wavefront import describe_splits
+
+            chosen = sorted({describe_splits(*splits) for splits in self.vae_splits})
+            vae += f" ({'; '.join(chosen)})"
         return f"{self.runtime.describe(self.device)}; {vae}"
+
+    def _note_vae_splits(self, frames: int, latent_rows: int) -> None:
+        """Remember the wavefront's (encode, decode) splits for a padded clip of ``frames`` frames (for describe)."""
+        if self.vae_parallel == "wavefront" and self.group.size > 1:
+            from .vae.wavefront import clip_splits
+
+            chunk = self.vae.temporal_chunk
+            self.vae_splits.add(clip_splits(self.group.size, frames, latent_rows, temporal_chunk=chunk,
+                                            temporal_factor=self.temporal_factor))
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """The ``(t', h', w', 16)`` latent (and noise) shape of a clip of this size."""
@@ -352,6 +367,7 @@ class SeedVR2Pipeline:
         """``[3, t, h, w]`` in [-1, 1] -> scaled latent ``(t', h', w', 16)`` (float32), frames padded to 4k + 1."""
         self.check_video(video)
         x = pad_to_causal_length(video, self.temporal_factor)[None].to(self.device)
+        self._note_vae_splits(x.shape[2], x.shape[3] // self.spatial_factor)
         latent = self.vae_runner.encode(x)
         return latent[0].permute(1, 2, 3, 0).float() * self.scaling_factor
 
