@@ -19,7 +19,8 @@ ranks (inside collectives, receives, or for the background reader / writer). The
 
 Under each table: the whole command's wall time, and the critical path: the rank that finished last, and its stages
 with the most time not spent waiting. CPU seconds per stage (the rank's busy time, which holds on a loaded machine)
-are in the JSON. With ``--rounds`` > 1 the round with the shortest whole command is shown. ``--predict 2 4 8``
+(process CPU: every thread of the rank) are in the JSON, and the restore stage's speed-up predicted from them is
+printed. With ``--rounds`` > 1 the round with the shortest whole command is shown. ``--predict 2 4 8``
 extrapolates the restore stage to more ranks from the measured stage mix (see :func:`predict`).
 """
 
@@ -71,7 +72,7 @@ def profile_run(cmd: list[str], directory: str) -> dict:
 def rank_rows(data: dict, start: float, end: float) -> dict:
     """One rank's stages: ``{stage: (wall, wait, cpu)}`` in the order of the table."""
     t = data["instants"]
-    wall, comm, cpu = data["wall"], data["comm"], data["cpu"]
+    wall, comm, cpu = data["wall"], data["comm"], data.get("process_cpu", data["cpu"])
     rows = {"start-up": (t["main entered"] - start, 0.0, 0.0),
             "read (probe)": (data["cli"].get("read", 0.0), 0.0, 0.0),
             "load": (data["cli"].get("load", 0.0), 0.0, 0.0)}
@@ -121,6 +122,19 @@ def table(runs: dict[int, dict]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("| **whole command** | " + " | ".join(f"{runs[p]['whole_s']:.2f}" for p, _ in columns) + " |")
     return "\n".join(lines)
+
+
+def cpu_speedups(runs: dict[int, dict]) -> dict[int, float]:
+    """Restore-stage speed-up predicted from CPU time (what holds on a loaded machine): the P = 1 process's CPU
+    seconds in the main-thread stages over the busiest rank's at P = N (a machine with a core per rank, no waits)."""
+    if 1 not in runs:
+        return {}
+
+    def busy(rank: dict) -> float:
+        return sum(rank["rows"][s][2] for s in MAIN_STAGES if s in rank["rows"])
+
+    one = busy(runs[1]["ranks"][0])
+    return {p: one / max(busy(r) for r in run["ranks"]) for p, run in runs.items() if p > 1}
 
 
 def predict(runs: dict[int, dict], degrees: list[int]) -> dict[int, float]:
@@ -190,6 +204,10 @@ def main(argv=None) -> None:
                     restore = max(r["rows"]["restore stage"][0] for r in runs[p]["ranks"])
                     print(f"P1 / P{p}: whole command {runs[1]['whole_s'] / runs[p]['whole_s']:.2f}x, restore stage "
                           f"{restore1 / restore:.2f}x")
+            by_cpu = cpu_speedups(runs)
+            if by_cpu:
+                print("restore stage predicted from process CPU seconds (busiest rank): " +
+                      ", ".join(f"P{p} {s:.2f}x" for p, s in by_cpu.items()))
             prediction = predict(runs, args.predict)
             if prediction:
                 print("restore stage extrapolated from this stage mix: " +

@@ -6,7 +6,8 @@ line switches it on when ``SEEDVR2_PROFILE`` names a directory and then writes t
 ``rank<N>.json`` (see ``benchmarks/bench_restore_profile.py``, which reads them).
 
 Recorded per stage: wall seconds, CPU seconds of the thread that ran it (a rank's busy time, which also holds on a
-loaded machine), the number of times it ran, and, with ``comm=True``, the part of its wall time spent inside the
+loaded machine) and of the whole process (all its intra-op threads, and the background threads meanwhile), the
+number of times it ran, and, with ``comm=True``, the part of its wall time spent inside the
 group's collectives and receives (a rank waiting for its peers). Stages run by the background reader or writer
 threads are recorded with a ``bg`` prefix (``bg read``, ``bg write``): they overlap the compute stages.
 """
@@ -35,15 +36,17 @@ class StageClock:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.comm: dict[str, float] = {}
+        self.process_cpu: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.instants: dict[str, float] = {}
         self._lock = threading.Lock()
         self._local = threading.local()  # the stage this thread is in (for the collective clock)
 
-    def add(self, name: str, wall: float, cpu: float, comm: float = 0.0) -> None:
+    def add(self, name: str, wall: float, cpu: float, comm: float = 0.0, process_cpu: float = 0.0) -> None:
         with self._lock:
             self.wall[name] = self.wall.get(name, 0.0) + wall
             self.cpu[name] = self.cpu.get(name, 0.0) + cpu
+            self.process_cpu[name] = self.process_cpu.get(name, 0.0) + process_cpu
             self.comm[name] = self.comm.get(name, 0.0) + comm
             self.calls[name] = self.calls.get(name, 0) + 1
 
@@ -56,12 +59,13 @@ class StageClock:
             name = f"bg {name}"
         outer = getattr(self._local, "comm", None)
         self._local.comm = 0.0
-        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        wall0, cpu0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
         try:
             yield
         finally:
             comm = self._local.comm
-            self.add(name, time.perf_counter() - wall0, time.thread_time() - cpu0, comm)
+            self.add(name, time.perf_counter() - wall0, time.thread_time() - cpu0, comm,
+                     time.process_time() - process0)
             self._local.comm = None if outer is None else outer + comm
 
     def count_comm(self, seconds: float) -> None:
@@ -70,8 +74,8 @@ class StageClock:
             self._local.comm += seconds
 
     def as_dict(self) -> dict:
-        return {"wall": dict(self.wall), "cpu": dict(self.cpu), "comm": dict(self.comm), "calls": dict(self.calls),
-                "instants": dict(self.instants)}
+        return {"wall": dict(self.wall), "cpu": dict(self.cpu), "process_cpu": dict(self.process_cpu),
+                "comm": dict(self.comm), "calls": dict(self.calls), "instants": dict(self.instants)}
 
 
 T = TypeVar("T")
