@@ -12,7 +12,8 @@ ranks (inside collectives, receives, or for the background reader / writer). The
 * start-up: from the command's start to the rank entering ``main`` (interpreter, imports, the launcher's agent);
 * read (probe), load: the CLI's stages before the restore (probe the input; build or load the models);
 * in the restore stage, on the rank's main thread: input wait (for the next batch's frames), VAE encode, DiT,
-  VAE decode, colour fix, to frames (back to 8-bit frames), writer wait (handing a batch to the writer), batch
+  VAE decode, colour fix, to frames (back to 8-bit frames), frames gather (the 8-bit frames the ranks converted,
+  gathered), writer wait (handing a batch to the writer), batch
   transfer (finished batches sent to the writer by other temporal groups); other = the rest of the stage;
 * bg read, bg write: frame decoding and output encoding on the background threads (they overlap the above);
 * finish: the summary's gather and leaving the process group; exit: from leaving ``main`` to the command's end.
@@ -47,8 +48,8 @@ from benchmarks.bench_whole_command import (  # noqa: E402
     user_env,
 )
 
-MAIN_STAGES = ("input wait", "VAE encode", "DiT", "VAE decode", "colour fix", "to frames", "writer wait",
-               "batch transfer")
+MAIN_STAGES = ("input wait", "VAE encode", "DiT", "VAE decode", "colour fix", "to frames", "frames gather",
+               "writer wait", "batch transfer")
 BACKGROUND = ("bg read", "bg write", "read", "write")  # read / write: the same, in line (SEEDVR2_SERIAL_IO=1)
 #: the stages whose work is shared by the ranks of a group (the rest is serial, or repeated on every rank)
 PARALLEL = ("VAE encode", "DiT", "VAE decode")

@@ -198,3 +198,32 @@ def test_background_io_writes_the_same_bytes_on_two_ranks(tmp_path):
         assert result.returncode == 0, result.stderr
         digests.append(hashlib.sha256(out.read_bytes()).hexdigest())
     assert digests[0] == digests[1]
+
+
+def _spread_rank(rank: int, world: int, color_fix: str) -> bool:
+    import torch
+
+    from examples.seedvr2.demo import demo_models, demo_text_embeds
+    from examples.seedvr2.media import model_to_frames, plan_geometry
+    from examples.seedvr2.pipeline import SeedVR2Pipeline
+    from winsp.comm.group import SPGroup
+
+    dit, vae = demo_models()
+    pipe = SeedVR2Pipeline(dit, vae, "height", group=SPGroup.world())
+    video = torch.rand(3, 5, 32, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    geometry = plan_geometry((32, 48), scale=1.5)
+    finish = lambda v: torch.from_numpy(model_to_frames(v.cpu(), geometry))  # noqa: E731
+    spread = pipe.restore_batch_frames(video, demo_text_embeds(), 4, 7, color_fix, finish)
+    os.environ[SERIAL_IO_ENV] = "1"
+    whole = pipe.restore_batch_frames(video, demo_text_embeds(), 4, 7, color_fix, finish)
+    direct = finish(pipe.restore_batch(video, demo_text_embeds(), 4, 7, color_fix))
+    return spread.shape == (5, 48, 72, 3) and torch.equal(spread, whole) and torch.equal(whole, direct)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("color_fix", ["wavelet"])
+def test_colour_fix_and_conversion_shared_by_the_ranks_change_no_byte(color_fix):
+    """3 ranks share 5 frames (2, 2, 1): the gathered 8-bit frames equal every rank fixing and converting them all."""
+    from winsp.testing import run_ranks
+
+    assert all(run_ranks(_spread_rank, 3, color_fix, timeout=600))

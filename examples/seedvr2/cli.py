@@ -713,10 +713,10 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     def compute(index: int) -> torch.Tensor:
         with stage_clock.stage("input wait"):
             batch, clip = next_batch(index)
-        restored = pipe.restore_batch(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix)
         computed.append(batch.num_frames)
-        with stage_clock.stage("to frames"):
-            return torch.from_numpy(model_to_frames(restored.cpu(), geometry))
+        # the colour fix and the conversion to 8-bit frames are shared by the group's ranks (see the pipeline)
+        return pipe.restore_batch_frames(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix,
+                                         lambda v: torch.from_numpy(model_to_frames(v.cpu(), geometry)))
 
     results = ordered_results(mesh, len(plan), compute)
     if mesh.is_writer:

@@ -453,12 +453,51 @@ class SeedVR2Pipeline:
         f = self.spatial_factor
         noise = clip_noise(seed, start, t, (h // f, w // f), self.vae.config.latent_channels, self.temporal_factor)
         restored = self.restore(video, txt, noise=noise)
+        return self._color_fix(color_fix, restored, video)
+
+    @staticmethod
+    def _color_fix(color_fix: str | bool, restored: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
+        """``restored [3, t, h, w]`` colour-fixed towards ``video`` (frame by frame)."""
         method = ("wavelet" if color_fix else "none") if isinstance(color_fix, bool) else color_fix
-        if method != "none":
-            with stage_clock.stage("colour fix"):
-                reference = video.to(restored.device).transpose(0, 1)
-                restored = apply_color_fix(method, restored.transpose(0, 1), reference).transpose(0, 1)
-        return restored
+        if method == "none":
+            return restored
+        with stage_clock.stage("colour fix"):
+            reference = video.to(restored.device).transpose(0, 1)
+            return apply_color_fix(method, restored.transpose(0, 1), reference).transpose(0, 1)
+
+    def restore_batch_frames(
+        self, video: torch.Tensor, txt: torch.Tensor, start: int, seed: int, color_fix: str | bool,
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """:meth:`restore_batch`, then ``finish`` (e.g. the conversion to 8-bit output frames): ``[3, t', h, w]``
+        float frames -> a tensor of ``t'`` rows (frames first). Returns ``finish`` of the whole batch on every rank.
+
+        The colour fix and ``finish`` work frame by frame, so the group's ranks share them: each takes a contiguous
+        run of the batch's frames, and the finished rows (8-bit frames: a quarter of the float32 bytes) are gathered.
+        The result is the same as fixing and finishing the whole batch on one rank (each frame's arithmetic does not
+        depend on the others; tested bit for bit). ``SEEDVR2_SERIAL_IO=1`` does it all on every rank instead.
+        """
+        from winsp.comm.spatial import band_offsets, band_sizes
+
+        from .overlap import serial_io
+
+        t, h, w = video.shape[1:]
+        f = self.spatial_factor
+        noise = clip_noise(seed, start, t, (h // f, w // f), self.vae.config.latent_channels, self.temporal_factor)
+        restored = self.restore(video, txt, noise=noise)
+        group = self.group
+        if group.is_single or serial_io():
+            fixed = self._color_fix(color_fix, restored, video)
+            with stage_clock.stage("to frames"):
+                return finish(fixed)
+        sizes = band_sizes(t, group.size)
+        first = band_offsets(sizes)[group.rank]
+        frames = slice(first, first + sizes[group.rank])
+        fixed = self._color_fix(color_fix, restored[:, frames], video[:, frames])
+        with stage_clock.stage("to frames"):
+            mine = finish(fixed)
+        with stage_clock.stage("frames gather"):
+            return group.all_gather_rows(mine.to(restored.device), sizes).to(mine.device)
 
     def restore_stream(
         self,
