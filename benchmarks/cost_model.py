@@ -479,6 +479,40 @@ def fit_vae_split_markdown(fit: dict) -> str:
     return "\n".join(lines)
 
 
+def restore_prediction(degrees=(2, 4, 8), vae_shares=(0.3, 0.5, 0.7), grid=(6, 45, 80), frames: int = 21,
+                       latent_rows: int = 90) -> list[dict]:
+    """Whole-restore speed-up on one NVLink node: the DiT's best window-SP plan from this model (3B, ``grid``) and the
+    VAE wavefront's fitted split model (:func:`examples.seedvr2.vae.wavefront.split_cost`, constants fitted on gloo
+    CPU runs) combined for a VAE share ``v`` of the one-GPU time: ``1 / ((1 - v) / s_DiT + v / s_VAE)``. The input
+    decoding and output encoding run on background threads and are left out. The VAE share on a GPU was not measured
+    here, hence several."""
+    from examples.seedvr2.vae.model import _chunk_bounds
+    from examples.seedvr2.vae.wavefront import choose_split, split_cost
+
+    def dit(p: int) -> float:
+        return min(pr.forward(SEEDVR2_3B) for pr in predictions(SEEDVR2_3B, grid, p, NVLINK_NODE).values()
+                   if pr is not None)
+
+    chunks = [b - a for a, b in _chunk_bounds(frames, 4)]
+    rows = []
+    for p in degrees:
+        split = choose_split(p, chunks, latent_rows)
+        s_dit, s_vae = dit(1) / dit(p), 1.0 / split_cost(split, chunks, latent_rows)
+        rows.append({"p": p, "dit": s_dit, "vae": s_vae, "split": f"{split.time}x{split.height}",
+                     "whole": {v: 1.0 / ((1 - v) / s_dit + v / s_vae) for v in vae_shares}})
+    return rows
+
+
+def restore_prediction_markdown(rows: list[dict], reference=(1.24, 1.85, 2.03)) -> str:
+    shares = list(rows[0]["whole"])
+    lines = ["| GPUs | DiT (window SP) | VAE (split) | " + " | ".join(f"restore, VAE {v:.0%} of 1 GPU" for v in shares)
+             + " | vLLM-Omni draft |", "|---:|---:|---:|" + "---:|" * len(shares) + "---:|"]
+    for r, ref in zip(rows, reference, strict=False):
+        lines.append(f"| {r['p']} | {r['dit']:.2f}x | {r['vae']:.2f}x ({r['split']}) | "
+                     + " | ".join(f"{r['whole'][v]:.2f}x" for v in shares) + f" | {ref:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-gloo", type=Path, help="JSON written by benchmarks/bench_transition.py --json")
@@ -489,7 +523,12 @@ def main(argv=None) -> None:
                     help="with --fit-wall: fit wall time (default) or the slower rank's CPU time (a loaded machine)")
     ap.add_argument("--fit-vae", type=Path, nargs="+", help="benchmarks/vae_split_walls.json, or JSON files written "
                     "by benchmarks/bench_vae.py --scaling --json: refit the VAE wavefront's split constants")
+    ap.add_argument("--predict-restore", action="store_true",
+                    help="whole-restore speed-up on an 8-GPU node (3B, 720p x 21 frames) from the DiT and VAE models")
     args = ap.parse_args(argv)
+    if args.predict_restore:
+        print(restore_prediction_markdown(restore_prediction()))
+        return
     if args.fit_vae:
         points = [p for path in args.fit_vae for p in vae_split_points(json.loads(path.read_text()),
                                                                        "busy_cpu" if args.fit_on == "cpu" else "wall")]
