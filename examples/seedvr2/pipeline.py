@@ -481,15 +481,13 @@ class SeedVR2Pipeline:
 
         from .overlap import serial_io
 
-        t, h, w = video.shape[1:]
-        f = self.spatial_factor
-        noise = clip_noise(seed, start, t, (h // f, w // f), self.vae.config.latent_channels, self.temporal_factor)
-        restored = self.restore(video, txt, noise=noise)
         group = self.group
         if group.is_single or serial_io():
-            fixed = self._color_fix(color_fix, restored, video)
+            fixed = self.restore_batch(video, txt, start, seed, color_fix)
             with stage_clock.stage("to frames"):
                 return finish(fixed)
+        restored = self.restore_batch(video, txt, start, seed, "none")
+        t = video.shape[1]
         sizes = band_sizes(t, group.size)
         first = band_offsets(sizes)[group.rank]
         frames = slice(first, first + sizes[group.rank])
