@@ -55,13 +55,15 @@ BACKGROUND = ("bg read", "bg write", "read", "write")  # read / write: the same,
 PARALLEL = ("VAE encode", "DiT", "VAE decode")
 
 
-def profile_run(cmd: list[str], directory: str) -> dict:
-    """Run ``cmd`` with ``SEEDVR2_PROFILE``; per-rank stage rows plus the whole command's wall time."""
+def profile_run(cmd: list[str], directory: str, threads: int = 0) -> dict:
+    """Run ``cmd`` with ``SEEDVR2_PROFILE`` (and ``OMP_NUM_THREADS=threads`` unless 0); per-rank stage rows plus the
+    whole command's wall time."""
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):
         os.unlink(os.path.join(directory, name))
+    extra = {"SEEDVR2_PROFILE": directory, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     start = time.time()
-    result = run_once(cmd, env=user_env({"SEEDVR2_PROFILE": directory}))
+    result = run_once(cmd, env=user_env(extra))
     end = start + result["wall_s"]
     ranks = []
     for name in sorted(os.listdir(directory), key=lambda n: int(n[4:-5])):
@@ -174,6 +176,10 @@ def main(argv=None) -> None:
     parser.add_argument("--predict", nargs="*", type=int, default=[2, 4, 8])
     parser.add_argument("--json", help="also write every figure (CPU seconds included) to this file")
     parser.add_argument("--quick", action="store_true", help="one 96x64x9 clip (checks the script)")
+    parser.add_argument("--p1-threads", type=int, default=0,
+                        help="OMP_NUM_THREADS of the one-process run (default 0: unset, torch's default of one thread "
+                             "per core, what a user gets; 1 makes its CPU seconds comparable with one rank's on a "
+                             "loaded machine, where idle OpenMP threads spin)")
     parser.add_argument("cli_args", nargs=argparse.REMAINDER, help="after --: more restore options")
     args = parser.parse_args(argv)
     extra = [a for a in args.cli_args if a != "--"]
@@ -192,7 +198,8 @@ def main(argv=None) -> None:
             runs: dict[int, dict] = {}
             for _ in range(args.rounds):
                 for p in args.ranks:
-                    run = profile_run(command(p, launcher, path, out, extra), os.path.join(tmp, "profile"))
+                    run = profile_run(command(p, launcher, path, out, extra), os.path.join(tmp, "profile"),
+                                      threads=args.p1_threads if p == 1 else 0)
                     if p not in runs or run["whole_s"] < runs[p]["whole_s"]:
                         runs[p] = run
             print(f"\n{name} (demo weights; load average {os.getloadavg()[0]:.2f})")
