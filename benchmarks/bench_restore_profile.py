@@ -108,9 +108,10 @@ def critical_path(run: dict, top: int = 3) -> str:
 
 def table(runs: dict[int, dict]) -> str:
     columns = [(p, r) for p, run in runs.items() for r in run["ranks"]]
-    stages: list[str] = []
-    for _, r in columns:
-        stages += [s for s in r["rows"] if s not in stages]
+    order = ["start-up", "read (probe)", "load", *MAIN_STAGES, "other (restore)", "restore stage", *BACKGROUND,
+             "finish", "exit"]
+    present = {s for _, r in columns for s in r["rows"]}
+    stages = [s for s in order if s in present] + sorted(present - set(order))
     header = "| stage | " + " | ".join(f"P{p} rank {r['rank']}" for p, r in columns) + " |"
     lines = [header, "|---|" + "---:|" * len(columns)]
     for stage in stages:
