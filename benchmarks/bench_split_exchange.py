@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -46,13 +47,13 @@ def _rank(rank: int, world: int, rows: int, repeats: int) -> dict:
     group = winsp.comm.SPGroup.world()
     lay = build_layout([(1, 1, rows)], winsp.FixedWindows((1, 1, rows)))
     cuts = [rows * r // world for r in range(world + 1)]
-    plan = winsp.planning.Plan(lay, world, rank_pieces=[[(0, a, b)] for a, b in zip(cuts, cuts[1:])])
+    plan = winsp.planning.Plan(lay, world, rank_pieces=[[(0, a, b)] for a, b in pairwise(cuts)])
     split = SplitAttention.build(plan, rank, HEADS, (TEXT,)).to("cpu")
     mine = cuts[rank + 1] - cuts[rank]
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(mine, HEADS, HEAD_DIM, generator=g) for _ in range(3))
     qt, kt, vt = (torch.randn(TEXT, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)) for _ in range(3))
-    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+    sizes = [b - a for a, b in pairwise(cuts)]
     times = {"head": [], "query": []}
     with torch.inference_mode():
         for i in range(repeats + 1):
