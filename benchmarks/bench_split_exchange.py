@@ -4,8 +4,8 @@ Run from the repository root: ``OMP_NUM_THREADS=1 python benchmarks/bench_split_
 One window of ``W`` video rows plus 58 text rows, 20 heads x 128 (SeedVR2 3B), float32, its rows split evenly over
 ``g`` ranks (one thread each). Per call, interleaved, median of the repeats, the slowest rank:
 
-* head-parallel (:func:`winsp.attention.split.split_attention`): an all-to-all of q, k, v (each rank's rows for the others'
-  heads), whole-window attention for ``20 / g`` heads, an all-to-all of the output back;
+* head-parallel (:func:`winsp.attention.split.split_attention`): an all-to-all of q, k, v (each rank's rows for the
+  others' heads), whole-window attention for ``20 / g`` heads, an all-to-all of the output back;
 * query-parallel: an all-gather of k, v (each rank's rows to every other), attention of the rank's own query rows
   (and, on the first rank, the text queries) against all keys, every head.
 
