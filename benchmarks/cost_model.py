@@ -3,8 +3,8 @@
 Run from the repository root: ``python benchmarks/cost_model.py`` (prints the crossover tables of
 ``benchmarks/README.md``), ``--fit-gloo FILE`` to refit the communication constants on the JSON that
 ``benchmarks/bench_transition.py --json FILE`` writes, ``--detail`` for per-layer figures, ``--fit-wall FILE`` to refit
-the planner's own constants (:mod:`winsp.planning.costs`: a row, a pair, a row moved, a collective) on the forward wall times
-that ``benchmarks/bench_split.py --json FILE`` measures for every planner.
+the planner's own constants (:mod:`winsp.planning.costs`: a row, a pair, a row moved, a collective) on the forward wall
+times that ``benchmarks/bench_split.py --json FILE`` measures for every planner.
 
 What is modelled, per layer, with nothing overlapped (communication and compute add up):
 

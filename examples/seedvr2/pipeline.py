@@ -136,10 +136,9 @@ class MemoryEstimate:
 
 # The constants below are fitted to the peak resident memory of real command-line runs on the CPU (fp32, demo
 # weights) by ``benchmarks/calibrate_memory.py`` (non-negative least squares of the relative error over 45 runs, with
-# one float32 frame copy and the DiT term fixed, then scaled by 1.10 so that no run is under-estimated by more than 10 %; the table is
-# in benchmarks/README.md). Peak RSS
-# is well above the peak of live tensors: CPU 3D convolutions unfold their input (vol2col, 27 x channels per pixel)
-# and the allocator keeps freed blocks.
+# one float32 frame copy and the DiT term fixed, then scaled by 1.10 so that no run is under-estimated by more than
+# 10 %; the table is in benchmarks/README.md). Peak RSS is well above the peak of live tensors: CPU 3D convolutions
+# unfold their input (vol2col, 27 x channels per pixel) and the allocator keeps freed blocks.
 #: VAE bytes per pixel of the area one rank's VAE works on at once (the frame, its band, or a tile), in units of the
 #: first level's channels x element size, by padded batch length (1 frame, 5 frames, 9 or more: chunks of 4 frames).
 #: The one-frame figure is not in the calibration grid (a conservative guess, 0.57 x the five-frame one).

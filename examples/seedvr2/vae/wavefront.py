@@ -235,7 +235,7 @@ def _run(
             previous.finish()
     rows = [s * out_scale for s in plan.latent_bands]
     b = x.shape[0]
-    for c, out in zip(plan.owners[t_rank], outputs):
+    for c, out in zip(plan.owners[t_rank], outputs, strict=True):
         if out.shape[2] != plan.out_frames[c]:
             raise AssertionError(f"chunk {c} gave {out.shape[2]} frames, expected {plan.out_frames[c]}")
     local = torch.cat(outputs, dim=2) if outputs else band.new_zeros((b, out_channels, 0, rows[h_rank], out_width))
