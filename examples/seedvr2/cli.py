@@ -61,6 +61,7 @@ __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_
 
 from .checkpoint_dtypes import WEIGHT_MODES
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
+from .weights_discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 
 PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
@@ -100,10 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--resolution", metavar="WxH",
                       help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
     size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
-    p.add_argument("--model", choices=("3b", "7b"), default="3b", help="which SeedVR2 DiT (default: 3b)")
+    p.add_argument("--model", choices=("3b", "7b"),
+                   help="which SeedVR2 DiT (default: the 3B if its weights are found, else the 7B; 3b for the demo)")
     p.add_argument("--dit-checkpoint", metavar="PATH",
-                   help="DiT weights: .pth, .safetensors (fp32, fp16, bf16, fp8) or .gguf (F16, BF16, Q8_0, Q4_K, ...)")
-    p.add_argument("--vae-checkpoint", metavar="PATH", help="VAE weights (the same formats)")
+                   help="DiT weights: .pth, .safetensors (fp32, fp16, bf16, fp8) or .gguf (F16, BF16, Q8_0, Q4_K, ...) "
+                        "(default: found in ./ckpts/, $SEEDVR2_HOME or the Hugging Face cache, see docs/seedvr2.md)")
+    p.add_argument("--vae-checkpoint", metavar="PATH", help="VAE weights (the same formats) (default: found likewise)")
+    p.add_argument("--demo", action="store_true",
+                   help="run the embedded tiny demo weights even when real ones are found (restores nothing)")
     p.add_argument("--text-embeds", metavar="PATH",
                    help=f"prompt embedding (safetensors key 'pos', or a single tensor) (default: {DEFAULT_TEXT_EMBEDS} "
                         f"with checkpoints, random tiny embeddings with the demo weights)")
@@ -353,7 +358,7 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     if args.dit_checkpoint is None:
         from .demo import demo_models, demo_text_embeds
 
-        dit, vae = demo_models(device, dtype, model=args.model)
+        dit, vae = demo_models(device, dtype, model=args.model or "3b")
         txt = _read_text_embeds(args.text_embeds, dit.config.txt_in_dim) if args.text_embeds else demo_text_embeds()
         return LoadedModels(dit, vae, txt, demo=True)
 
@@ -361,14 +366,16 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     from .pipeline import released_models_on_meta
     from .vae import load_vae_checkpoint
 
-    for flag, path in (("--dit-checkpoint", args.dit_checkpoint), ("--vae-checkpoint", args.vae_checkpoint)):
+    found = getattr(args, "found_weights", False)  # discovered, not given: name the files, not the flags
+    dit_flag, vae_flag = ("the DiT weights", "the VAE weights") if found else ("--dit-checkpoint", "--vae-checkpoint")
+    for flag, path in ((dit_flag, args.dit_checkpoint), (vae_flag, args.vae_checkpoint)):
         if not os.path.isfile(path):
             raise InputError(f"{flag}: file not found: {path}")
-    dit, vae = released_models_on_meta(args.model, dtype)
+    dit, vae = released_models_on_meta(args.model or "3b", dtype)
     weights = {"weights": getattr(args, "weights", "stored")}
     for flag, loader, model, path, options in (
-            ("--dit-checkpoint", load_dit_checkpoint, dit, args.dit_checkpoint, weights),
-            ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint, {})):
+            (dit_flag, load_dit_checkpoint, dit, args.dit_checkpoint, weights),
+            (vae_flag, load_vae_checkpoint, vae, args.vae_checkpoint, {})):
         try:
             loader(model, path, report=report, **options)
         except (ValueError, OSError) as exc:  # the loaders report every checkpoint problem as one of these
@@ -432,14 +439,14 @@ def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torc
     if demo:
         from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
 
-        return DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model].vid_dim, 0
+        return DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model or "3b"].vid_dim, 0
     from .dit import NaDiTConfig
     from .vae import VideoVAEConfig
     from .weight_memory import run_weight_bytes
 
-    weights = run_weight_bytes(args.model, args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
+    weights = run_weight_bytes(args.model or "3b", args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
                                weights=getattr(args, "weights", "stored"))
-    return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model).vid_dim, weights
+    return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model or "3b").vid_dim, weights
 
 
 class PeerFailed(InputError):
@@ -588,6 +595,13 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     _check_output_path(output)
     if launch.rank == 0:  # the writer: the only rank whose file system must take the output
         check_output_directory(output)
+    notes = []
+    try:
+        weights_line = resolve_cli_weights(args)
+    except WeightsError as exc:
+        raise InputError(str(exc)) from None
+    if weights_line is not None:
+        notes.append(weights_line)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
     color_fix = args.color_fix or ("none" if demo else "wavelet")
@@ -603,7 +617,6 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
             f"{geometry.work[0]} has {latent_rows} rows for {sp_size} ranks; use --vae-parallel replicated"
         )
-    notes = []
     whole = causal_frame_count(info.num_frames)
     if pinned.batch_frames is not None and pinned.batch_frames > whole:
         frames = f"{info.num_frames} frame{'s' if info.num_frames != 1 else ''}"
@@ -675,9 +688,9 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None)
     if models.demo and is_rank0:
         progress.note(
-            f"{PROG}: WARNING: no checkpoints given: running the embedded tiny DEMO weights (random, seeded). "
-            f"The output is NOT a restoration; pass --dit-checkpoint and --vae-checkpoint for SeedVR2 "
-            f"{args.model.upper()}."
+            f"{PROG}: WARNING: running the embedded tiny DEMO weights (random, seeded): the output is NOT a "
+            f"restoration. "
+            + ("" if args.demo else f"No SeedVR2 weights were found; {how_to_get_weights(args.model)}.")
         )
     mesh = build_temporal_mesh(sp_size)
     tile = settings.vae_tile if settings.vae_tile is not None else 256
