@@ -61,6 +61,7 @@ __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_
 
 from .checkpoint_dtypes import WEIGHT_MODES
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
+from .launcher import FAILED_ENV, LAUNCHED_ENV
 from .weights_discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 
 PROG = "python -m examples.seedvr2"
@@ -81,7 +82,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line like every other error (exit code 2, as argparse does)."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+        # every rank parses the same command line: rank 0 alone reports its mistake
+        quiet = os.environ.get("RANK", "0") not in ("", "0")
+        self.exit(2, None if quiet else f"{PROG}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crf", type=int, default=DEFAULT_CRF,
                    help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="start N ranks on this machine (one per GPU on a GPU machine; gloo on the CPU): the same "
+                        "results as torchrun --nproc-per-node N, a failure is one line (exit 2) and every rank stops "
+                        "within seconds. For several machines use torchrun (default: 1, or torchrun's ranks)")
     return parser
 
 
@@ -396,7 +403,7 @@ class OutOfMemory(InputError):
 
 #: what helps when memory runs short, in the order a user should try them
 _MEMORY_HELP = ("--vae-parallel tiled with a smaller --vae-tile", "a smaller --batch-frames",
-                "more ranks (torchrun --nproc-per-node N: --vae-parallel height shares the VAE)", "a smaller --resolution")
+                "more ranks (--ranks N: --vae-parallel height shares the VAE)", "a smaller --resolution")
 
 
 def pinned_settings(args: argparse.Namespace):
@@ -587,8 +594,8 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     sp_size = launch.world_size if args.sp_size is None else args.sp_size
     if sp_size < 1 or launch.world_size % sp_size:
         raise InputError(
-            f"--sp-size {sp_size}: the world size {launch.world_size} must be a positive multiple of it (launch "
-            f"torchrun --nproc-per-node with a multiple of {max(sp_size, 1)}, or choose an --sp-size dividing "
+            f"--sp-size {sp_size}: the world size {launch.world_size} must be a positive multiple of it (run "
+            f"--ranks with a multiple of {max(sp_size, 1)}, or choose an --sp-size dividing "
             f"{launch.world_size})"
         )
     output = resolve_output_path(args)
@@ -790,7 +797,8 @@ def _print_error(progress: StageProgress, message: str) -> None:
 def _stop_message(rank: int):
     """The one line printed when a signal stops the run (by rank 0 only: the others stop silently)."""
     def message(signum: int, removed: list) -> Optional[str]:
-        if rank != 0:
+        marker = os.environ.get(FAILED_ENV)
+        if rank != 0 or (marker and os.path.exists(marker)):  # under --ranks: stopped because another rank failed
             return None
         import signal
 
@@ -837,6 +845,8 @@ def _main(args: argparse.Namespace) -> int:
             _print_error(progress, prefix + message)
             return 2
         if launch.world_size > 1 and is_peer_failure(exc):
+            if os.environ.get(LAUNCHED_ENV):  # the rank that failed said why; the launcher reports a silent death
+                return 2
             progress.break_line()
             reason = " ".join(str(exc).split())[:200]
             print(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})", file=sys.stderr)
