@@ -60,8 +60,8 @@ from .media import (
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
 from .checkpoint_dtypes import WEIGHT_MODES
-from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
 from .launcher import FAILED_ENV, LAUNCHED_ENV
+from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
 from .weights_discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 
 PROG = "python -m examples.seedvr2"
@@ -92,11 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("restore", help="restore a video or image", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", help="video (mp4, mov, webm, mkv, ...) or image (png, jpg)")
+    p.add_argument("input", nargs="+",
+                   help="video (mp4, mov, webm, mkv, ...) or image (png, jpg), or a folder of them, or several: every "
+                        "file is restored into the output folder under its own name, the models loaded once; a file "
+                        "that fails is reported and the others continue (exit code 2 if any failed)")
     p.add_argument("-o", "--output",
                    help="output file: .mp4/.mov/.mkv (H.264) or .png/.jpg (default: <input>_restored.<ext> beside the "
-                        "input)")
-    p.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
+                        "input); for a folder or several inputs, the output folder (created if missing; default "
+                        "<folder>_restored, or each file beside its input)")
+    p.add_argument("--overwrite", action="store_true", help="replace an output file if it exists (per file)")
     p.add_argument("--allow-partial-input", action="store_true",
                    help="restore the frames that decode from a truncated or damaged video (with a warning) instead of "
                         "refusing it")
@@ -491,7 +495,8 @@ def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: "Ru
 
 
 def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
-                sp_size: int, device: torch.device, demo: bool, limit=None) -> MemoryPlan:
+                sp_size: int, device: torch.device, demo: bool, limit=None, *,
+                weights_loaded: bool = False) -> MemoryPlan:
     """Choose the fastest settings whose estimated peak fits the memory this rank may use (see :mod:`.memory_fit`).
 
     Raises :class:`OutOfMemory` (before anything is allocated) when pinned settings do not fit, naming settings that
@@ -502,6 +507,8 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
     from .pipeline import estimate_restore_bytes
 
     vae_channels, dit_width, weights = _model_sizes(args, demo, dtype)
+    if weights_loaded:  # already held (an earlier file of a batch): the usable memory left them out
+        weights = 0
     height, width = geometry.work
 
     def need(settings) -> int:
@@ -643,6 +650,7 @@ class RunState:
     memory: Optional[MemoryPlan] = None
     lockstep: bool = True
     reporter: int = 0
+    models: Optional[LoadedModels] = None  # loaded by an earlier file of a batch: reused
 
 
 def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
@@ -674,7 +682,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     limit = agree_to_start(usable_memory(launch.device), error, launch, state)
     pinned, sp_size, output, demo, dtype, color_fix, info, geometry, notes = prepared
     is_rank0 = launch.rank == 0
-    memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo, limit)
+    memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo, limit,
+                         weights_loaded=state.models is not None)
     state.memory = memory
     settings = memory.settings
     plan = plan_temporal_batches(info.num_frames, settings.batch_frames, settings.overlap)
@@ -692,8 +701,11 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
 
     progress.start("load")
     state.lockstep = False
-    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None)
-    if models.demo and is_rank0:
+    fresh = state.models is None
+    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None) if fresh \
+        else state.models
+    state.models = models
+    if models.demo and is_rank0 and fresh:
         progress.note(
             f"{PROG}: WARNING: running the embedded tiny DEMO weights (random, seeded): the output is NOT a "
             f"restoration. "
@@ -825,10 +837,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from .inputs import plan_jobs
+
     launch = Launch.from_env()
-    progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
-    state = RunState()
     failed = False
+    try:
+        try:
+            job = plan_jobs(args.input, args.output)
+        except MediaError as exc:  # the same on every rank, before any collective: rank 0 reports it
+            if launch.rank == 0:
+                _print_error(StageProgress(STAGES, enabled=False), str(exc))
+            return 2
+        if not job.batch:
+            args.input, args.output = job.pairs[0]
+            code, failed, _ = _restore_file(args, launch, RunState())
+            return code
+        code, failed = _restore_batch(args, launch, job)
+        return code
+    except BaseException:  # a bug: this rank leaves without meeting the others (they may be mid-collective)
+        failed = True
+        raise
+    finally:
+        launch.close(failed=failed)
+
+
+def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, bool]:
+    """Restore every (input, output) pair of ``job`` with the models loaded once; one line per file, then one summary
+    line. A file that fails is reported and the next one runs, unless the failure broke the ranks' lockstep (then the
+    process group is gone and the batch stops). Returns (exit code: 2 if any file failed, whether the group broke)."""
+    if job.output_dir is not None:
+        os.makedirs(job.output_dir, exist_ok=True)
+    started = time.perf_counter()
+    models, failures, done, broken = None, [], 0, False
+    for index, (path, output) in enumerate(job.pairs):
+        args.input, args.output = path, output
+        state = RunState(models=models)
+        code, broken, _ = _restore_file(args, launch, state)
+        models = state.models
+        if code == 0:
+            done += 1
+        else:
+            failures.append(os.path.basename(path))
+        if broken and launch.world_size > 1:
+            failures += [os.path.basename(p) + " (not run)" for p, _ in job.pairs[index + 1:]]
+            break
+    if launch.rank == 0:
+        where = f" into {job.output_dir}" if job.output_dir is not None else ""
+        failed = f"; FAILED {len(failures)}: {', '.join(failures)}" if failures else ""
+        print(f"{PROG}: restored {done} of {len(job.pairs)} files{where} in {time.perf_counter() - started:.1f}s"
+              f"{failed}", file=sys.stderr)
+    return (2 if failures else 0), broken
+
+
+def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> tuple[int, bool, Optional[str]]:
+    """Restore ``args.input`` into ``args.output``: (exit code, whether this rank failed out of lockstep, summary).
+    Errors are printed as one line (by the rank that reports them), the summary by rank 0."""
+    progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
     prefix = f"rank {launch.rank}: " if launch.world_size > 1 else ""
     try:
         summary = run_restore(args, launch, progress, state)
@@ -836,24 +900,23 @@ def _main(args: argparse.Namespace) -> int:
         failed = not state.lockstep
         if launch.rank == state.reporter or failed:
             _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
-        return 2
+        return 2, failed, None
     except Exception as exc:  # noqa: BLE001 - only memory and lost-peer failures are handled; the rest re-raised
-        failed = True  # whatever it is, this rank leaves without meeting the others (they may be mid-collective)
+        # whatever it is, this rank leaves without meeting the others (they may be mid-collective)
         if is_out_of_memory(exc):
             message = str(out_of_memory_error(exc, state.memory, launch.device))
             del exc
             _print_error(progress, prefix + message)
-            return 2
+            return 2, True, None
         if launch.world_size > 1 and is_peer_failure(exc):
             if os.environ.get(LAUNCHED_ENV):  # the rank that failed said why; the launcher reports a silent death
-                return 2
+                return 2, True, None
             progress.break_line()
             reason = " ".join(str(exc).split())[:200]
             print(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})", file=sys.stderr)
-            return 2
+            return 2, True, None
         raise
-    finally:
-        launch.close(failed=failed)
     if launch.rank == 0:
         print(summary, file=sys.stderr)
-    return 0
+    return 0, False, summary
+

@@ -186,7 +186,7 @@ def resolve_cli_weights(args, env: Optional[Mapping[str, str]] = None, cwd: Opti
     a set is found (one flag given and the other file not found, or a DiT without a VAE): the demo weights are used
     only when nothing at all is found."""
     given = args.dit_checkpoint is not None or args.vae_checkpoint is not None
-    args.found_weights = False
+    args.found_weights = getattr(args, "found_weights", False)  # True once found (a batch resolves per file)
     if getattr(args, "demo", False):
         if given:
             raise WeightsError("--demo runs the embedded demo weights; it cannot go with --dit-checkpoint or "
