@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -72,6 +73,10 @@ STAGES = ("read", "load", "restore")
 #: moments (they have just met: the summary's figures, or the agreement to start), so this bounds only how long a
 #: rank can be kept by a peer that died meanwhile; a failed rank does not meet at all (it aborts).
 EXIT_MEETING_S = 5.0
+#: a run projected (at the first batch's measured speed) to take longer than this is announced in one line
+LONG_RUN_S = 600.0
+#: outputs larger than 8K UHD (7680 x 4320 pixels) are announced before the run
+LARGE_OUTPUT_PIXELS = 7680 * 4320
 
 
 class InputError(ValueError):
@@ -175,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 class StageProgress:
     """A tiny progress bar over named stages on stderr, and the seconds each stage took.
 
-    On a terminal the bar is redrawn in place as stages start and finish; otherwise (a log, a pipe) one line is
-    printed per finished stage, so a run that fails early prints nothing but its error.
+    On a terminal the bar is redrawn in place as stages start and finish (the restore stage's own bar, with an ETA,
+    is :mod:`.progress`'s); otherwise (a log, a pipe) it draws nothing: the restore stage prints one line per batch.
     """
 
     stages: Sequence[str]
@@ -206,7 +211,7 @@ class StageProgress:
             self.stream.write("\n")
             self._open_line = False
 
-    def frames(self, done: int, total: int) -> None:
+    def frames(self, done: int, total: int) -> None:  # kept for callers; the restore stage's bar is .progress
         """Show the frames of the whole clip written so far during the current stage (redrawn on a terminal; in a
         log, one line per tenth of the clip)."""
         if not self.enabled or self._current is None:
@@ -233,7 +238,7 @@ class StageProgress:
         return bool(getattr(self.stream, "isatty", lambda: False)())
 
     def _draw(self, finished: int, label: str) -> None:
-        if not self.enabled:
+        if not self.enabled or not self._is_tty():  # a log or a pipe gets the batches' lines (.progress) only
             return
         width = 24
         filled = round(width * finished / len(self.stages))
@@ -440,6 +445,7 @@ class MemoryPlan:
     need: Optional[int]
     limit: object  # memory_limits.MemoryLimit
     reason: str
+    warning: Optional[str] = None  # set when memory forced a setting that changes the output
 
     def summary(self) -> str:
         return f"memory: {self.reason}"
@@ -541,10 +547,29 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
         reason = f"estimate {_gib(fit.need)} per rank (no memory limit could be read)"
     else:
         reason = f"estimate {_gib(fit.need)} of {limit.describe()} usable per rank"
+    warning = None
     if fit.changed:
         reason = (f"chose {fit.chosen.describe()} because {fit.first.describe()} needs about {_gib(fit.first_need)}; "
                   + reason)
-    return MemoryPlan(fit.chosen, fit.need, limit, reason)
+        warning = _output_changes(fit.first, fit.chosen, fit.first_need, limit)
+    return MemoryPlan(fit.chosen, fit.need, limit, reason, warning)
+
+
+def _output_changes(first, chosen, first_need: int, limit) -> Optional[str]:
+    """The loud line for settings chosen to fit that change the output (shorter batches, less overlap, tiles); None
+    when the change keeps the output (one exact VAE mode for another)."""
+    changes = []
+    if chosen.batch_frames != first.batch_frames:
+        changes.append(f"temporal batches of {chosen.batch_frames} frames instead of {first.batch_frames}")
+    if chosen.overlap != first.overlap:
+        changes.append(f"an overlap of {chosen.overlap} frames instead of {first.overlap}")
+    if chosen.vae_parallel == "tiled" and first.vae_parallel != "tiled":
+        changes.append(f"the VAE in {chosen.vae_tile}px tiles (approximate)")
+    if not changes:
+        return None
+    return (f"WARNING: to fit the {limit.describe()} usable per rank this run uses {' and '.join(changes)}, which "
+            f"CHANGES THE OUTPUT (the exact settings need about {_gib(first_need)} per rank); free memory, use more "
+            f"ranks (--ranks N), or a smaller --resolution to avoid it")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -666,6 +691,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     from .memory_fit import tile_overlap
     from .memory_limits import usable_memory
     from .pipeline import SeedVR2Pipeline
+    from .progress import RestoreProgress, expected_calls, format_seconds, summary_line
     from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
 
     # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
@@ -691,6 +717,11 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     if is_rank0:
         for note in info.notes + notes:
             progress.note(f"{PROG}: {note}")
+        if memory.warning is not None:
+            progress.note(f"{PROG}: {memory.warning}")
+        if geometry.output[0] * geometry.output[1] > LARGE_OUTPUT_PIXELS:
+            progress.note(f"{PROG}: note: the output is {geometry.output[1]}x{geometry.output[0]}, larger than 8K "
+                          f"(7680x4320): this restore will take long and need much memory")
         coded = h264_frame_size(*geometry.output)
         if is_video_out and coded != geometry.output:
             progress.note(
@@ -728,6 +759,13 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     )
     batches = temporal_batches(model_frames, settings.batch_frames, settings.overlap)
     computed = []
+    owned = [batch for batch in plan if mesh.owns(batch.index)]
+    live = RestoreProgress.for_stream(sum(b.num_frames for b in owned), len(owned),
+                                      enabled=is_rank0 and not args.quiet).attach(models.vae, models.dit)
+    tiles = 1
+    if settings.vae_parallel == "tiled":
+        step = tile - tile_overlap(tile)
+        tiles = math.prod(max(1, math.ceil((side - tile_overlap(tile)) / step)) for side in geometry.work)
 
     def compute(index: int) -> torch.Tensor:
         for batch, clip in batches:  # skip the batches other groups restore (their frames were not converted)
@@ -735,8 +773,15 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 break
         else:
             raise RuntimeError(f"the input ended before temporal batch {index} of {len(plan)}")
+        live.begin_batch(batch.num_frames, expected_calls(batch.num_frames, steps=len(pipe.timesteps), tiles=tiles))
         restored = pipe.restore_batch(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix)
+        live.end_batch()
         computed.append(batch.num_frames)
+        projected = live.projected_seconds()
+        if is_rank0 and len(computed) == 1 and len(owned) > 1 and projected is not None and projected > LONG_RUN_S:
+            live.write(f"{PROG}: note: at the speed of the first batch this restore takes about "
+                       f"{format_seconds(projected)} ({len(owned)} batches); Ctrl-C stops it and removes the partial "
+                       f"output")
         return torch.from_numpy(model_to_frames(restored.cpu(), geometry))
 
     results = ordered_results(mesh, len(plan), compute)
@@ -748,34 +793,29 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             for index, frames in results:
                 for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
                     writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
-                progress.frames(writer.frames_written, info.num_frames)
             for frame in blender.finish():
                 writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
-            progress.frames(writer.frames_written, info.num_frames)
             if writer.frames_written != info.num_frames:  # a bug, never a silently short file
                 raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
     else:
         for _ in results:
             pass
+    live.close()
     seconds_restore = time.perf_counter() - started
     peak, peak_kind = _peak_memory(launch.device)
     figures = _per_rank_figures([peak, float(sum(computed)), seconds_restore], launch.device)
     progress.done()
 
-    seconds = progress.seconds
-    timing = " ".join(f"{stage} {seconds.get(stage, 0.0):.2f}s" for stage in STAGES)
-    fps = f"{float(info.fps):.3g} fps"
-    peaks = " ".join(f"{row[0] / 2**30:.2f}" for row in figures)
-    frames_per_s = info.num_frames / max(seconds.get("restore", seconds_restore), 1e-9)
-    return (
-        f"{PROG}: {args.input} ({_fmt_size(geometry.input, info.num_frames)}) -> {output} "
-        f"({_fmt_size(geometry.output, info.num_frames)}{', ' + fps if not info.is_image else ''}; model at "
-        f"{geometry.work[1]}x{geometry.work[0]}) | {describe_batches(plan)} | {mesh.describe()} | SP {mesh.sp_size} | "
-        f"{pipe.describe()}; {'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
-        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; colour fix {color_fix} | "
-        f"{memory.summary()} | {timing} | total {sum(seconds.values()):.2f}s | {frames_per_s:.2f} frames/s | "
-        f"{peak_kind} per rank {peaks} GiB"
-    )
+    written = h264_frame_size(*geometry.output) if is_video_out else geometry.output
+    vae = f"tiled {settings.vae_tile}px" if settings.vae_parallel == "tiled" else settings.vae_parallel
+    if sp_size == 1 and settings.vae_parallel in ("height", "wavefront"):
+        vae = "replicated"  # what one rank runs (see SeedVR2Pipeline)
+    return summary_line(
+        PROG, output, written, info.num_frames, None if info.is_image else f"{float(info.fps):.3g} fps",
+        weights=f"{'DEMO' if models.demo else 'SeedVR2'} {(args.model or '3b').upper()}",
+        dtype="bf16" if dtype == torch.bfloat16 else "fp32", device=launch.device.type, world=launch.world_size,
+        sp=mesh.sp_size, vae=vae, batches=len(plan), batch_frames=settings.batch_frames, overlap=settings.overlap,
+        seconds=sum(progress.seconds.values()), peak_gib=max(row[0] for row in figures) / 2**30)
 
 
 def describe_batches(plan) -> str:
