@@ -82,7 +82,8 @@ def make_clip(path: str, frames: int, width: int, height: int) -> str:
     return path
 
 
-def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int, no_limit: bool = False) -> dict:
+def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int, no_limit: bool = False,
+            timeout: float = 900) -> dict:
     """One grid point: the worst rank's figures."""
     for name in os.listdir(out_dir):
         os.remove(os.path.join(out_dir, name))
@@ -102,7 +103,7 @@ def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int, n
         with open(script, "w") as f:
             f.write(code)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={sp}", script]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd[-3:])}): {done.stderr[-2000:]}")
     worst = None
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--sp", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--tile", type=int, default=96)
     parser.add_argument("--json")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a grid point may take (default 900)")
     parser.add_argument("--no-limit", action="store_true",
                         help="let the CLI run points whose estimate exceeds this machine's usable memory (the estimate "
                              "being calibrated may be too high)")
@@ -172,7 +174,7 @@ def main() -> None:
                     for sp in args.sp:
                         out_dir = os.path.join(tmp, "run")
                         os.makedirs(out_dir, exist_ok=True)
-                        r = measure(src, out_dir, batch, mode, sp, args.tile, args.no_limit)
+                        r = measure(src, out_dir, batch, mode, sp, args.tile, args.no_limit, args.timeout)
                         r.update(size=size, frames=batch, mode=mode, sp=sp, tile=args.tile)
                         rows.append(r)
                         print_row(r)

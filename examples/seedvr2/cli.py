@@ -1,7 +1,9 @@
-"""Command line: python -m examples.seedvr2 restore INPUT -o OUTPUT [options]
+"""Command line: python -m examples.seedvr2 restore INPUT... -o OUTPUT [options]
 
-Single process, or parallel under torchrun --nproc-per-node W (gloo on CPU, NCCL on GPUs). The clip is restored in
-temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded lazily from the input
+INPUT is a video or image, or a folder of them, or several: a folder's videos and images are restored into the
+output folder under their own names with the models loaded once (see docs/seedvr2.md). Single process; or W ranks
+started by the command itself with --ranks W (one per GPU; gloo on the CPU), or under torchrun --nproc-per-node W.
+The clip is restored in temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded lazily from the input
 and encoded to the output as they finish, so memory does not grow with the clip. With --sp-size N the W ranks form
 W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
 --vae-parallel mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
@@ -9,13 +11,14 @@ Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint
 numbered node by node, every rank reads the input, global rank 0 writes the output.
 
 With --dit-checkpoint and --vae-checkpoint it is the SeedVR2 3B restorer (--model 7b: the 7B). Without them it
-runs embedded tiny demo weights of that architecture (examples/seedvr2/demo.py) so that the command works anywhere
-in seconds; it says so, since that restores nothing.
+looks for downloaded weights in ./ckpts/, $SEEDVR2_HOME and the Hugging Face cache (no network) and says which files
+it uses; only when nothing is found (or with --demo) it runs embedded tiny demo weights of that architecture
+(examples/seedvr2/demo.py) so that the command works anywhere in seconds, and says so, since that restores nothing.
 
 Exit codes: 0 success; 2 bad input, usage, or not enough memory (one "error:" line on stderr, no output file);
 143 / 130 stopped by SIGTERM / SIGINT (Ctrl-C): the partial output is removed and one line says so; anything else
-is a bug. Under torchrun a rank that fails once the run has started reports it and leaves at once; the others then
-stop too, within seconds ("rank N: stopped: another rank failed").
+is a bug. A rank that fails once the run has started reports it and leaves at once; the others then stop too,
+within seconds (under torchrun with a line "rank N: stopped: another rank failed"; under --ranks silently).
 
 The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is
 refused, an existing output is only replaced with --overwrite, an output directory that cannot take a new file is
@@ -719,6 +722,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             progress.note(f"{PROG}: {note}")
         if memory.warning is not None:
             progress.note(f"{PROG}: {memory.warning}")
+        elif memory.reason.startswith("chose"):  # an exact setting instead of a faster one: said, quietly
+            progress.note(f"{PROG}: note: memory: {memory.reason}")
         if geometry.output[0] * geometry.output[1] > LARGE_OUTPUT_PIXELS:
             progress.note(f"{PROG}: note: the output is {geometry.output[1]}x{geometry.output[0]}, larger than 8K "
                           f"(7680x4320): this restore will take long and need much memory")
