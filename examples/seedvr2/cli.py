@@ -3,8 +3,8 @@
 INPUT is a video or image, or a folder of them, or several: a folder's videos and images are restored into the
 output folder under their own names with the models loaded once (see docs/seedvr2.md). Single process; or W ranks
 started by the command itself with --ranks W (one per GPU; gloo on the CPU), or under torchrun --nproc-per-node W.
-The clip is restored in temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded lazily from the input
-and encoded to the output as they finish, so memory does not grow with the clip. With --sp-size N the W ranks form
+The clip is restored in temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded
+lazily from the input and encoded to the output as they finish, so memory does not grow with the clip. With --sp-size N the W ranks form
 W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
 --vae-parallel mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
 Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT agent per node; ranks are
