@@ -4,11 +4,12 @@ INPUT is a video or image, or a folder of them, or several: a folder's videos an
 output folder under their own names with the models loaded once (see docs/seedvr2.md). Single process; or W ranks
 started by the command itself with --ranks W (one per GPU; gloo on the CPU), or under torchrun --nproc-per-node W.
 The clip is restored in temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded
-lazily from the input and encoded to the output as they finish, so memory does not grow with the clip. With --sp-size N the W ranks form
-W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
---vae-parallel mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
-Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT agent per node; ranks are
-numbered node by node, every rank reads the input, global rank 0 writes the output.
+lazily from the input and encoded to the output as they finish, so memory does not grow with the clip. With
+--sp-size N the W ranks form W / N groups of N: each group takes whole batches (round-robin), runs the DiT
+window-parallel and the VAE in its --vae-parallel mode over its N ranks, and sends its finished batches to rank 0,
+which writes them in order. Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint
+HOST:PORT agent per node; ranks are numbered node by node, every rank reads the input, global rank 0 writes the
+output.
 
 With --dit-checkpoint and --vae-checkpoint it is the SeedVR2 3B restorer (--model 7b: the 7B). Without them it
 looks for downloaded weights in ./ckpts/, $SEEDVR2_HOME and the Hugging Face cache (no network) and says which files
