@@ -628,7 +628,7 @@ def test_scale_is_checked_against_the_real_input(tmp_path, capsys, monkeypatch):
 
     wide = make_png(tmp_path / "wide.png", h=128, w=192)
     assert cli.main(["restore", wide, "-o", str(tmp_path / "o.png"), "--scale", "0.2", "--quiet"]) == 0
-    assert "(38x26, 1 frame; model at 32x16)" in capsys.readouterr().err
+    assert ": 38x26 (model at 32x16) |" in capsys.readouterr().err
     assert probe(tmp_path / "o.png")[1:3] == (26, 38)
     tiny = make_png(tmp_path / "tiny.png", h=32, w=32)
     monkeypatch.setattr(memory_limits, "usable_memory", lambda device: memory_limits.MemoryLimit(2**30, "told"))
@@ -652,7 +652,7 @@ def test_batch_frames_longer_than_the_clip_is_clamped_and_said(tmp_path, capsys)
     assert "note: --batch-frames 100001 is longer than the clip (6 frames): one batch of 6 frames (--batch-frames 9)" \
         in err
     summary = err.strip().splitlines()[-1]
-    assert "| 1 batch of 6 frames |" in summary and "100001" not in summary
+    assert "| 1 batch |" in summary and ": 48x32, 6 frames" in summary and "100001" not in summary
     assert probe(out)[0] == 6
 
 
@@ -660,7 +660,7 @@ def test_summary_reports_the_batches_that_ran_for_an_image(tmp_path, capsys):
     src = make_png(tmp_path / "in.png")
     assert cli.main(["restore", src, "-o", str(tmp_path / "o.png"), "--batch-frames", "21", "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "| 1 batch of 1 frame |" in err.strip().splitlines()[-1]
+    assert "| 1 batch |" in err.strip().splitlines()[-1]
     assert "note: --batch-frames 21 is longer than the clip (1 frame): one batch of 1 frame\n" in err
 
 

@@ -100,6 +100,11 @@ def test_summary_line_formats():
                         peak_gib=20.5)
     assert "322x242, 45 frames, 24 fps" in line and "4 ranks (2x SP 2)" in line
     assert "3 batches of 21, overlap 5" in line and "0.50 frames/s" in line and len(line) < 200
+    assert "(model at" not in line  # said only when the model ran at another size
+    assert "(model at 320x240)" in summary_line(PROG, "o.png", (242, 322), 1, None, weights="DEMO 3B", dtype="fp32",
+                                                device="cpu", world=1, sp=1, vae="replicated", batches=1,
+                                                batch_frames=1, overlap=0, seconds=1.0, peak_gib=0.3,
+                                                work=(240, 320))
     assert format_seconds(42) == "42s" and format_seconds(185) == "3m05s" and format_seconds(7620) == "2h07m"
     assert expected_calls(21, steps=1) == {"encode": 5, "dit": 1, "decode": 5}
     assert expected_calls(1, steps=1, tiles=4) == {"encode": 4, "dit": 1, "decode": 4}

@@ -150,13 +150,17 @@ class RestoreProgress:
 
 def summary_line(prog: str, output: str, size: tuple[int, int], frames: int, fps: Optional[str], *, weights: str,
                  dtype: str, device: str, world: int, sp: int, vae: str, batches: int, batch_frames: int,
-                 overlap: int, seconds: float, peak_gib: float) -> str:
+                 overlap: int, seconds: float, peak_gib: float, color_fix: str = "none",
+                 work: Optional[tuple[int, int]] = None) -> str:
     """The one line a finished restore prints: what was written (its true size, ``size`` = (height, width) as
-    encoded), how it ran and how long it took; about 150 characters plus the path."""
-    what = f"{size[1]}x{size[0]}" + (f", {frames} frames, {fps}" if fps is not None else "")
+    encoded; ``work``, the size the model ran at, when it differs), how it ran and how long it took; about 170
+    characters plus the path."""
+    what = f"{size[1]}x{size[0]}" + (f" (model at {work[1]}x{work[0]})" if work is not None and work != size else "")
+    what += f", {frames} frames, {fps}" if fps is not None else ""
     ranks = "1 rank" if world == 1 else f"{world} ranks" + (
         f" (SP {sp})" if sp == world else f" ({world // sp}x SP {sp})")
     run = "1 batch" if batches == 1 else f"{batches} batches of {batch_frames}, overlap {overlap}"
     peak = f"peak {peak_gib:.1f} GiB" + ("/rank" if world > 1 else "")
-    return (f"{prog}: wrote {output}: {what} | {weights} {dtype} {device}, {ranks}, VAE {vae} | {run} | "
+    return (f"{prog}: wrote {output}: {what} | {weights} {dtype} {device}, {ranks}, VAE {vae}, colour fix "
+            f"{color_fix} | {run} | "
             f"{seconds:.1f}s, {frames / max(seconds, 1e-9):.2f} frames/s, {peak}")
