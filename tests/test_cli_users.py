@@ -88,7 +88,7 @@ def test_summary_line_is_short_and_states_the_written_size(tmp_path):
     done = _run(src, "-o", out, "--quiet")
     assert done.returncode == 0, done.stderr
     summary = done.stderr.strip().splitlines()[-1]
-    assert summary.startswith(f"{PROG}: wrote {out}: 50x34 |"), summary  # the size as encoded
+    assert summary.startswith(f"{PROG}: wrote {out}: 50x34 (model at 48x32) |"), summary  # the size as encoded
     assert probe(out)[1:3] == (34, 50)
     assert len(summary) - len(str(out)) < 200
     assert summary.count("SP") <= 1

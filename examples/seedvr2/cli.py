@@ -822,7 +822,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         dtype="bf16" if dtype == torch.bfloat16 else "fp32", device=launch.device.type, world=launch.world_size,
         sp=mesh.sp_size, vae=vae, batches=len(plan), batch_frames=settings.batch_frames, overlap=settings.overlap,
         seconds=sum(progress.seconds.values()), peak_gib=max(row[0] for row in figures) / 2**30,
-        color_fix=color_fix, work=geometry.work)
+        color_fix=color_fix, work=geometry.work if geometry.work != geometry.output else None)
 
 
 def describe_batches(plan) -> str:
