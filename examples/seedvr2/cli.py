@@ -817,7 +817,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     if sp_size == 1 and settings.vae_parallel in ("height", "wavefront"):
         vae = "replicated"  # what one rank runs (see SeedVR2Pipeline)
     return summary_line(
-        PROG, output, written, info.num_frames, None if info.is_image else f"{float(info.fps):.3g} fps",
+        PROG, output, written, info.num_frames, None if info.is_image else f"{float(info.fps):.5g} fps",
         weights=f"{'DEMO' if models.demo else 'SeedVR2'} {(args.model or '3b').upper()}",
         dtype="bf16" if dtype == torch.bfloat16 else "fp32", device=launch.device.type, world=launch.world_size,
         sp=mesh.sp_size, vae=vae, batches=len(plan), batch_frames=settings.batch_frames, overlap=settings.overlap,

@@ -145,9 +145,11 @@ class MemoryEstimate:
 #: conservative guess, 0.57 x the five-frame one).
 _VAE_UNITS_ONE_FRAME, _VAE_UNITS_FIVE, _VAE_UNITS_CHUNKED = 95.0, 165.0, 205.0
 #: the same units for the area beyond :func:`heap_area`: there the large activations are mapped blocks that go back
-#: to the system when freed, and the peak is what is alive at once, about a sixth of the heap figure. Fitted on the
-#: replicated VAE at 1280x720 (5 and 9 frames; the one-frame figure scaled like the five-frame one).
-_VAE_LIVE_UNITS_ONE_FRAME, _VAE_LIVE_UNITS_FIVE, _VAE_LIVE_UNITS_CHUNKED = 15.0, 25.0, 48.0
+#: to the system when freed, and the peak is what is alive at once, about a fifth of the heap figure. Fitted on the
+#: replicated VAE at 1280x720 (5 and 9 frames) and 1920x1080 (5 frames), where the figure per pixel still grows
+#: (21 at 720p, 33 at 1080p for 5 frames): set so that 720p is over-estimated by at most 31 % and 1080p not under;
+#: the nine-frame figure scaled like the five-frame one, the one-frame figure too (guesses).
+_VAE_LIVE_UNITS_ONE_FRAME, _VAE_LIVE_UNITS_FIVE, _VAE_LIVE_UNITS_CHUNKED = 22.0, 37.0, 66.0
 #: glibc's largest mmap threshold (64-bit): an allocation above it is mapped and unmapped when freed; below it comes
 #: from the heap, which keeps freed space for reuse, so small activations stay resident after they die
 _HEAP_BLOCK_BYTES = 32 * 2**20
