@@ -99,7 +99,7 @@ def test_restore_png_with_resolution_not_a_multiple_of_16(tmp_path):
     assert result.returncode == 0, result.stderr
     frames, h, w, _ = probe(out)
     assert (frames, h, w) == (1, 40, 70)
-    assert f"wrote {out}: 70x40 |" in result.stderr
+    assert f"wrote {out}: 70x40 (model at 64x32) |" in result.stderr and "colour fix wavelet |" in result.stderr
 
 
 def test_restore_is_deterministic_for_a_seed(tmp_path):
