@@ -199,7 +199,7 @@ def test_overlapping_batches_write_every_frame_once(tmp_path, capsys):
     out = tmp_path / "o.mp4"
     assert cli.main(["restore", src, "-o", str(out), "--batch-frames", "9", "--overlap", "4", "--crf", "0",
                      "--quiet"]) == 0
-    assert "2 batches of 9 frames (the last 8), overlap 4" in capsys.readouterr().err
+    assert "2 batches of 9, overlap 4" in capsys.readouterr().err
     assert probe(out)[0] == 13
 
 
@@ -362,14 +362,21 @@ def test_checkpoint_with_one_wrong_key(tmp_path, capsys, monkeypatch, model):
     assert "missing keys: " + key in line and "unexpected keys: " + key + "_renamed" in line
 
 
-def test_one_checkpoint_without_the_other(tmp_path, capsys):
+def test_one_checkpoint_without_the_other(tmp_path, capsys, monkeypatch):
+    """The other file is looked for (tests/test_weights_discovery.py); when it is not found, one line says which."""
     src = make_png(tmp_path / "in.png")
     ckpt = tmp_path / "dit.pth"
     ckpt.write_bytes(b"x")
-    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--dit-checkpoint", ckpt],
-                  "--dit-checkpoint was given without --vae-checkpoint", tmp_path, keep={"in.png", "dit.pth"})
-    _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--vae-checkpoint", ckpt],
-                  "--vae-checkpoint was given without --dit-checkpoint", tmp_path, keep={"in.png", "dit.pth"})
+    for name in ("SEEDVR2_HOME", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-cache"))
+    monkeypatch.chdir(tmp_path)
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--dit-checkpoint", ckpt],
+                         "no SeedVR2 3B VAE found", tmp_path, keep={"in.png", "dit.pth"})
+    assert "pass --vae-checkpoint" in line and str(ckpt) in line
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png", "--vae-checkpoint", ckpt],
+                         "no SeedVR2 3B DiT found", tmp_path, keep={"in.png", "dit.pth"})
+    assert "pass --dit-checkpoint" in line
 
 
 def test_text_embeddings_of_the_wrong_width(tmp_path, capsys):

@@ -623,6 +623,10 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     from .media import probe_media
     from .pipeline import causal_frame_count
 
+    if isinstance(args.input, (list, tuple)):  # parse_args' list, for callers of run_restore (main splits a batch)
+        if len(args.input) != 1:
+            raise InputError(f"run_restore restores one file; got {len(args.input)} (main() runs a batch)")
+        args.input = args.input[0]
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         check_scale(args.scale)  # the number itself; the size it gives is checked against the input below
