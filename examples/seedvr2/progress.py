@@ -157,10 +157,9 @@ def summary_line(prog: str, output: str, size: tuple[int, int], frames: int, fps
     characters plus the path."""
     what = f"{size[1]}x{size[0]}" + (f" (model at {work[1]}x{work[0]})" if work is not None and work != size else "")
     what += f", {frames} frames, {fps}" if fps is not None else ""
-    ranks = "1 rank" if world == 1 else f"{world} ranks" + (
-        f" (SP {sp})" if sp == world else f" ({world // sp}x SP {sp})")
-    run = "1 batch" if batches == 1 else f"{batches} batches of {batch_frames}, overlap {overlap}"
+    ranks = "1 rank" if world == 1 else f"{world} ranks, SP {sp}"
+    run = "1 batch" if batches == 1 else f"batches {batches}x{batch_frames}, overlap {overlap}"
     peak = f"peak {peak_gib:.1f} GiB" + ("/rank" if world > 1 else "")
-    return (f"{prog}: wrote {output}: {what} | {weights} {dtype} {device}, {ranks}, VAE {vae}, colour fix "
+    return (f"{prog}: wrote {output}: {what} | {weights} {dtype} {device}, {ranks}, VAE {vae}, colour "
             f"{color_fix} | {run} | "
             f"{seconds:.1f}s, {frames / max(seconds, 1e-9):.2f} frames/s, {peak}")
