@@ -69,6 +69,6 @@ def test_720p_x9_replicated_runs_under_a_7_gb_address_space_limit(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=3600, preexec_fn=limit)
     assert done.returncode == 0, done.stderr
     summary = done.stderr.strip().splitlines()[-1]
-    assert "VAE replicated | 1 batch |" in summary, summary
+    assert "VAE replicated, colour none | 1 batch |" in summary, summary
     assert "CHANGES THE OUTPUT" not in done.stderr and "note: memory" not in done.stderr
     assert probe(out)[:3] == (9, 720, 1280)
