@@ -49,6 +49,11 @@ def child(out_dir: str, argv: list[str]) -> int:
     plan_memory = cli.plan_memory
 
     def recording_plan_memory(*args, **kwargs):
+        if os.environ.get("CALIBRATE_NO_LIMIT"):  # measure points beyond this machine's free memory estimate too
+            from examples.seedvr2.memory_limits import MemoryLimit
+
+            args = args[:8]
+            kwargs["limit"] = MemoryLimit(None, "calibration: no limit")
         record.update({f"{k}_at_plan": v for k, v in _status("VmRSS", "VmSize").items()})
         plan = plan_memory(*args, **kwargs)
         record.update(need=plan.need, settings=plan.settings.describe())
@@ -77,7 +82,8 @@ def make_clip(path: str, frames: int, width: int, height: int) -> str:
     return path
 
 
-def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int) -> dict:
+def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int, no_limit: bool = False,
+            timeout: float = 900) -> dict:
     """One grid point: the worst rank's figures."""
     for name in os.listdir(out_dir):
         os.remove(os.path.join(out_dir, name))
@@ -88,6 +94,8 @@ def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int) -
     code = f"import sys; sys.path.insert(0, {REPO!r}); from benchmarks.calibrate_memory import child; " \
            f"sys.exit(child({out_dir!r}, {argv!r}))"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    if no_limit:
+        env["CALIBRATE_NO_LIMIT"] = "1"
     if sp == 1:
         cmd = [sys.executable, "-c", code]
     else:
@@ -95,7 +103,7 @@ def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int) -
         with open(script, "w") as f:
             f.write(code)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={sp}", script]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd[-3:])}): {done.stderr[-2000:]}")
     worst = None
@@ -138,6 +146,10 @@ def main() -> None:
     parser.add_argument("--sp", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--tile", type=int, default=96)
     parser.add_argument("--json")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a grid point may take (default 900)")
+    parser.add_argument("--no-limit", action="store_true",
+                        help="let the CLI run points whose estimate exceeds this machine's usable memory (the estimate "
+                             "being calibrated may be too high)")
     parser.add_argument("--from-json")
     args = parser.parse_args()
     rows = []
@@ -162,15 +174,15 @@ def main() -> None:
                     for sp in args.sp:
                         out_dir = os.path.join(tmp, "run")
                         os.makedirs(out_dir, exist_ok=True)
-                        r = measure(src, out_dir, batch, mode, sp, args.tile)
+                        r = measure(src, out_dir, batch, mode, sp, args.tile, args.no_limit, args.timeout)
                         r.update(size=size, frames=batch, mode=mode, sp=sp, tile=args.tile)
                         rows.append(r)
                         print_row(r)
+                        if args.json:  # after every point: a long grid that fails late keeps what it measured
+                            with open(args.json, "w") as f:
+                                json.dump(rows, f, indent=1)
     ratios = [r["ratio"] for r in rows]
     print(f"\nratio estimate/measured: min {min(ratios):.2f}, max {max(ratios):.2f} over {len(rows)} runs")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

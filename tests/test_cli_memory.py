@@ -52,10 +52,11 @@ def test_automatic_fit_picks_the_largest_tile_that_fits(tmp_path, capsys, monkey
     assert needs["tiled64"] < needs["tiled128"] < needs["replicated"]
     _limit_to(monkeypatch, (needs["tiled128"] + needs["replicated"]) // 2)
     assert cli.main(["restore", src, "-o", str(tmp_path / "o.png")]) == 0
-    summary = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "VAE tiled (128px tiles)" in summary
-    assert "memory: chose batch 21 frames (overlap 5), VAE tiled 128px because batch 21 frames (overlap 5), VAE " \
-           "replicated needs about" in summary and "(test limit) usable per rank" in summary
+    err = capsys.readouterr().err
+    summary = err.strip().splitlines()[-1]
+    assert "VAE tiled 128px" in summary
+    warning = [line for line in err.splitlines() if "CHANGES THE OUTPUT" in line]  # tiles are approximate: loudly
+    assert len(warning) == 1 and "the VAE in 128px tiles" in warning[0] and "(test limit) usable per rank" in warning[0]
 
 
 def test_pinned_settings_that_do_not_fit_are_refused_with_settings_that_would(tmp_path, capsys, monkeypatch):
@@ -154,7 +155,9 @@ def test_an_honest_estimate_fits_the_limit_without_any_flag(tmp_path):
     assert result.returncode == 0, result.stderr
     assert probe(out)[:3] == (5, 128, 160)
     summary = result.stderr.strip().splitlines()[-1]
-    assert "memory: chose" in summary and "VAE tiled" in summary and "address-space limit" in summary
+    assert "VAE tiled" in summary
+    warning = [line for line in result.stderr.splitlines() if "CHANGES THE OUTPUT" in line]
+    assert len(warning) == 1 and "tiles" in warning[0] and "address-space limit" in warning[0], result.stderr
 
 
 @pytest.mark.multirank

@@ -287,7 +287,7 @@ def test_restore_matches_reference_parallel(world, modes):
 # ---- memory estimate ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frames,height,width", [(1, 32, 48), (13, 32, 48)])
+@pytest.mark.parametrize("frames,height,width", [(1, 32, 48), (13, 32, 48), (5, 320, 384)])  # the last past heap_area
 def test_memory_estimate_bounds_the_measured_peak(frames, height, width):
     """The shape-only estimate the CLI fits requests with bounds the real peak of live tensors (demo models, float32)
     by its shape-dependent parts alone (without the fixed overhead). It is calibrated against peak RSS, which is

@@ -1,21 +1,25 @@
-"""Command line: python -m examples.seedvr2 restore INPUT -o OUTPUT [options]
+"""Command line: python -m examples.seedvr2 restore INPUT... -o OUTPUT [options]
 
-Single process, or parallel under torchrun --nproc-per-node W (gloo on CPU, NCCL on GPUs). The clip is restored in
-temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded lazily from the input
-and encoded to the output as they finish, so memory does not grow with the clip. With --sp-size N the W ranks form
-W / N groups of N: each group takes whole batches (round-robin), runs the DiT window-parallel and the VAE in its
---vae-parallel mode over its N ranks, and sends its finished batches to rank 0, which writes them in order.
-Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT agent per node; ranks are
-numbered node by node, every rank reads the input, global rank 0 writes the output.
+INPUT is a video or image, or a folder of them, or several: a folder's videos and images are restored into the
+output folder under their own names with the models loaded once (see docs/seedvr2.md). Single process; or W ranks
+started by the command itself with --ranks W (one per GPU; gloo on the CPU), or under torchrun --nproc-per-node W.
+The clip is restored in temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded
+lazily from the input and encoded to the output as they finish, so memory does not grow with the clip. With
+--sp-size N the W ranks form W / N groups of N: each group takes whole batches (round-robin), runs the DiT
+window-parallel and the VAE in its --vae-parallel mode over its N ranks, and sends its finished batches to rank 0,
+which writes them in order. Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint
+HOST:PORT agent per node; ranks are numbered node by node, every rank reads the input, global rank 0 writes the
+output.
 
 With --dit-checkpoint and --vae-checkpoint it is the SeedVR2 3B restorer (--model 7b: the 7B). Without them it
-runs embedded tiny demo weights of that architecture (examples/seedvr2/demo.py) so that the command works anywhere
-in seconds; it says so, since that restores nothing.
+looks for downloaded weights in ./ckpts/, $SEEDVR2_HOME and the Hugging Face cache (no network) and says which files
+it uses; only when nothing is found (or with --demo) it runs embedded tiny demo weights of that architecture
+(examples/seedvr2/demo.py) so that the command works anywhere in seconds, and says so, since that restores nothing.
 
 Exit codes: 0 success; 2 bad input, usage, or not enough memory (one "error:" line on stderr, no output file);
 143 / 130 stopped by SIGTERM / SIGINT (Ctrl-C): the partial output is removed and one line says so; anything else
-is a bug. Under torchrun a rank that fails once the run has started reports it and leaves at once; the others then
-stop too, within seconds ("rank N: stopped: another rank failed").
+is a bug. A rank that fails once the run has started reports it and leaves at once; the others then stop too,
+within seconds (under torchrun with a line "rank N: stopped: another rank failed"; under --ranks silently).
 
 The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is
 refused, an existing output is only replaced with --overwrite, an output directory that cannot take a new file is
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -60,7 +65,9 @@ from .media import (
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
 from .checkpoint_dtypes import WEIGHT_MODES
+from .launcher import FAILED_ENV, LAUNCHED_ENV
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
+from .weights_discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 
 PROG = "python -m examples.seedvr2"
 DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
@@ -70,6 +77,10 @@ STAGES = ("read", "load", "restore")
 #: moments (they have just met: the summary's figures, or the agreement to start), so this bounds only how long a
 #: rank can be kept by a peer that died meanwhile; a failed rank does not meet at all (it aborts).
 EXIT_MEETING_S = 5.0
+#: a run projected (at the first batch's measured speed) to take longer than this is announced in one line
+LONG_RUN_S = 600.0
+#: outputs larger than 8K UHD (7680 x 4320 pixels) are announced before the run
+LARGE_OUTPUT_PIXELS = 7680 * 4320
 
 
 class InputError(ValueError):
@@ -80,7 +91,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line like every other error (exit code 2, as argparse does)."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+        # every rank parses the same command line: rank 0 alone reports its mistake
+        quiet = os.environ.get("RANK", "0") not in ("", "0")
+        self.exit(2, None if quiet else f"{PROG}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,11 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("restore", help="restore a video or image", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", help="video (mp4, mov, webm, mkv, ...) or image (png, jpg)")
+    p.add_argument("input", nargs="+",
+                   help="video (mp4, mov, webm, mkv, ...) or image (png, jpg), or a folder of them, or several: every "
+                        "file is restored into the output folder under its own name, the models loaded once; a file "
+                        "that fails is reported and the others continue (exit code 2 if any failed)")
     p.add_argument("-o", "--output",
                    help="output file: .mp4/.mov/.mkv (H.264) or .png/.jpg (default: <input>_restored.<ext> beside the "
-                        "input)")
-    p.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
+                        "input); for a folder or several inputs, the output folder (created if missing; default "
+                        "<folder>_restored, or each file beside its input)")
+    p.add_argument("--overwrite", action="store_true", help="replace an output file if it exists (per file)")
     p.add_argument("--allow-partial-input", action="store_true",
                    help="restore the frames that decode from a truncated or damaged video (with a warning) instead of "
                         "refusing it")
@@ -100,10 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--resolution", metavar="WxH",
                       help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
     size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
-    p.add_argument("--model", choices=("3b", "7b"), default="3b", help="which SeedVR2 DiT (default: 3b)")
+    p.add_argument("--model", choices=("3b", "7b"),
+                   help="which SeedVR2 DiT (default: the 3B if its weights are found, else the 7B; 3b for the demo)")
     p.add_argument("--dit-checkpoint", metavar="PATH",
-                   help="DiT weights: .pth, .safetensors (fp32, fp16, bf16, fp8) or .gguf (F16, BF16, Q8_0, Q4_K, ...)")
-    p.add_argument("--vae-checkpoint", metavar="PATH", help="VAE weights (the same formats)")
+                   help="DiT weights: .pth, .safetensors (fp32, fp16, bf16, fp8) or .gguf (F16, BF16, Q8_0, Q4_K, ...) "
+                        "(default: found in ./ckpts/, $SEEDVR2_HOME or the Hugging Face cache, see docs/seedvr2.md)")
+    p.add_argument("--vae-checkpoint", metavar="PATH", help="VAE weights (the same formats) (default: found likewise)")
+    p.add_argument("--demo", action="store_true",
+                   help="run the embedded tiny demo weights even when real ones are found (restores nothing)")
     p.add_argument("--text-embeds", metavar="PATH",
                    help=f"prompt embedding (safetensors key 'pos', or a single tensor) (default: {DEFAULT_TEXT_EMBEDS} "
                         f"with checkpoints, random tiny embeddings with the demo weights)")
@@ -149,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crf", type=int, default=DEFAULT_CRF,
                    help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="start N ranks on this machine (one per GPU on a GPU machine; gloo on the CPU): the same "
+                        "results as torchrun --nproc-per-node N, a failure is one line (exit 2) and every rank stops "
+                        "within seconds. For several machines use torchrun (default: 1, or torchrun's ranks)")
     return parser
 
 
@@ -159,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 class StageProgress:
     """A tiny progress bar over named stages on stderr, and the seconds each stage took.
 
-    On a terminal the bar is redrawn in place as stages start and finish; otherwise (a log, a pipe) one line is
-    printed per finished stage, so a run that fails early prints nothing but its error.
+    On a terminal the bar is redrawn in place as stages start and finish (the restore stage's own bar, with an ETA,
+    is :mod:`.progress`'s); otherwise (a log, a pipe) it draws nothing: the restore stage prints one line per batch.
     """
 
     stages: Sequence[str]
@@ -190,7 +215,7 @@ class StageProgress:
             self.stream.write("\n")
             self._open_line = False
 
-    def frames(self, done: int, total: int) -> None:
+    def frames(self, done: int, total: int) -> None:  # kept for callers; the restore stage's bar is .progress
         """Show the frames of the whole clip written so far during the current stage (redrawn on a terminal; in a
         log, one line per tenth of the clip)."""
         if not self.enabled or self._current is None:
@@ -217,7 +242,7 @@ class StageProgress:
         return bool(getattr(self.stream, "isatty", lambda: False)())
 
     def _draw(self, finished: int, label: str) -> None:
-        if not self.enabled:
+        if not self.enabled or not self._is_tty():  # a log or a pipe gets the batches' lines (.progress) only
             return
         width = 24
         filled = round(width * finished / len(self.stages))
@@ -353,7 +378,7 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     if args.dit_checkpoint is None:
         from .demo import demo_models, demo_text_embeds
 
-        dit, vae = demo_models(device, dtype, model=args.model)
+        dit, vae = demo_models(device, dtype, model=args.model or "3b")
         txt = _read_text_embeds(args.text_embeds, dit.config.txt_in_dim) if args.text_embeds else demo_text_embeds()
         return LoadedModels(dit, vae, txt, demo=True)
 
@@ -361,14 +386,16 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     from .pipeline import released_models_on_meta
     from .vae import load_vae_checkpoint
 
-    for flag, path in (("--dit-checkpoint", args.dit_checkpoint), ("--vae-checkpoint", args.vae_checkpoint)):
+    found = getattr(args, "found_weights", False)  # discovered, not given: name the files, not the flags
+    dit_flag, vae_flag = ("the DiT weights", "the VAE weights") if found else ("--dit-checkpoint", "--vae-checkpoint")
+    for flag, path in ((dit_flag, args.dit_checkpoint), (vae_flag, args.vae_checkpoint)):
         if not os.path.isfile(path):
             raise InputError(f"{flag}: file not found: {path}")
-    dit, vae = released_models_on_meta(args.model, dtype)
+    dit, vae = released_models_on_meta(args.model or "3b", dtype)
     weights = {"weights": getattr(args, "weights", "stored")}
     for flag, loader, model, path, options in (
-            ("--dit-checkpoint", load_dit_checkpoint, dit, args.dit_checkpoint, weights),
-            ("--vae-checkpoint", load_vae_checkpoint, vae, args.vae_checkpoint, {})):
+            (dit_flag, load_dit_checkpoint, dit, args.dit_checkpoint, weights),
+            (vae_flag, load_vae_checkpoint, vae, args.vae_checkpoint, {})):
         try:
             loader(model, path, report=report, **options)
         except (ValueError, OSError) as exc:  # the loaders report every checkpoint problem as one of these
@@ -389,7 +416,7 @@ class OutOfMemory(InputError):
 
 #: what helps when memory runs short, in the order a user should try them
 _MEMORY_HELP = ("--vae-parallel tiled with a smaller --vae-tile", "a smaller --batch-frames",
-                "more ranks (torchrun --nproc-per-node N: --vae-parallel height shares the VAE)", "a smaller --resolution")
+                "more ranks (--ranks N: --vae-parallel height shares the VAE)", "a smaller --resolution")
 
 
 def pinned_settings(args: argparse.Namespace):
@@ -422,6 +449,7 @@ class MemoryPlan:
     need: Optional[int]
     limit: object  # memory_limits.MemoryLimit
     reason: str
+    warning: Optional[str] = None  # set when memory forced a setting that changes the output
 
     def summary(self) -> str:
         return f"memory: {self.reason}"
@@ -432,14 +460,14 @@ def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torc
     if demo:
         from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
 
-        return DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model].vid_dim, 0
+        return DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model or "3b"].vid_dim, 0
     from .dit import NaDiTConfig
     from .vae import VideoVAEConfig
     from .weight_memory import run_weight_bytes
 
-    weights = run_weight_bytes(args.model, args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
+    weights = run_weight_bytes(args.model or "3b", args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
                                weights=getattr(args, "weights", "stored"))
-    return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model).vid_dim, weights
+    return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model or "3b").vid_dim, weights
 
 
 class PeerFailed(InputError):
@@ -477,7 +505,8 @@ def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: "Ru
 
 
 def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
-                sp_size: int, device: torch.device, demo: bool, limit=None) -> MemoryPlan:
+                sp_size: int, device: torch.device, demo: bool, limit=None, *,
+                weights_loaded: bool = False) -> MemoryPlan:
     """Choose the fastest settings whose estimated peak fits the memory this rank may use (see :mod:`.memory_fit`).
 
     Raises :class:`OutOfMemory` (before anything is allocated) when pinned settings do not fit, naming settings that
@@ -488,6 +517,8 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
     from .pipeline import estimate_restore_bytes
 
     vae_channels, dit_width, weights = _model_sizes(args, demo, dtype)
+    if weights_loaded:  # already held (an earlier file of a batch): the usable memory left them out
+        weights = 0
     height, width = geometry.work
 
     def need(settings) -> int:
@@ -520,10 +551,29 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
         reason = f"estimate {_gib(fit.need)} per rank (no memory limit could be read)"
     else:
         reason = f"estimate {_gib(fit.need)} of {limit.describe()} usable per rank"
+    warning = None
     if fit.changed:
         reason = (f"chose {fit.chosen.describe()} because {fit.first.describe()} needs about {_gib(fit.first_need)}; "
                   + reason)
-    return MemoryPlan(fit.chosen, fit.need, limit, reason)
+        warning = _output_changes(fit.first, fit.chosen, fit.first_need, limit)
+    return MemoryPlan(fit.chosen, fit.need, limit, reason, warning)
+
+
+def _output_changes(first, chosen, first_need: int, limit) -> Optional[str]:
+    """The loud line for settings chosen to fit that change the output (shorter batches, less overlap, tiles); None
+    when the change keeps the output (one exact VAE mode for another)."""
+    changes = []
+    if chosen.batch_frames != first.batch_frames:
+        changes.append(f"temporal batches of {chosen.batch_frames} frames instead of {first.batch_frames}")
+    if chosen.overlap != first.overlap:
+        changes.append(f"an overlap of {chosen.overlap} frames instead of {first.overlap}")
+    if chosen.vae_parallel == "tiled" and first.vae_parallel != "tiled":
+        changes.append(f"the VAE in {chosen.vae_tile}px tiles (approximate)")
+    if not changes:
+        return None
+    return (f"WARNING: to fit the {limit.describe()} usable per rank this run uses {' and '.join(changes)}, which "
+            f"CHANGES THE OUTPUT (the exact settings need about {_gib(first_need)} per rank); free memory, use more "
+            f"ranks (--ranks N), or a smaller --resolution to avoid it")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -573,6 +623,10 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     from .media import probe_media
     from .pipeline import causal_frame_count
 
+    if isinstance(args.input, (list, tuple)):  # parse_args' list, for callers of run_restore (main splits a batch)
+        if len(args.input) != 1:
+            raise InputError(f"run_restore restores one file; got {len(args.input)} (main() runs a batch)")
+        args.input = args.input[0]
     resolution = parse_resolution(args.resolution) if args.resolution is not None else None
     if args.scale is not None:
         check_scale(args.scale)  # the number itself; the size it gives is checked against the input below
@@ -580,14 +634,21 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     sp_size = launch.world_size if args.sp_size is None else args.sp_size
     if sp_size < 1 or launch.world_size % sp_size:
         raise InputError(
-            f"--sp-size {sp_size}: the world size {launch.world_size} must be a positive multiple of it (launch "
-            f"torchrun --nproc-per-node with a multiple of {max(sp_size, 1)}, or choose an --sp-size dividing "
+            f"--sp-size {sp_size}: the world size {launch.world_size} must be a positive multiple of it (run "
+            f"--ranks with a multiple of {max(sp_size, 1)}, or choose an --sp-size dividing "
             f"{launch.world_size})"
         )
     output = resolve_output_path(args)
     _check_output_path(output)
     if launch.rank == 0:  # the writer: the only rank whose file system must take the output
         check_output_directory(output)
+    notes = []
+    try:
+        weights_line = resolve_cli_weights(args)
+    except WeightsError as exc:
+        raise InputError(str(exc)) from None
+    if weights_line is not None:
+        notes.append(weights_line)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
     color_fix = args.color_fix or ("none" if demo else "wavelet")
@@ -603,7 +664,6 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
             f"--vae-parallel height needs at least one latent row (8 pixels) per rank: the working height "
             f"{geometry.work[0]} has {latent_rows} rows for {sp_size} ranks; use --vae-parallel replicated"
         )
-    notes = []
     whole = causal_frame_count(info.num_frames)
     if pinned.batch_frames is not None and pinned.batch_frames > whole:
         frames = f"{info.num_frames} frame{'s' if info.num_frames != 1 else ''}"
@@ -623,6 +683,7 @@ class RunState:
     memory: Optional[MemoryPlan] = None
     lockstep: bool = True
     reporter: int = 0
+    models: Optional[LoadedModels] = None  # loaded by an earlier file of a batch: reused
 
 
 def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
@@ -641,6 +702,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     from .overlap import background_worker, prefetch
     from .pipeline import SeedVR2Pipeline
     from .stage_clock import timed_iter
+    from .progress import RestoreProgress, expected_calls, format_seconds, summary_line
     from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
 
     # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
@@ -657,7 +719,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     limit = agree_to_start(usable_memory(launch.device), error, launch, state)
     pinned, sp_size, output, demo, dtype, color_fix, info, geometry, notes = prepared
     is_rank0 = launch.rank == 0
-    memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo, limit)
+    memory = plan_memory(args, pinned, geometry, info.num_frames, dtype, sp_size, launch.device, demo, limit,
+                         weights_loaded=state.models is not None)
     state.memory = memory
     settings = memory.settings
     plan = plan_temporal_batches(info.num_frames, settings.batch_frames, settings.overlap)
@@ -665,6 +728,13 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     if is_rank0:
         for note in info.notes + notes:
             progress.note(f"{PROG}: {note}")
+        if memory.warning is not None:
+            progress.note(f"{PROG}: {memory.warning}")
+        elif memory.reason.startswith("chose"):  # an exact setting instead of a faster one: said, quietly
+            progress.note(f"{PROG}: note: memory: {memory.reason}")
+        if geometry.output[0] * geometry.output[1] > LARGE_OUTPUT_PIXELS:
+            progress.note(f"{PROG}: note: the output is {geometry.output[1]}x{geometry.output[0]}, larger than 8K "
+                          f"(7680x4320): this restore will take long and need much memory")
         coded = h264_frame_size(*geometry.output)
         if is_video_out and coded != geometry.output:
             progress.note(
@@ -675,12 +745,15 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
 
     progress.start("load")
     state.lockstep = False
-    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None)
-    if models.demo and is_rank0:
+    fresh = state.models is None
+    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None) if fresh \
+        else state.models
+    state.models = models
+    if models.demo and is_rank0 and fresh:
         progress.note(
-            f"{PROG}: WARNING: no checkpoints given: running the embedded tiny DEMO weights (random, seeded). "
-            f"The output is NOT a restoration; pass --dit-checkpoint and --vae-checkpoint for SeedVR2 "
-            f"{args.model.upper()}."
+            f"{PROG}: WARNING: running the embedded tiny DEMO weights (random, seeded): the output is NOT a "
+            f"restoration. "
+            + ("" if args.demo else f"No SeedVR2 weights were found; {how_to_get_weights(args.model)}.")
         )
     mesh = build_temporal_mesh(sp_size)
     tile = settings.vae_tile if settings.vae_tile is not None else 256
@@ -703,6 +776,13 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     batches = iter(prefetch(temporal_batches(timed_iter(model_frames, "read"), settings.batch_frames,
                                              settings.overlap)))
     computed = []
+    owned = [batch for batch in plan if mesh.owns(batch.index)]
+    live = RestoreProgress.for_stream(sum(b.num_frames for b in owned), len(owned),
+                                      enabled=is_rank0 and not args.quiet).attach(models.vae, models.dit)
+    tiles = 1
+    if settings.vae_parallel == "tiled":
+        step = tile - tile_overlap(tile)
+        tiles = math.prod(max(1, math.ceil((side - tile_overlap(tile)) / step)) for side in geometry.work)
 
     def next_batch(index: int):
         for batch, clip in batches:  # skip the batches other groups restore (their frames were not converted)
@@ -713,10 +793,18 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     def compute(index: int) -> torch.Tensor:
         with stage_clock.stage("input wait"):
             batch, clip = next_batch(index)
-        computed.append(batch.num_frames)
+        live.begin_batch(batch.num_frames, expected_calls(batch.num_frames, steps=len(pipe.timesteps), tiles=tiles))
         # the colour fix and the conversion to 8-bit frames are shared by the group's ranks (see the pipeline)
-        return pipe.restore_batch_frames(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix,
-                                         lambda v: torch.from_numpy(model_to_frames(v.cpu(), geometry)))
+        frames = pipe.restore_batch_frames(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix,
+                                           lambda v: torch.from_numpy(model_to_frames(v.cpu(), geometry)))
+        live.end_batch()
+        computed.append(batch.num_frames)
+        projected = live.projected_seconds()
+        if is_rank0 and len(computed) == 1 and len(owned) > 1 and projected is not None and projected > LONG_RUN_S:
+            live.write(f"{PROG}: note: at the speed of the first batch this restore takes about "
+                       f"{format_seconds(projected)} ({len(owned)} batches); Ctrl-C stops it and removes the partial "
+                       f"output")
+        return frames
 
     results = ordered_results(mesh, len(plan), compute)
     if mesh.is_writer:
@@ -745,12 +833,12 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 write.close()
             for frame in blender.finish():
                 writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
-            progress.frames(writer.frames_written, info.num_frames)
             if writer.frames_written != info.num_frames:  # a bug, never a silently short file
                 raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
     else:
         for _ in results:
             pass
+    live.close()
     seconds_restore = time.perf_counter() - started
     if stage_clock.active() is not None:
         stage_clock.active().mark("restore finished")
@@ -758,20 +846,17 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     figures = _per_rank_figures([peak, float(sum(computed)), seconds_restore], launch.device)
     progress.done()
 
-    seconds = progress.seconds
-    timing = " ".join(f"{stage} {seconds.get(stage, 0.0):.2f}s" for stage in STAGES)
-    fps = f"{float(info.fps):.3g} fps"
-    peaks = " ".join(f"{row[0] / 2**30:.2f}" for row in figures)
-    frames_per_s = info.num_frames / max(seconds.get("restore", seconds_restore), 1e-9)
-    return (
-        f"{PROG}: {args.input} ({_fmt_size(geometry.input, info.num_frames)}) -> {output} "
-        f"({_fmt_size(geometry.output, info.num_frames)}{', ' + fps if not info.is_image else ''}; model at "
-        f"{geometry.work[1]}x{geometry.work[0]}) | {describe_batches(plan)} | {mesh.describe()} | SP {mesh.sp_size} | "
-        f"{pipe.describe()}; {'bf16' if dtype == torch.bfloat16 else 'fp32'} on {launch.device.type}; "
-        f"{'DEMO weights' if models.demo else 'SeedVR2'} {args.model.upper()}; colour fix {color_fix} | "
-        f"{memory.summary()} | {timing} | total {sum(seconds.values()):.2f}s | {frames_per_s:.2f} frames/s | "
-        f"{peak_kind} per rank {peaks} GiB"
-    )
+    written = h264_frame_size(*geometry.output) if is_video_out else geometry.output
+    vae = f"tiled {settings.vae_tile}px" if settings.vae_parallel == "tiled" else settings.vae_parallel
+    if sp_size == 1 and settings.vae_parallel in ("height", "wavefront"):
+        vae = "replicated"  # what one rank runs (see SeedVR2Pipeline)
+    return summary_line(
+        PROG, output, written, info.num_frames, None if info.is_image else f"{float(info.fps):.5g} fps",
+        weights=f"{'DEMO' if models.demo else 'SeedVR2'} {(args.model or '3b').upper()}",
+        dtype="bf16" if dtype == torch.bfloat16 else "fp32", device=launch.device.type, world=launch.world_size,
+        sp=mesh.sp_size, vae=vae, batches=len(plan), batch_frames=settings.batch_frames, overlap=settings.overlap,
+        seconds=sum(progress.seconds.values()), peak_gib=max(row[0] for row in figures) / 2**30,
+        color_fix=color_fix, work=geometry.work if geometry.work != geometry.output else None)
 
 
 def describe_batches(plan) -> str:
@@ -805,7 +890,8 @@ def _print_error(progress: StageProgress, message: str) -> None:
 def _stop_message(rank: int):
     """The one line printed when a signal stops the run (by rank 0 only: the others stop silently)."""
     def message(signum: int, removed: list) -> Optional[str]:
-        if rank != 0:
+        marker = os.environ.get(FAILED_ENV)
+        if rank != 0 or (marker and os.path.exists(marker)):  # under --ranks: stopped because another rank failed
             return None
         import signal
 
@@ -835,10 +921,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from .inputs import plan_jobs
+
     launch = Launch.from_env()
-    progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
-    state = RunState()
     failed = False
+    try:
+        try:
+            job = plan_jobs(args.input, args.output)
+        except MediaError as exc:  # the same on every rank, before any collective: rank 0 reports it
+            if launch.rank == 0:
+                _print_error(StageProgress(STAGES, enabled=False), str(exc))
+            return 2
+        if not job.batch:
+            args.input, args.output = job.pairs[0]
+            code, failed, _ = _restore_file(args, launch, RunState())
+            return code
+        code, failed = _restore_batch(args, launch, job)
+        return code
+    except BaseException:  # a bug: this rank leaves without meeting the others (they may be mid-collective)
+        failed = True
+        raise
+    finally:
+        launch.close(failed=failed)
+
+
+def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, bool]:
+    """Restore every (input, output) pair of ``job`` with the models loaded once; one line per file, then one summary
+    line. A file that fails is reported and the next one runs, unless the failure broke the ranks' lockstep (then the
+    process group is gone and the batch stops). Returns (exit code: 2 if any file failed, whether the group broke)."""
+    if job.output_dir is not None:
+        os.makedirs(job.output_dir, exist_ok=True)
+    started = time.perf_counter()
+    models, failures, done, broken = None, [], 0, False
+    for index, (path, output) in enumerate(job.pairs):
+        args.input, args.output = path, output
+        state = RunState(models=models)
+        code, broken, _ = _restore_file(args, launch, state)
+        models = state.models
+        if code == 0:
+            done += 1
+        else:
+            failures.append(os.path.basename(path))
+        if broken and launch.world_size > 1:
+            failures += [os.path.basename(p) + " (not run)" for p, _ in job.pairs[index + 1:]]
+            break
+    if launch.rank == 0:
+        where = f" into {job.output_dir}" if job.output_dir is not None else ""
+        failed = f"; FAILED {len(failures)}: {', '.join(failures)}" if failures else ""
+        print(f"{PROG}: restored {done} of {len(job.pairs)} files{where} in {time.perf_counter() - started:.1f}s"
+              f"{failed}", file=sys.stderr)
+    return (2 if failures else 0), broken
+
+
+def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> tuple[int, bool, Optional[str]]:
+    """Restore ``args.input`` into ``args.output``: (exit code, whether this rank failed out of lockstep, summary).
+    Errors are printed as one line (by the rank that reports them), the summary by rank 0."""
+    progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
     prefix = f"rank {launch.rank}: " if launch.world_size > 1 else ""
     try:
         summary = run_restore(args, launch, progress, state)
@@ -846,26 +984,26 @@ def _main(args: argparse.Namespace) -> int:
         failed = not state.lockstep
         if launch.rank == state.reporter or failed:
             _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
-        return 2
+        return 2, failed, None
     except Exception as exc:  # noqa: BLE001 - only memory and lost-peer failures are handled; the rest re-raised
-        failed = True  # whatever it is, this rank leaves without meeting the others (they may be mid-collective)
+        # whatever it is, this rank leaves without meeting the others (they may be mid-collective)
         if is_out_of_memory(exc):
             message = str(out_of_memory_error(exc, state.memory, launch.device))
             del exc
             _print_error(progress, prefix + message)
-            return 2
+            return 2, True, None
         if launch.world_size > 1 and is_peer_failure(exc):
+            if os.environ.get(LAUNCHED_ENV):  # the rank that failed said why; the launcher reports a silent death
+                return 2, True, None
             progress.break_line()
             reason = " ".join(str(exc).split())[:200]
             print(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})", file=sys.stderr)
-            return 2
+            return 2, True, None
         raise
-    finally:
-        launch.close(failed=failed)
-        _write_profile(launch.rank, progress.seconds)
+    _write_profile(launch.rank, progress.seconds)
     if launch.rank == 0:
         print(summary, file=sys.stderr)
-    return 0
+    return 0, False, summary
 
 
 def _write_profile(rank: int, cli_stages: dict) -> None:
@@ -878,3 +1016,4 @@ def _write_profile(rank: int, cli_stages: dict) -> None:
         stage_clock.active().mark("main left")
         stage_clock.write_profile(directory, rank, {"cli": dict(cli_stages)})
         stage_clock.disable()
+

@@ -140,9 +140,19 @@ class MemoryEstimate:
 # 10 %; the table is in benchmarks/README.md). Peak RSS is well above the peak of live tensors: CPU 3D convolutions
 # unfold their input (vol2col, 27 x channels per pixel) and the allocator keeps freed blocks.
 #: VAE bytes per pixel of the area one rank's VAE works on at once (the frame, its band, or a tile), in units of the
-#: first level's channels x element size, by padded batch length (1 frame, 5 frames, 9 or more: chunks of 4 frames).
-#: The one-frame figure is not in the calibration grid (a conservative guess, 0.57 x the five-frame one).
+#: first level's channels x element size, by padded batch length (1 frame, 5 frames, 9 or more: chunks of 4 frames),
+#: while the activations are heap blocks (see below). The one-frame figure is not in the calibration grid (a
+#: conservative guess, 0.57 x the five-frame one).
 _VAE_UNITS_ONE_FRAME, _VAE_UNITS_FIVE, _VAE_UNITS_CHUNKED = 95.0, 165.0, 205.0
+#: the same units for the area beyond :func:`heap_area`: there the large activations are mapped blocks that go back
+#: to the system when freed, and the peak is what is alive at once, about a fifth of the heap figure. Fitted on the
+#: replicated VAE at 1280x720 (5 and 9 frames) and 1920x1080 (5 frames), where the figure per pixel still grows
+#: (21 at 720p, 33 at 1080p for 5 frames): set so that 720p is over-estimated by at most 31 % and 1080p not under;
+#: the nine-frame figure scaled like the five-frame one, the one-frame figure too (guesses).
+_VAE_LIVE_UNITS_ONE_FRAME, _VAE_LIVE_UNITS_FIVE, _VAE_LIVE_UNITS_CHUNKED = 22.0, 37.0, 66.0
+#: glibc's largest mmap threshold (64-bit): an allocation above it is mapped and unmapped when freed; below it comes
+#: from the heap, which keeps freed space for reuse, so small activations stay resident after they die
+_HEAP_BLOCK_BYTES = 32 * 2**20
 #: tiled only: more VAE bytes per tile pixel and padded frame, same units (every tile carries all the batch's frames)
 _VAE_TILED_UNITS_PER_FRAME = 6.3
 #: DiT activations per token, in units of the model width x element size (attention inputs/outputs, MLP hidden
@@ -154,6 +164,13 @@ _FRAME_COPIES = 1.1
 #: bytes a run adds whatever its size (codec buffers, thread pools, allocator arenas), and more on each rank of a
 #: process group (gloo buffers and threads)
 _OVERHEAD_BYTES, _GROUP_OVERHEAD_BYTES = 121 * 2**20, 39 * 2**20
+
+
+def heap_area(vae_channels: int, element_bytes: int, chunk_frames: int) -> int:
+    """Pixels up to which the VAE's first-level activations (``vae_channels`` x ``chunk_frames`` per pixel) are
+    smaller than glibc's largest mmap threshold: below it the allocator's heap keeps what dies (peak resident memory
+    grows with every activation), above it the peak is what is alive at once."""
+    return max(1, _HEAP_BLOCK_BYTES // (vae_channels * element_bytes * chunk_frames))
 
 
 def vae_work_area(height: int, width: int, vae_parallel: str, sp_size: int = 1,
@@ -190,11 +207,14 @@ def estimate_restore_bytes(
     """
     del tile_overlap
     padded = causal_frame_count(frames, temporal_factor)
-    units = _VAE_UNITS_ONE_FRAME if padded == 1 else _VAE_UNITS_FIVE if padded <= 5 else _VAE_UNITS_CHUNKED
+    kind = 0 if padded == 1 else 1 if padded <= 5 else 2
+    heap_units = (_VAE_UNITS_ONE_FRAME, _VAE_UNITS_FIVE, _VAE_UNITS_CHUNKED)[kind]
+    live_units = (_VAE_LIVE_UNITS_ONE_FRAME, _VAE_LIVE_UNITS_FIVE, _VAE_LIVE_UNITS_CHUNKED)[kind]
     area = vae_work_area(height, width, vae_parallel, sp_size, tile, spatial_factor, frames=padded)
+    small = min(area, heap_area(vae_channels, element_bytes, min(padded, 1 + temporal_factor)))
+    vae = (heap_units * small + live_units * (area - small)) * vae_channels * element_bytes
     if vae_parallel == "tiled":
-        units += _VAE_TILED_UNITS_PER_FRAME * padded
-    vae = units * vae_channels * area * element_bytes
+        vae += _VAE_TILED_UNITS_PER_FRAME * padded * vae_channels * area * element_bytes
     latent_frames = 1 + (padded - 1) // temporal_factor
     tokens = math.ceil(latent_frames / patch[0]) * math.ceil(height / spatial_factor / patch[1]) * math.ceil(
         width / spatial_factor / patch[2])

@@ -1,0 +1,165 @@
+"""Live progress of a restore: a tqdm bar that moves with every VAE chunk and DiT step, with elapsed time and an ETA.
+
+The bar counts the frames of the clip this rank's group restores. Within a temporal batch it advances as the work
+is done: forward hooks on the VAE's encoder and decoder (called once per causal chunk, per band or tile) and on the
+DiT (once per sampling step) move it by the batch's frames times the share of the batch that step stands for (a
+quarter for encoding, a quarter for the DiT, half for decoding, split evenly over the expected calls); the batch's
+end sets it exactly. tqdm derives the speed and the ETA from the measured time.
+
+On a terminal (and not ``--quiet``) the bar is drawn in place on stderr; when stderr is a file or a pipe, one plain
+line is printed per finished batch instead; ``--quiet`` prints nothing. Only rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Optional
+
+__all__ = ["RestoreProgress", "expected_calls", "format_seconds"]
+
+_SHARES = {"encode": 0.25, "dit": 0.25, "decode": 0.5}
+
+
+def format_seconds(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _chunks(frames: int, chunk: Optional[int]) -> int:
+    if chunk is None or frames - 1 <= chunk:
+        return 1
+    return 1 + math.ceil((frames - 1 - chunk) / chunk)
+
+
+def expected_calls(frames: int, *, steps: int, temporal_chunk: Optional[int] = 4, temporal_factor: int = 4,
+                   tiles: int = 1) -> dict[str, int]:
+    """How many encoder, DiT and decoder calls one batch of ``frames`` frames makes (the chunking of
+    :mod:`.vae.model`: the first frame and a chunk, then a chunk at a time; the decoder in latent frames)."""
+    padded = 1 + math.ceil((frames - 1) / temporal_factor) * temporal_factor
+    latent = 1 + (padded - 1) // temporal_factor
+    latent_chunk = None if temporal_chunk is None else max(1, temporal_chunk // temporal_factor)
+    return {"encode": tiles * _chunks(padded, temporal_chunk), "dit": steps,
+            "decode": tiles * _chunks(latent, latent_chunk)}
+
+
+class RestoreProgress:
+    """The restore stage's progress over ``total`` frames (see the module docstring).
+
+    ``mode``: ``"bar"`` (tqdm on ``stream``), ``"lines"`` (one line per batch) or ``"off"``.
+    """
+
+    def __init__(self, total: int, batches: int, mode: str, stream=None) -> None:
+        self.total, self.batches, self.mode = total, batches, mode
+        self.stream = sys.stderr if stream is None else stream
+        self.done_frames = 0.0
+        self.done_batches = 0
+        self.started = time.perf_counter()
+        self._batch_frames = 0
+        self._expected: dict[str, int] = {}
+        self._calls: dict[str, int] = {}
+        self._hooks: list = []
+        self.bar = None
+        if mode == "bar":
+            import shutil
+
+            from tqdm import tqdm
+
+            size = shutil.get_terminal_size((100, 24))  # a terminal that reports 0 x 0 (a bare pty): 100 x 24
+            self.bar = tqdm(total=total, unit="frame", file=self.stream, leave=False, ncols=size.columns or 100,
+                            nrows=size.lines or 24,
+                            desc="restore", smoothing=0.1,
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.1f}/{total} frames "
+                                       "[{elapsed}<{remaining}, {rate_fmt}]")
+
+    @classmethod
+    def for_stream(cls, total: int, batches: int, *, enabled: bool, stream=None) -> "RestoreProgress":
+        """A bar on a terminal, lines elsewhere, nothing when not ``enabled`` (``--quiet``, ranks other than 0)."""
+        stream = sys.stderr if stream is None else stream
+        tty = bool(getattr(stream, "isatty", lambda: False)())
+        return cls(total, batches, "off" if not enabled else "bar" if tty else "lines", stream)
+
+    def attach(self, vae, dit) -> "RestoreProgress":
+        """Count the VAE encoder's / decoder's and the DiT's calls (forward hooks; removed by :meth:`close`)."""
+        if self.mode != "bar":
+            return self
+        for kind, module in (("encode", getattr(vae, "encoder", None)), ("decode", getattr(vae, "decoder", None)),
+                             ("dit", dit)):
+            if module is not None:
+                self._hooks.append(module.register_forward_hook(lambda *_, k=kind: self._tick(k)))
+        return self
+
+    def begin_batch(self, frames: int, expected: dict[str, int]) -> None:
+        self._batch_frames, self._expected = frames, dict(expected)
+        self._calls = {k: 0 for k in _SHARES}
+        self._batch_base = self.done_frames
+
+    def _tick(self, kind: str) -> None:
+        if self.bar is None or not self._expected:
+            return
+        self._calls[kind] += 1
+        share = sum(_SHARES[k] * min(1.0, self._calls[k] / max(1, self._expected.get(k, 1))) for k in _SHARES)
+        target = self._batch_base + self._batch_frames * min(share, 0.999)
+        if target > self.bar.n:
+            self.bar.update(target - self.bar.n)
+
+    def end_batch(self) -> None:
+        self.done_frames += self._batch_frames
+        self.done_batches += 1
+        self._expected = {}
+        if self.bar is not None:
+            self.bar.update(self.done_frames - self.bar.n)
+        elif self.mode == "lines":
+            elapsed = time.perf_counter() - self.started
+            left = elapsed / self.done_frames * (self.total - self.done_frames) if self.done_frames else 0.0
+            self.stream.write(f"restore: batch {self.done_batches}/{self.batches}, {self.done_frames:.0f}/"
+                              f"{self.total} frames, {format_seconds(elapsed)} elapsed, ETA "
+                              f"{format_seconds(left)}\n")
+            self.stream.flush()
+
+    def projected_seconds(self) -> Optional[float]:
+        """The whole stage's time at the speed measured so far (None before the first batch)."""
+        if not self.done_frames:
+            return None
+        return (time.perf_counter() - self.started) / self.done_frames * self.total
+
+    def write(self, line: str) -> None:
+        """A message line that does not tear the bar."""
+        if self.bar is not None:
+            self.bar.clear()
+            self.stream.write(line + "\n")
+            self.bar.refresh()
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def summary_line(prog: str, output: str, size: tuple[int, int], frames: int, fps: Optional[str], *, weights: str,
+                 dtype: str, device: str, world: int, sp: int, vae: str, batches: int, batch_frames: int,
+                 overlap: int, seconds: float, peak_gib: float, color_fix: str = "none",
+                 work: Optional[tuple[int, int]] = None) -> str:
+    """The one line a finished restore prints: what was written (its true size, ``size`` = (height, width) as
+    encoded; ``work``, the size the model ran at, when it differs), how it ran and how long it took; about 170
+    characters plus the path."""
+    what = f"{size[1]}x{size[0]}" + (f" (model at {work[1]}x{work[0]})" if work is not None and work != size else "")
+    what += f", {frames} frames, {fps}" if fps is not None else ""
+    ranks = "1 rank" if world == 1 else f"{world} ranks, SP {sp}"
+    run = "1 batch" if batches == 1 else f"batches {batches}x{batch_frames}, overlap {overlap}"
+    peak = f"peak {peak_gib:.1f} GiB" + ("/rank" if world > 1 else "")
+    return (f"{prog}: wrote {output}: {what} | {weights} {dtype} {device}, {ranks}, VAE {vae}, colour "
+            f"{color_fix} | {run} | "
+            f"{seconds:.1f}s, {frames / max(seconds, 1e-9):.2f} frames/s, {peak}")
