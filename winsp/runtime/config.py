@@ -8,9 +8,11 @@ divide by anything. Head-sharded and ring-style options have no meaning for such
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 from winsp.attention.backends import check_backend_name
 from winsp.attention.halo.backends import check_neighborhood_backend
+from winsp.comm.mesh import mesh_size
 from winsp.planning.costs import CostConstants
 from winsp.planning.schedule import check_planner
 
@@ -25,6 +27,7 @@ class DiffusionParallelConfig:
 
     Args:
         ulysses_degree: the window-SP degree N (the size of the SP group; the world, or a subgroup given by the caller).
+            None (the default): the size of ``mesh`` when one is given, else 1.
         ring_degree: must be 1 (ring attention does not apply to windowed attention).
         allgather: must be False (no K/V all-gather strategy).
         ulysses_mode: must be ``"strict"``; ``"advanced_uaa"`` (head padding) is refused.
@@ -41,9 +44,11 @@ class DiffusionParallelConfig:
         plan_cache_size: how many request shapes the runtime's store keeps (plans, transitions, indices).
         costs: the cost constants ``"auto"`` weighs placements with (None: :data:`winsp.planning.costs.DEFAULT_COSTS`, SeedVR2
             3B on an NVLink GPU node; ``benchmarks/cost_model.py --fit-wall`` refits them on measured wall time).
+        mesh: the SP group as a ``torch.distributed`` ``DeviceMesh``: a 1-D mesh, or the window-SP dimension of a
+            larger one (``mesh["sp"]`` of a (dp, sp) mesh). None: the world, or the ``group=`` the runtime is given.
     """
 
-    ulysses_degree: int = 1
+    ulysses_degree: Optional[int] = None
     ring_degree: int = 1
     allgather: bool = False
     ulysses_mode: str = "strict"
@@ -54,8 +59,17 @@ class DiffusionParallelConfig:
     plan_cache_size: int = 64
     costs: CostConstants | None = None
     neighborhood_backend: str = "auto"
+    mesh: Any = None
 
     def __post_init__(self) -> None:
+        if self.mesh is not None:
+            size = mesh_size(self.mesh)
+            if self.ulysses_degree is not None and self.ulysses_degree != size:
+                raise ValueError(f"ulysses_degree={self.ulysses_degree!r} but the SP mesh has {size} ranks; leave "
+                                 f"ulysses_degree out to take the mesh's size")
+            object.__setattr__(self, "ulysses_degree", size)
+        elif self.ulysses_degree is None:
+            object.__setattr__(self, "ulysses_degree", 1)
         for name in ("ulysses_degree", "ring_degree", "plan_cache_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
