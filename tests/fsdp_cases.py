@@ -103,7 +103,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def errors(model: nn.Module, out: torch.Tensor, ref_out: torch.Tensor, ref_grads: dict) -> dict:
     """Max abs differences: output, and the worst parameter gradient (gathered whole), with its scale."""
-    grads = {n: _grad(p) for n, p in model.named_parameters()}
+    return grad_errors({n: _grad(p) for n, p in model.named_parameters()}, out, ref_out, ref_grads)
+
+
+def grad_errors(grads: dict, out: torch.Tensor, ref_out: torch.Tensor, ref_grads: dict) -> dict:
+    """:func:`errors` of gradients given by name."""
     assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
     worst = max(((grads[n].double() - ref_grads[n].double()).abs().max().item(), n) for n in grads)
     return {"out": (out.double() - ref_out.double()).abs().max().item(),
@@ -219,23 +223,16 @@ def mixed_precision_case(rank: int, world: int, dp: int, sp: int) -> dict:
     return {"out_dtype": str(out.dtype), "grad_dtype": str(next(model.parameters()).grad.dtype),
             "vs_bf16": errors(model, out, bf16_outs[d], bf16_grads),
             # how far bf16 itself is from exact: the scale of an honest tolerance
-            "bf16_vs_f64": errors(_with_grads(original, bf16_grads), bf16_outs[d], f64_outs[d], f64_grads),
+            "bf16_vs_f64": grad_errors(bf16_grads, bf16_outs[d], f64_outs[d], f64_grads),
             "parallel_vs_f64": errors(model, out, f64_outs[d], f64_grads)}
 
 
-def _with_grads(model: nn.Module, grads: dict) -> nn.Module:
-    holder = copy.deepcopy(model)
-    for n, p in holder.named_parameters():
-        p.grad = grads[n]
-    return holder
-
-
-def mesh_checks(rank: int, world: int) -> dict:
+def mesh_checks(rank: int, world: int, dp: int, sp: int) -> dict:
     """A (2, 2) mesh given where an SP group goes: whole (refused, naming the dimensions), by dimension (accepted),
     in the config, twice (refused); dp groups hold different SP groups."""
     from winsp.comm.group import SPGroup
 
-    mesh = make_mesh(2, 2)
+    mesh = make_mesh(dp, sp)
     found = {}
     try:
         SPGroup(mesh)
@@ -250,15 +247,32 @@ def mesh_checks(rank: int, world: int) -> dict:
     except ValueError as error:
         found["degree_mismatch"] = str(error)
     try:
-        winsp.WindowRuntime.from_config(config, [winsp.FixedWindows((1, 2, 2))], group=mesh["sp"])
+        winsp.WindowRuntime.from_config(config, [winsp.FixedWindows((1, 2, 2))], group=mesh["dp"])
     except ValueError as error:
         found["twice"] = str(error)
+    found["same_twice"] = winsp.WindowRuntime.from_config(config, [winsp.FixedWindows((1, 2, 2))],
+                                                          group=SPGroup(mesh["sp"])).world_size
     runtime = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))], group=mesh["sp"])
     found["runtime"] = (runtime.rank, runtime.world_size)
     import torch.distributed as dist
 
     found["sp_ranks"] = dist.get_process_group_ranks(sp.group)
     return found
+
+
+def sharded_first(rank: int, world: int, dp: int, sp: int) -> str:
+    """``parallelize`` on a model FSDP2 sharded already: the refusal's message."""
+    from torch.distributed.fsdp import fully_shard
+
+    from examples.hourglass import parallelize
+
+    model = hourglass()
+    fully_shard(model, mesh=make_mesh(dp, sp)._flatten("dp_sp"))
+    try:
+        parallelize(model, group=make_mesh(dp, sp)["sp"])
+    except ValueError as error:
+        return str(error)
+    return "accepted"
 
 
 # ---- distributed checkpoints ----------------------------------------------------------------------------------------

@@ -50,11 +50,15 @@ CASES_2x2 = (("hourglass", "train_step_case", {"which": "hourglass"}),
              ("hourglass_plain_keep", "train_step_case", {"which": "hourglass", "how": "fully_shard",
                                                           "reshard": False}),
              ("dit", "train_step_case", {"which": "dit"}),
-             ("dit_keep", "train_step_case", {"which": "dit", "reshard": False}))
+             ("dit_keep", "train_step_case", {"which": "dit", "reshard": False}),
+             ("dit_compiled", "train_step_case", {"which": "dit", "compile_backend": "aot_eager"}),
+             ("mp", "mixed_precision_case", {}),
+             ("mesh", "mesh_checks", {}))
 
 
 @pytest.fixture(scope="module")
 def results_2x2():
+    """Every (dp, sp) = (2, 2) case in one spawn of 4 ranks."""
     return run_ranks(_all, 4, 2, 2, CASES_2x2, timeout=TIMEOUT)
 
 
@@ -80,25 +84,12 @@ def test_dp_groups_take_different_samples(results_2x2):
     assert seen[0][1] == seen[1][1] and seen[2][1] == seen[3][1] and abs(seen[0][1] - seen[2][1]) > 1e-3
 
 
-@needs_torchvision
-def test_sp2_swin3d_adapter_with_plain_fully_shard():
-    results = run_ranks(_all, 2, 1, 2, (("swin3d", "train_step_case", {"which": "swin3d", "how": "fully_shard"}),
-                                        ("dit", "train_step_case", {"which": "dit"})), timeout=TIMEOUT)
-    _check_world(results, "swin3d", 2)
-    _check_world(results, "dit", 2)
+def test_compiled_blocks_under_fsdp2_aot_eager(results_2x2):
+    _check_world(results_2x2, "dit_compiled", 4)
 
 
-def test_sp3_hourglass_and_dit():
-    results = run_ranks(_all, 3, 1, 3, (("hourglass", "train_step_case", {"which": "hourglass"}),
-                                        ("dit", "train_step_case", {"which": "dit", "how": "fully_shard"})),
-                        timeout=TIMEOUT)
-    _check_world(results, "hourglass", 3)
-    _check_world(results, "dit", 3)
-
-
-def test_mixed_precision_matches_one_process_under_the_same_bf16_casting():
-    results = run_ranks(_all, 4, 2, 2, (("mp", "mixed_precision_case", {}),), timeout=TIMEOUT)
-    for r in results:
+def test_mixed_precision_matches_one_process_under_the_same_bf16_casting(results_2x2):
+    for r in results_2x2:
         mp = r["mp"]
         assert mp["out_dtype"] == "torch.bfloat16" and mp["grad_dtype"] == "torch.float32"
         bf16, exact = mp["vs_bf16"], mp["bf16_vs_f64"]
@@ -110,10 +101,32 @@ def test_mixed_precision_matches_one_process_under_the_same_bf16_casting():
         assert mp["parallel_vs_f64"]["out"] <= 8 * 2 ** -8 * exact["out_scale"], mp
 
 
-def test_compiled_blocks_under_fsdp2_aot_eager():
-    results = run_ranks(_all, 4, 2, 2, (("dit", "train_step_case", {"which": "dit", "compile_backend": "aot_eager"}),),
+def test_2d_mesh_where_an_sp_group_goes(results_2x2):
+    for rank, r in enumerate(results_2x2):
+        found = r["mesh"]
+        assert "('dp', 'sp')" in found["whole"] and "mesh['sp']" in found["whole"]
+        assert found["sp"] == (rank % 2, 2) and found["runtime"] == (rank % 2, 2) and found["degree"] == 2
+        assert "ulysses_degree=4 but the SP mesh has 2 ranks" in found["degree_mismatch"]
+        assert "given twice, differently" in found["twice"] and found["same_twice"] == 2
+        assert found["sp_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+
+
+@needs_torchvision
+def test_sp2_swin3d_adapter_with_plain_fully_shard_and_a_model_sharded_first():
+    results = run_ranks(_all, 2, 1, 2, (("swin3d", "train_step_case", {"which": "swin3d", "how": "fully_shard"}),
+                                        ("dit", "train_step_case", {"which": "dit"}),
+                                        ("first", "sharded_first", {})), timeout=TIMEOUT)
+    _check_world(results, "swin3d", 2)
+    _check_world(results, "dit", 2)
+    assert "sharded already" in results[0]["first"] and "call winsp.parallelize first" in results[0]["first"]
+
+
+def test_sp3_hourglass_and_dit():
+    results = run_ranks(_all, 3, 1, 3, (("hourglass", "train_step_case", {"which": "hourglass"}),
+                                        ("dit", "train_step_case", {"which": "dit", "how": "fully_shard"})),
                         timeout=TIMEOUT)
-    _check_world(results, "dit", 4)
+    _check_world(results, "hourglass", 3)
+    _check_world(results, "dit", 3)
 
 
 @pytest.mark.slow
@@ -128,16 +141,6 @@ def test_compiled_blocks_under_fsdp2_inductor():
             assert rep["out"] <= 1e-10 * rep["out_scale"] and rep["grad"] <= 1e-10 * rep["grad_scale"], rep
 
 
-def test_2d_mesh_where_an_sp_group_goes():
-    results = run_ranks(cases.mesh_checks, 4, timeout=TIMEOUT)
-    for rank, found in enumerate(results):
-        assert "('dp', 'sp')" in found["whole"] and "mesh['sp']" in found["whole"]
-        assert found["sp"] == (rank % 2, 2) and found["runtime"] == (rank % 2, 2) and found["degree"] == 2
-        assert "ulysses_degree=4 but the SP mesh has 2 ranks" in found["degree_mismatch"]
-        assert "given twice" in found["twice"]
-        assert found["sp_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
-
-
 # ---- one process: refusals ----------------------------------------------------------------------------------------
 
 def test_single_rank_refusals():
@@ -149,26 +152,6 @@ def test_single_rank_refusals():
     assert winsp.DiffusionParallelConfig() == winsp.DiffusionParallelConfig(ulysses_degree=1)
     with pytest.raises(ValueError, match="must be a torch.distributed DeviceMesh"):
         winsp.shard_weights(nn.Linear(2, 2), None)
-
-
-def _sharded_first(rank: int, world: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from examples.hourglass import HourglassNet, parallelize
-
-    model = HourglassNet(dropout=0.0)
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    try:
-        parallelize(model)
-    except ValueError as error:
-        return str(error)
-    return "accepted"
-
-
-def test_parallelize_refuses_a_model_sharded_first():
-    message = run_ranks(_sharded_first, 2, timeout=TIMEOUT)[0]
-    assert "sharded already" in message and "call winsp.parallelize first" in message
 
 
 def test_shard_weights_needs_blocks_without_a_plan():

@@ -134,10 +134,12 @@ class WindowRuntime:
             raise ValueError(f"parallel_config must be a DiffusionParallelConfig, got {type(config).__name__}")
         n = config.ulysses_degree
         if config.mesh is not None:
-            if group is not None:
-                raise ValueError("the SP group was given twice (DiffusionParallelConfig(mesh=...) and group=...); "
-                                 "give one of them")
-            group = config.mesh
+            from_mesh = SPGroup(config.mesh)
+            given = None if group is None else group if isinstance(group, SPGroup) else SPGroup(group)
+            if given is not None and given.group is not from_mesh.group:
+                raise ValueError("the SP group was given twice, differently (DiffusionParallelConfig(mesh=...) and "
+                                 "group=...); give one of them")
+            group = from_mesh if given is None else given
         if isinstance(group, SPGroup):
             sp = group
         elif group is not None:
