@@ -152,7 +152,8 @@ def _shard_plainly(model: nn.Module, mesh, blocks, **options) -> None:
 def train_step_case(rank: int, world: int, dp: int, sp: int, which: str, how: str = "shard_weights",
                     reshard: bool = True, compile_backend: str | None = None) -> dict:
     """One training step of ``which`` (``hourglass``, ``swin3d``, ``dit``) made window-parallel over ``mesh["sp"]``
-    and sharded over every rank (``how``: ``shard_weights`` or plain ``fully_shard``), against the original."""
+    and sharded over every rank (``how``: ``shard_weights`` or plain ``fully_shard``; ``dp_only``: plain
+    ``fully_shard`` over ``mesh["dp"]``), against the original."""
     quiet()
     mesh = make_mesh(dp, sp)
     d = mesh.get_local_rank("dp")
@@ -181,9 +182,11 @@ def train_step_case(rank: int, world: int, dp: int, sp: int, which: str, how: st
                 module.compile(backend=compile_backend)
     if how == "shard_weights":
         winsp.shard_weights(model, mesh, blocks=None if which != "dit" else "blocks.*", reshard_after_forward=reshard)
+    elif how == "dp_only":  # FSDP over the dp dimension only: winsp.sync_gradients averages each shard over SP
+        _shard_plainly(model, mesh["dp"], blocks, reshard_after_forward=reshard)
     else:
         _shard_plainly(model, mesh, blocks, reshard_after_forward=reshard)
-    shards = shard_numels(model, world)
+    shards = shard_numels(model, dp if how == "dp_only" else world)
     with torch.no_grad():  # inference first: reshard_after_forward applies to a no-grad forward too
         inference = run(model, samples[d])
     out = run(model, samples[d])

@@ -52,6 +52,7 @@ CASES_2x2 = (("hourglass", "train_step_case", {"which": "hourglass"}),
              ("dit", "train_step_case", {"which": "dit"}),
              ("dit_keep", "train_step_case", {"which": "dit", "reshard": False}),
              ("dit_compiled", "train_step_case", {"which": "dit", "compile_backend": "aot_eager"}),
+             ("dp_only", "train_step_case", {"which": "hourglass", "how": "dp_only"}),
              ("mp", "mixed_precision_case", {}),
              ("mesh", "mesh_checks", {}))
 
@@ -82,6 +83,15 @@ def test_dp_groups_take_different_samples(results_2x2):
     seen = [(r["hourglass"]["dp_rank"], r["hourglass"]["out_sum"]) for r in results_2x2]
     assert [d for d, _ in seen] == [0, 0, 1, 1]
     assert seen[0][1] == seen[1][1] and seen[2][1] == seen[3][1] and abs(seen[0][1] - seen[2][1]) > 1e-3
+
+
+def test_fsdp_over_dp_only_then_sync_gradients_averages_the_shards_over_sp(results_2x2):
+    for r in results_2x2:
+        rep = r["dp_only"]
+        assert rep["out"] <= EXACT * rep["out_scale"] and rep["grad"] <= EXACT * rep["grad_scale"], rep
+        assert rep["synced"] >= 1 and rep["shards"]["all_dtensor"]
+        assert rep["shards"]["local"] <= rep["shards"]["bound"] < rep["shards"]["total"]  # about 1 / dp each
+    assert sum(r["dp_only"]["shards"]["local"] for r in results_2x2) == 2 * results_2x2[0]["dp_only"]["shards"]["total"]
 
 
 def test_compiled_blocks_under_fsdp2_aot_eager(results_2x2):

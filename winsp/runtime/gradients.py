@@ -11,7 +11,9 @@ the group are those of P times the loss, and their mean is the one-rank gradient
 inside windows, between two sharded regions (gather -> replicated op -> scatter), after the final ``gather`` (a head,
 a final norm), and for losses on any replicated output (video or text), with no scaling by the SP degree anywhere.
 With data parallelism on top (an SP x DP world) the mean over SP then over DP is the mean over the world: DDP over the
-whole world alone does both.
+whole world alone does both, and so does FSDP2 sharding the weights over every rank of a (dp, sp) mesh: its
+reduce-scatter is that mean, and :func:`sync_gradients` skips the parameters it reduced
+(:mod:`winsp.adoption.sharding`).
 
 :func:`sync_gradients` needs few collectives: gradients are flattened by (device, dtype) into buckets, and each
 bucket is summed with one all-reduce and divided by the group size.
