@@ -264,6 +264,22 @@ def mesh_checks(rank: int, world: int, dp: int, sp: int) -> dict:
     return found
 
 
+def seedvr2_pipeline_on_mesh(rank: int, world: int, dp: int, sp: int) -> dict:
+    """The SeedVR2 pipeline (golden tiny weights) given ``mesh["sp"]`` as ``group=``, and as the config's mesh:
+    its SP size, and the small restore of ``tests/test_pipeline.py``."""
+    from examples.seedvr2.pipeline import SeedVR2Pipeline
+    from tests.test_pipeline import build_golden_models, restore_small
+
+    mesh = make_mesh(dp, sp)
+    dit, vae = build_golden_models()
+    by_group = SeedVR2Pipeline(dit, vae, "replicated", group=mesh["sp"])
+    sizes = [by_group.group.size, by_group.runtime.world_size]
+    out = restore_small(by_group)
+    by_config = SeedVR2Pipeline(dit, vae, "replicated", parallel_config=winsp.DiffusionParallelConfig(mesh=mesh["sp"]))
+    sizes += [by_config.group.size, by_config.runtime.world_size]
+    return {"sizes": sizes, "restored": out}
+
+
 def sharded_first(rank: int, world: int, dp: int, sp: int) -> str:
     """``parallelize`` on a model FSDP2 sharded already: the refusal's message."""
     from torch.distributed.fsdp import fully_shard

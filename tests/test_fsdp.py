@@ -122,13 +122,21 @@ def test_2d_mesh_where_an_sp_group_goes(results_2x2):
 
 
 @needs_torchvision
-def test_sp2_swin3d_adapter_with_plain_fully_shard_and_a_model_sharded_first():
+def test_sp2_swin3d_adapter_with_plain_fully_shard_a_model_sharded_first_and_the_seedvr2_pipeline():
     results = run_ranks(_all, 2, 1, 2, (("swin3d", "train_step_case", {"which": "swin3d", "how": "fully_shard"}),
                                         ("dit", "train_step_case", {"which": "dit"}),
-                                        ("first", "sharded_first", {})), timeout=TIMEOUT)
+                                        ("first", "sharded_first", {}),
+                                        ("pipeline", "seedvr2_pipeline_on_mesh", {})), timeout=TIMEOUT)
     _check_world(results, "swin3d", 2)
     _check_world(results, "dit", 2)
     assert "sharded already" in results[0]["first"] and "call winsp.parallelize first" in results[0]["first"]
+    from examples.seedvr2.pipeline import SeedVR2Pipeline
+    from tests.test_pipeline import build_golden_models, restore_small
+
+    single = restore_small(SeedVR2Pipeline(*build_golden_models()))
+    for r in results:  # the SeedVR2 pipeline on mesh["sp"]: 2 ranks, the single-rank restore
+        assert r["pipeline"]["sizes"] == [2, 2, 2, 2]
+        assert (r["pipeline"]["restored"] - single).abs().max().item() <= 1e-4
 
 
 def test_sp3_hourglass_and_dit():

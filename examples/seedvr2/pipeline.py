@@ -262,7 +262,7 @@ class SeedVR2Pipeline:
         if vae_parallel not in VAE_PARALLEL_MODES:
             raise ValueError(f"vae_parallel must be one of {VAE_PARALLEL_MODES}, got {vae_parallel!r}")
         self.dit, self.vae, self.vae_parallel = dit, vae, vae_parallel
-        if group is None and parallel_config is not None and parallel_config.mesh is not None:
+        if group is None and getattr(parallel_config, "mesh", None) is not None:
             group = parallel_config.mesh
         self.group = group if isinstance(group, SPGroup) else SPGroup(group)
         if parallel_config is None:
