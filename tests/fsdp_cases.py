@@ -281,18 +281,25 @@ def seedvr2_pipeline_on_mesh(rank: int, world: int, dp: int, sp: int) -> dict:
 
 
 def sharded_first(rank: int, world: int, dp: int, sp: int) -> str:
-    """``parallelize`` on a model FSDP2 sharded already: the refusal's message."""
+    """``parallelize`` on a model FSDP2 sharded already, and ``unparallelize`` on one sharded after: the refusals."""
     from torch.distributed.fsdp import fully_shard
 
     from examples.hourglass import parallelize
 
     model = hourglass()
     fully_shard(model, mesh=make_mesh(dp, sp)._flatten("dp_sp"))
+    found = ""
     try:
         parallelize(model, group=make_mesh(dp, sp)["sp"])
     except ValueError as error:
-        return str(error)
-    return "accepted"
+        found += str(error)
+    model = parallelize(hourglass(), group=make_mesh(dp, sp)["sp"])
+    winsp.shard_weights(model, make_mesh(dp, sp))
+    try:
+        winsp.unparallelize(model)
+    except ValueError as error:
+        found += "\n" + str(error)
+    return found
 
 
 # ---- distributed checkpoints ----------------------------------------------------------------------------------------

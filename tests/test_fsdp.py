@@ -130,6 +130,7 @@ def test_sp2_swin3d_adapter_with_plain_fully_shard_a_model_sharded_first_and_the
     _check_world(results, "swin3d", 2)
     _check_world(results, "dit", 2)
     assert "sharded already" in results[0]["first"] and "call winsp.parallelize first" in results[0]["first"]
+    assert "unparallelize: this model's weights were sharded" in results[0]["first"]
     from examples.seedvr2.pipeline import SeedVR2Pipeline
     from tests.test_pipeline import build_golden_models, restore_small
 

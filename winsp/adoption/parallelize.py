@@ -387,6 +387,11 @@ def unparallelize(model: nn.Module) -> nn.Module:
     applied = getattr(model, "_winsp_parallel", None)
     if applied is None:
         raise ValueError("unparallelize: this model was not parallelized by winsp.parallelize")
+    from winsp.adoption.sharding import is_sharded_module
+
+    if any(is_sharded_module(m) for m in model.modules()):
+        raise ValueError("unparallelize: this model's weights were sharded (FSDP2) after parallelize, and FSDP now "
+                         "fills the swapped modules; build the model again to get the original back")
     _undo(applied)
     del model._winsp_parallel
     del model._winsp_runtime
