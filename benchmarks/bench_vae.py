@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,8 +76,8 @@ def bench_chunking(video: torch.Tensor) -> dict:
     reference = {}
     for split in (None, 4):
         vae = build_vae(split)
-        latent, enc_peak, enc_s = measured(lambda: vae.encode(video))
-        decoded, dec_peak, dec_s = measured(lambda: vae.decode(latent))
+        latent, enc_peak, enc_s = measured(partial(vae.encode, video))
+        decoded, dec_peak, dec_s = measured(partial(vae.decode, latent))
         name = "whole" if split is None else f"chunked(split={split})"
         if split is None:
             reference = {"latent": latent, "decoded": decoded}
@@ -125,8 +126,8 @@ def bench_tiled(video: torch.Tensor, tiles=((32, 16), (48, 16), (64, 32))) -> di
     decoded, dec_peak, _ = measured(lambda: vae.decode(latent))
     rows = {"whole(split=4)": {"encode_peak_mib": enc_peak / MIB, "decode_peak_mib": dec_peak / MIB}}
     for tile, overlap in tiles:
-        lat_t, e_peak, e_s = measured(lambda: encode_tiled(vae, video, tile_size=tile, overlap=overlap))
-        dec_t, d_peak, d_s = measured(lambda: decode_tiled(vae, latent, tile_size=tile, overlap=overlap))
+        lat_t, e_peak, e_s = measured(partial(encode_tiled, vae, video, tile_size=tile, overlap=overlap))
+        dec_t, d_peak, d_s = measured(partial(decode_tiled, vae, latent, tile_size=tile, overlap=overlap))
         rows[f"tiled(tile={tile},overlap={overlap})"] = {
             "encode_peak_mib": e_peak / MIB, "decode_peak_mib": d_peak / MIB,
             "latent_max_dev": (lat_t - latent).abs().max().item(),

@@ -40,7 +40,7 @@ NATTEN_CASES = [  # (grid, kernel, dilation, causal, na_dim)
 
 def _natten(q, k, v, case, extra=None):
     natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
-                                                  "pip install 'winsp[natten]'")
+                                                  "pip install -e '.[natten]'")
     grid, kernel, dilation, causal, nd = case
     shape = (1,) + grid[3 - nd:] + (HEADS, NATTEN_HEAD_DIM)
     fn = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[nd]
@@ -304,7 +304,7 @@ def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):
     results = run_ranks(_model_rank, world_size, names, timeout=240)
     for name in names:
         ref_out, ref_txt, ref_grads = _one_rank(name)
-        for rank, by_name in enumerate(results):
+        for by_name in results:
             out, txt_out, grads, rows, inferred = by_name[name]
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(txt_out, ref_txt, rtol=1e-12, atol=1e-12)

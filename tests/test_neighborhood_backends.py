@@ -26,7 +26,7 @@ from winsp.planning.halo import HaloExchange, neighborhood_plan
 from winsp.testing import run_ranks
 
 natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
-                                              "pip install 'winsp[natten]'")
+                                              "pip install -e '.[natten]'")
 
 HEADS, DIM = 2, 8  # natten's CPU (flex) path wants a head dim that is a power of two >= 8
 SCALE = DIM ** -0.5
@@ -41,6 +41,11 @@ CASES = {
     "1d-ragged": ([(1, 1, 10)], [2], Neighborhood((2,), (4,))),
 }
 
+
+
+def _even_columns_or_self(halo):
+    """A mask_mod on key coordinates: keys in even columns, and the query's own row."""
+    return lambda h, q, k: (halo.key_coords[k][..., 2] % 2 == 0) | (k == q)
 
 def _inputs(name, dtype=torch.float32, seed=0):
     grids, text_lengths, _ = CASES[name]
@@ -111,7 +116,7 @@ def test_flex_equals_the_tiled_path_in_float64_with_score_and_mask_mods():
         halo = halo_tensors(req, 0)
         rpb = neighborhood_rpb_score_mod(_table(geom, dtype=torch.float64), halo, geom)
         # a mask_mod on key coordinates: drop keys in odd columns except the query's own
-        mask = lambda h, q, k: (halo.key_coords[k][..., 2] % 2 == 0) | (k == q)  # noqa: E731
+        mask = _even_columns_or_self(halo)
         with torch.no_grad():
             out, _ = req.attention(*(req.scatter(x) for x in inputs[:3]), *inputs[3:], layer=0, score_mod=rpb,
                                    mask_mod=mask)

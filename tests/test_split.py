@@ -125,7 +125,7 @@ def _forward(runtime, grids, text_lengths, x, txt, w, layers=(0, 1, 0)):
     req = runtime.request(grids=grids, text_lengths=text_lengths, dtype=torch.float64)
     h = req.scatter(x, layers[0])
     shape = (-1, HEADS, HEAD_DIM)
-    for i, layer in enumerate(layers):
+    for layer in layers:
         h = req.to_layer(h, layer)
         q, k, v = (torch.tanh(h @ w[j]).view(shape) for j in range(3))
         qt, kt, vt = (torch.tanh(txt @ w[j]).view(shape) for j in range(3))
@@ -167,7 +167,7 @@ def test_split_windows_equal_one_rank(world_size, planner, batch):
     ref_out, ref_txt = _forward(winsp.WindowRuntime(_schedule(batch)), grids, text_lengths, x, txt, w)
     ref_out.square().sum().backward()
     results = run_ranks(_rank_main, world_size, planner, batch, timeout=120)
-    for rank, (out, txt_out, grad_w, split) in enumerate(results):
+    for out, txt_out, grad_w, split in results:
         assert any(split), split
         torch.testing.assert_close(out, ref_out.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(txt_out, ref_txt.detach(), rtol=1e-12, atol=1e-12)

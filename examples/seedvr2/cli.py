@@ -698,11 +698,11 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     computed = []
 
     def compute(index: int) -> torch.Tensor:
-        for batch, clip in batches:  # skip the batches other groups restore (their frames were not converted)
-            if batch.index == index:
-                break
-        else:
+        # skip the batches other groups restore (their frames were not converted)
+        found = next(((batch, clip) for batch, clip in batches if batch.index == index), None)
+        if found is None:
             raise RuntimeError(f"the input ended before temporal batch {index} of {len(plan)}")
+        batch, clip = found
         restored = pipe.restore_batch(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix)
         computed.append(batch.num_frames)
         return torch.from_numpy(model_to_frames(restored.cpu(), geometry))

@@ -289,7 +289,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     """Make ``model`` window-parallel in place as ``plan`` says, on the SP group ``config`` asks for; returns it.
 
     ``config`` None runs one rank, or all ranks of ``group``. Under ``torch.distributed`` pass
-    ``DiffusionParallelConfig(ulysses_degree=N)`` (the world, or ``group=`` a subgroup of N ranks: a process group, a
+    ``DiffusionParallelConfig(sp_degree=N)`` (the world, or ``group=`` a subgroup of N ranks: a process group, a
     1-D ``DeviceMesh``, or ``mesh["sp"]`` of a (dp, sp) mesh whose dp groups take different samples). Every rank of
     the group must call the model with identical inputs; the region's output is complete on every rank. Gradients
     follow winsp's convention: call ``winsp.sync_gradients(model)`` after ``backward`` (not needed when FSDP2 shards
@@ -332,17 +332,20 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     swaps = [(path, factory) for pattern, factory in plan.swaps for path, _ in _matches(model, pattern, "swaps")]
 
     runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
-    order = ForwardOrder(_steps(plan, entry_paths, dict(zip(changing, (p for p, _ in grid_changes)))))
+    order = ForwardOrder(_steps(plan, entry_paths, dict(zip(changing, (p for p, _ in grid_changes), strict=True))))
     applied = _Applied(plan=plan, swapped=[], handles=[], tokens=[], order=order)
     try:
         for layer, (path, original) in enumerate(attention):
             _swap(model, path, plan.make_attention(original, layer), applied, "make_attention")
-        for stage, (path, original) in zip(changing, grid_changes):
-            _swap(model, path, plan.make_grid_change(original, stage), applied, "make_grid_change")
+        if grid_changes:
+            make_grid_change = plan.make_grid_change
+            assert make_grid_change is not None  # ParallelPlan gives grid_changes and make_grid_change together
+            for stage, (path, original) in zip(changing, grid_changes, strict=True):
+                _swap(model, path, make_grid_change(original, stage), applied, "make_grid_change")
         for path, factory in swaps:
             _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
         step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
-        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes)})
+        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes, strict=True)})
         if plan.region.start != plan.region.end:  # the forward between them is the model's own: dry-run the model
             applied.handles.append(model.register_forward_pre_hook(_model_dry_run(applied, model, step_paths),
                                                                    with_kwargs=True))
@@ -352,7 +355,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         for layer, path in enumerate(entry_paths):  # looked up after the swaps: an entry may have been swapped
             entry = model.get_submodule(path) if path else model
             applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer, order)))
-        for stage, (path, _) in zip(changing, grid_changes):
+        for stage, (path, _) in zip(changing, grid_changes, strict=True):
             applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
         applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]),
                                       dropout=plan.dropout, modes=applied.dropouts)
@@ -364,8 +367,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     except BaseException:
         _undo(applied)
         raise
-    model._winsp_runtime = runtime
-    model._winsp_parallel = applied
+    # torch's stubs type Module.__setattr__ for tensors and modules only; plain attributes are set the same way
+    model._winsp_runtime = runtime  # type: ignore[assignment]
+    model._winsp_parallel = applied  # type: ignore[assignment]
     return model
 
 
@@ -453,6 +457,14 @@ def _grid_change(stage: int, order: ForwardOrder):
     return hook
 
 
+def _arrive(order: ForwardOrder, kind: str, index: int):
+    """A pre-hook noting that step ``(kind, index)`` starts (the meta dry run records the order this way)."""
+    def hook(module: nn.Module, args: tuple):
+        order.arrive(kind, index)
+
+    return hook
+
+
 def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model: nn.Module, paths: dict):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         if applied.order.recording is not None:  # the dry forward below
@@ -505,7 +517,7 @@ def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, pat
                 object.__setattr__(module, d, OrderedDict())
         for (kind, index), path in paths.items():
             target = model.get_submodule(path) if path else model
-            target.register_forward_pre_hook(lambda module, a, kind=kind, index=index: applied.order.arrive(kind, index))
+            target.register_forward_pre_hook(_arrive(applied.order, kind, index))
         # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
         meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
                 for name, t in list(region.named_parameters()) + list(region.named_buffers())}

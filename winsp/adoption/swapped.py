@@ -1,4 +1,5 @@
-"""``winsp.swapped(fn)``: a module swap written as one function, for a :class:`~winsp.adoption.parallelize.ParallelPlan`.
+"""``winsp.swapped(fn)``: a module swap written as one function, for a
+:class:`~winsp.adoption.parallelize.ParallelPlan`.
 
 A swapped module must reuse the original's parameters (``winsp.adopt``) and usually needs to know which window layer
 (or stage) it is; most adapters then only differ in ``forward``. ``swapped(fn)`` is the factory a plan takes for

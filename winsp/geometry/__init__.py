@@ -5,7 +5,7 @@ Pure functions of shapes, with no tensors of activations and no communication: t
 (:mod:`~winsp.geometry.neighborhood`) and the packed-batch layout of a geometry (:mod:`~winsp.geometry.layout`).
 """
 
-from winsp.geometry.layout import Layout, build_layout, check_grids, inverse_permutation
+from winsp.geometry.layout import Grids, Layout, build_layout, check_grids, inverse_permutation
 from winsp.geometry.neighborhood import Neighborhood, is_neighborhood
 from winsp.geometry.swin import SwinWindows
 from winsp.geometry.windows import (
@@ -21,7 +21,7 @@ from winsp.geometry.windows import (
 )
 
 __all__ = [
-    "Grid", "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "Neighborhood", "make_geometry",
+    "Grid", "Grids", "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "Neighborhood", "make_geometry",
     "window_slices", "check_grid", "check_grids", "is_neighborhood", "Layout", "build_layout", "inverse_permutation",
     "REGULAR_METHOD", "SHIFTED_METHOD",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from functools import partial
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -70,7 +71,7 @@ class ForwardContext:
             if key_vid not in tables:
                 layout = request.layout(i)
                 tables[key_vid] = rope.video_tables(
-                    layout.window_coords, lambda: text_offset.index_select(0, layout.row_sample),
+                    layout.window_coords, partial(text_offset.index_select, 0, layout.row_sample),
                     layout.window_shape, width)
             if rope.rotates_text and key_txt not in tables:
                 tables[key_txt] = rope.tables(txt_positions, width)
