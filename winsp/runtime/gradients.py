@@ -190,7 +190,9 @@ def _reduced_by_its_mesh(t: torch.Tensor, sp: SPGroup) -> bool:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient: the local shard of a DTensor (which shares its storage), else ``t``."""
-    return t.to_local() if _dtensor_mesh_ranks(t) is not None else t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
