@@ -150,14 +150,21 @@ def test_sp3_hourglass_and_dit():
 
 @pytest.mark.slow
 def test_compiled_blocks_under_fsdp2_inductor():
-    results = run_ranks(_all, 4, 2, 2, (("hourglass", "train_step_case", {"which": "hourglass",
-                                                                          "compile_backend": "inductor"}),
-                                        ("dit", "train_step_case", {"which": "dit", "compile_backend": "inductor"})),
+    results = run_ranks(_all, 4, 2, 2, (("dit", "train_step_case", {"which": "dit", "compile_backend": "inductor"}),),
                         timeout=1800)
-    for name in ("hourglass", "dit"):
-        for r in results:  # inductor reorders float64 arithmetic: not bit-exact, still float64-close
-            rep = r[name]
-            assert rep["out"] <= 1e-10 * rep["out_scale"] and rep["grad"] <= 1e-10 * rep["grad_scale"], rep
+    for r in results:  # inductor reorders float64 arithmetic: not bit-exact, still float64-close
+        rep = r["dit"]
+        assert rep["out"] <= 1e-10 * rep["out_scale"] and rep["grad"] <= 1e-10 * rep["grad_scale"], rep
+
+
+@pytest.mark.slow
+def test_compiled_hourglass_blocks_under_fsdp2_aot_eager():
+    """The hourglass's blocks compiled whole, winsp's layer-entry hook inside them (its attention graph-breaks at
+    ``current_request()`` and recompiles per layer: minutes on a CPU)."""
+    results = run_ranks(_all, 2, 1, 2, (("hourglass", "train_step_case", {"which": "hourglass",
+                                                                          "compile_backend": "aot_eager"}),),
+                        timeout=1800)
+    _check_world(results, "hourglass", 2)
 
 
 # ---- one process: refusals ----------------------------------------------------------------------------------------

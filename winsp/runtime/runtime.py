@@ -273,6 +273,7 @@ class WindowRuntime:
         return self.store.get(("plans", grids, split_windows), lambda: staged_plans(
             self.stages, grids, self.world_size, self.planner, split_windows=split_windows, costs=self.costs))
 
+    @planning  # also reached lazily from a step (a jump between non-neighbouring layouts) inside a compiled block
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
         return self.store.get(key, lambda: Transition(src, dst).for_rank(self.rank).to(device))
