@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -402,12 +403,12 @@ def fake_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
     assert isinstance(max_q, int) and max_q == max_k
     scale = kwargs.get("softmax_scale", kwargs.get("scale"))
     cu = cu_q.tolist()
-    assert cu[-1] == q.shape[0] and max(b - a for a, b in zip(cu, cu[1:])) == max_q
+    assert cu[-1] == q.shape[0] and max(b - a for a, b in pairwise(cu)) == max_q
     outs = [
         F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=scale
         ).transpose(0, 1)
-        for a, b in zip(cu, cu[1:])
+        for a, b in pairwise(cu)
     ]
     return torch.cat(outs)
 

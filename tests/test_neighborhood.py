@@ -10,6 +10,7 @@ its one-rank run in outputs and every gradient, on grids that do and do not divi
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -426,4 +427,4 @@ def test_query_tiles_put_the_longer_tiles_where_they_cost_fewer_pairs():
     for n, k, d, box in [(32, 7, 1, slice(0, 32)), (20, 3, 2, slice(3, 17)), (9, 3, 1, slice(0, 9))]:
         tiles = _axis_tiles(n, k, d, False, box)
         assert tiles[0][0] == box.start and tiles[-1][1] == box.stop
-        assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:])) and max(hi - lo for lo, hi in tiles) <= k * d
+        assert all(a[1] == b[0] for a, b in pairwise(tiles)) and max(hi - lo for lo, hi in tiles) <= k * d

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -74,9 +75,9 @@ def test_bad_pieces_are_refused(pieces, match):
 
 def test_head_bounds_tile_the_heads_in_proportion():
     for rows, heads, cuts in [(10, 4, [0, 3, 10]), (7, 3, [0, 1, 2, 7]), (5, 8, [0, 5])]:
-        spans = [head_bounds(a, b, rows, heads) for a, b in zip(cuts, cuts[1:])]
+        spans = [head_bounds(a, b, rows, heads) for a, b in pairwise(cuts)]
         assert spans[0][0] == 0 and spans[-1][1] == heads
-        assert all(x[1] == y[0] and x[0] <= x[1] for x, y in zip(spans, spans[1:]))
+        assert all(x[1] == y[0] and x[0] <= x[1] for x, y in pairwise(spans))
         for (h0, h1), a, b in zip(spans, cuts, cuts[1:]):
             assert abs((h1 - h0) - heads * (b - a) / rows) <= 1
 

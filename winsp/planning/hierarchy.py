@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from winsp.geometry.layout import Layout
+from winsp.geometry.layout import Layout, check_grids
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 from winsp.planning.grid_step import GridStep, StageRows
 from winsp.planning.locality import SLACK_LIMIT
@@ -169,7 +169,7 @@ def grid_change_rows(stages: Sequence[Stage], grids: Sequence[Sequence[int]], wo
                      planner: str = "lpt") -> list[tuple[int, int, int]]:
     """For each grid change of a forward: ``(stage, rows to_grid moves between ranks, rows an all-gather of the same
     activations would move)``; the all-gather moves every row to every rank that does not hold it, ``N * (P - 1)``."""
-    stages = check_stages(stages)
+    stages, grids = check_stages(stages), check_grids(grids)  # checked once here: the calls below take them as they are
     model, laid = stage_grids(stages, grids)
     plans = staged_plans(stages, grids, world_size, planner)
     starts = np.concatenate([[0], np.cumsum([len(st.layers) for st in stages])]).astype(int)

@@ -163,7 +163,7 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
         The runtime is attached the winsp way (:class:`winsp.WindowParallel`):
         ``model.build_runtime(parallel_config=DiffusionParallelConfig(ulysses_degree=N), group=...)`` returns it.
         """
-        return [winsp.make_geometry(m, w) for m, w in zip(self.config.window_method, self.config.window)]
+        return [winsp.make_geometry(m, w) for m, w in zip(self.config.window_method, self.config.window, strict=True)]
 
     def compile_blocks(self, **compile_kwargs) -> "SeedVR2NaDiT":
         """Regional compilation: ``torch.compile`` each block in place (``fullgraph=True`` unless told otherwise).
