@@ -26,6 +26,7 @@ from winsp.adoption import (
     TokenIO,
     adopt,
     parallelize,
+    shard_weights,
     swapped,
     unparallelize,
 )
@@ -48,7 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     # adopt an existing model
     "parallelize", "unparallelize", "ParallelPlan", "Region", "Stage", "ChannelsLast", "TokenIO", "FlatTokens",
-    "swapped", "adopt", "current_request", "RowDropout", "SampleDropPath",
+    "swapped", "adopt", "current_request", "RowDropout", "SampleDropPath", "shard_weights",
     # the request API
     "DiffusionParallelConfig", "WindowRuntime", "WindowParallel", "sync_gradients",
     # geometry

@@ -248,8 +248,9 @@ class SeedVR2Pipeline:
             :mod:`examples.seedvr2.vae.sharding`), ``"tiled"`` (the VAE package's tiled mode), or ``"wavefront"``
             (the ranks run consecutive causal chunks at once, with the height split too where that is faster; see
             :mod:`examples.seedvr2.vae.wavefront`).
-        group: the SP group (a :class:`winsp.comm.group.SPGroup`, a ``torch.distributed`` process group, or None for a
-            single rank). The DiT's window runtime is built over it with ``ulysses_degree`` = its size.
+        group: the SP group (a :class:`winsp.comm.group.SPGroup`, a ``torch.distributed`` process group, a 1-D
+            ``DeviceMesh`` or ``mesh["sp"]`` of a larger one, or None: ``parallel_config.mesh`` if set, else a single
+            rank). The DiT's window runtime is built over it with ``ulysses_degree`` = its size.
         parallel_config: optional :class:`winsp.DiffusionParallelConfig` (e.g. to pick the attention backend); its
             ``ulysses_degree`` must equal the group size.
         steps: Euler steps (SeedVR2 is trained for 1).
@@ -281,6 +282,8 @@ class SeedVR2Pipeline:
         if vae_parallel not in VAE_PARALLEL_MODES:
             raise ValueError(f"vae_parallel must be one of {VAE_PARALLEL_MODES}, got {vae_parallel!r}")
         self.dit, self.vae, self.vae_parallel = dit, vae, vae_parallel
+        if group is None and getattr(parallel_config, "mesh", None) is not None:
+            group = parallel_config.mesh
         self.group = group if isinstance(group, SPGroup) else SPGroup(group)
         if parallel_config is None:
             parallel_config = winsp.DiffusionParallelConfig(ulysses_degree=self.group.size)

@@ -72,7 +72,8 @@ def plan(model: nn.Module) -> winsp.ParallelPlan:
 def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None = None, *, group=None) -> nn.Module:
     """Make HF ``Swinv2Model`` ``model`` window-parallel over ``config``'s SP group (None: one rank); returns it.
 
-    ``group``: a subgroup of ``config.ulysses_degree`` ranks (default: the world), as for :func:`winsp.parallelize`.
+    ``group``: a subgroup of ``config.ulysses_degree`` ranks (default: the world; a process group, a 1-D DeviceMesh
+    or ``mesh["sp"]``), as for :func:`winsp.parallelize`.
     Every rank calls the model with the same ``pixel_values`` (and, in training, the same RNG state, so drop path draws
     the same numbers) and gets the whole output. After ``loss.backward()``, ``winsp.sync_gradients(model)``.
     Element-wise dropout inside the region would draw per local row, not the numbers one rank draws: refused.

@@ -16,8 +16,9 @@ from winsp.adoption.parallelize import (
     parallelize,
     unparallelize,
 )
+from winsp.adoption.sharding import shard_weights
 from winsp.adoption.swapped import Swapped, swapped
 from winsp.adoption.token_io import FlatTokens
 
 __all__ = ["parallelize", "unparallelize", "is_parallelized", "ParallelPlan", "Region", "ChannelsLast", "TokenIO",
-           "FlatTokens", "adopt", "swapped", "Swapped"]
+           "FlatTokens", "adopt", "swapped", "Swapped", "shard_weights"]

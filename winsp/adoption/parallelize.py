@@ -288,10 +288,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
                 group=None) -> nn.Module:
     """Make ``model`` window-parallel in place as ``plan`` says, on the SP group ``config`` asks for; returns it.
 
-    ``config`` None runs one rank. Under ``torch.distributed`` pass ``DiffusionParallelConfig(sp_degree=N)``
-    (the world, or ``group=`` a subgroup of N ranks). Every rank must call the model with identical inputs; the
-    region's output is complete on every rank. Gradients follow winsp's convention: call
-    ``winsp.sync_gradients(model)`` after ``backward``.
+    ``config`` None runs one rank, or all ranks of ``group``. Under ``torch.distributed`` pass
+    ``DiffusionParallelConfig(sp_degree=N)`` (the world, or ``group=`` a subgroup of N ranks: a process group, a
+    1-D ``DeviceMesh``, or ``mesh["sp"]`` of a (dp, sp) mesh whose dp groups take different samples). Every rank of
+    the group must call the model with identical inputs; the region's output is complete on every rank. Gradients
+    follow winsp's convention: call ``winsp.sync_gradients(model)`` after ``backward`` (not needed when FSDP2 shards
+    the weights over every rank: :mod:`winsp.adoption.sharding`). Shard after this call, never before.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"parallelize: model must be an nn.Module, got {type(model).__name__}")
@@ -299,6 +301,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         raise ValueError(f"parallelize: plan must be a winsp.ParallelPlan, got {type(plan).__name__}")
     if is_parallelized(model):
         raise ValueError("parallelize: this model is parallelized already; call winsp.unparallelize(model) first")
+    _refuse_sharded(model)
     modules = dict(model.named_modules())
     for end in ("start", "end"):
         path = getattr(plan.region, end)
@@ -370,11 +373,29 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     return model
 
 
+def _refuse_sharded(model: nn.Module) -> None:
+    """Refuse a model whose weights FSDP2 (or any DTensor API) sharded already: FSDP keeps references to the modules
+    it sharded, and its all-gathers would fill the originals, not winsp's swapped modules. Sharding comes second."""
+    from winsp.adoption.sharding import is_sharded_module
+
+    for path, module in model.named_modules():
+        if is_sharded_module(module):
+            where = f"its module {path!r}" if path else "the model"
+            raise ValueError(f"parallelize: {where} is sharded already (FSDP2 fully_shard or DTensor parameters); "
+                             f"call winsp.parallelize first and shard afterwards (fully_shard the blocks, then the "
+                             f"root, or winsp.adoption.shard_weights(model, mesh))")
+
+
 def unparallelize(model: nn.Module) -> nn.Module:
     """Undo :func:`parallelize`: the original modules back in place, hooks removed, the runtime detached."""
     applied = getattr(model, "_winsp_parallel", None)
     if applied is None:
         raise ValueError("unparallelize: this model was not parallelized by winsp.parallelize")
+    from winsp.adoption.sharding import is_sharded_module
+
+    if any(is_sharded_module(m) for m in model.modules()):
+        raise ValueError("unparallelize: this model's weights were sharded (FSDP2) after parallelize, and FSDP now "
+                         "fills the swapped modules; build the model again to get the original back")
     _undo(applied)
     del model._winsp_parallel
     del model._winsp_runtime
@@ -497,7 +518,8 @@ def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, pat
         for (kind, index), path in paths.items():
             target = model.get_submodule(path) if path else model
             target.register_forward_pre_hook(_arrive(applied.order, kind, index))
-        meta = {name: torch.empty_like(t, device="meta")
+        # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
+        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
                 for name, t in list(region.named_parameters()) + list(region.named_buffers())}
         to_meta = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
         with torch.random.fork_rng(devices=[]), torch.no_grad():

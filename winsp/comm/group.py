@@ -18,6 +18,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from winsp.comm.mesh import sp_process_group
+
 __all__ = ["SPGroup", "PendingRows", "init_world_from_env", "shutdown_world", "abort_world", "world_rank_and_size",
            "new_subgroup", "send_tensor", "recv_tensor"]
 
@@ -135,10 +137,13 @@ class SPGroup:
 
     Args:
         group: a ``torch.distributed`` process group (a subgroup the caller built, or the default world via
-            ``torch.distributed.group.WORLD``), or None for a single rank.
+            ``torch.distributed.group.WORLD``), a 1-D ``DeviceMesh`` or one named dimension of a larger one
+            (``mesh["sp"]``; :mod:`winsp.comm.mesh`), or None for a single rank.
     """
 
     def __init__(self, group=None) -> None:
+        if group is not None and not _is_process_group(group):
+            group = sp_process_group(group)
         self.group = group
         if group is None:
             self.rank, self.size = 0, 1
@@ -317,6 +322,12 @@ class PendingRows:
 
 
 _SUBGROUPS: dict = {}
+
+
+def _is_process_group(group) -> bool:
+    from torch.distributed import ProcessGroup
+
+    return isinstance(group, ProcessGroup)
 
 
 def _eager(tensor: torch.Tensor) -> bool:

@@ -11,9 +11,11 @@ meaning for such models and are refused up front.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from winsp.attention.backends import check_backend_name
 from winsp.attention.halo.backends import check_neighborhood_backend
+from winsp.comm.mesh import mesh_size
 from winsp.planning.costs import CostConstants
 from winsp.planning.schedule import check_planner
 
@@ -28,7 +30,8 @@ class DiffusionParallelConfig:
 
     Args:
         ulysses_degree: the SP degree N under its vLLM-Omni name: the number of ranks that share one request's
-            windows (the size of the SP group; the world, or a subgroup given by the caller). Default 1.
+            windows (the size of the SP group; the world, or a subgroup given by the caller). Default 1, or the size
+            of ``mesh``.
         ring_degree: must be 1. Ring attention (K/V blocks passed around a ring of ranks) does not apply to windowed
             attention.
         allgather: must be False. An all-gather of every rank's keys and values is not needed: a window's keys are
@@ -55,6 +58,9 @@ class DiffusionParallelConfig:
             both are accepted when they agree, and after construction both attributes read N. (To change it with
             ``dataclasses.replace``, pass ``ulysses_degree``, the stored field: the copy passes that field along, so
             a different ``sp_degree`` beside it would be refused as a disagreement.)
+        mesh: the SP group as a ``torch.distributed`` ``DeviceMesh`` (keyword only): a 1-D mesh, or the window-SP
+            dimension of a larger one (``mesh["sp"]`` of a (dp, sp) mesh). The SP degree is then its size (a degree
+            given beside it must agree). None: the world, or the ``group=`` the runtime is given.
     """
 
     ulysses_degree: int
@@ -68,18 +74,26 @@ class DiffusionParallelConfig:
     plan_cache_size: int
     costs: CostConstants | None
     neighborhood_backend: str
+    mesh: Any
 
     def __init__(self, ulysses_degree: int | None = None, ring_degree: int = 1, allgather: bool = False,
                  ulysses_mode: str = "strict", advanced_uaa: bool = False, ulysses_a2a_permute: bool = False,
                  attention_backend: str = "auto", planner: str = "auto", plan_cache_size: int = 64,
                  costs: CostConstants | None = None, neighborhood_backend: str = "auto", *,
-                 sp_degree: int | None = None) -> None:
+                 sp_degree: int | None = None, mesh: Any = None) -> None:
         degree = _one_degree(sp_degree, ulysses_degree)
+        if mesh is not None:
+            size = mesh_size(mesh)
+            given = sp_degree if sp_degree is not None else ulysses_degree
+            if given is not None and given != size:
+                raise ValueError(f"{'sp_degree' if sp_degree is not None else 'ulysses_degree'}={given} but the SP "
+                                 f"mesh has {size} ranks; leave the degree out to take the mesh's size")
+            degree = size
         for name, value in (("ulysses_degree", degree), ("ring_degree", ring_degree), ("allgather", allgather),
                             ("ulysses_mode", ulysses_mode), ("advanced_uaa", advanced_uaa),
                             ("ulysses_a2a_permute", ulysses_a2a_permute), ("attention_backend", attention_backend),
                             ("planner", planner), ("plan_cache_size", plan_cache_size), ("costs", costs),
-                            ("neighborhood_backend", neighborhood_backend)):
+                            ("neighborhood_backend", neighborhood_backend), ("mesh", mesh)):
             object.__setattr__(self, name, value)
         self._check()
 

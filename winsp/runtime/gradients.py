@@ -11,7 +11,9 @@ the group are those of P times the loss, and their mean is the one-rank gradient
 inside windows, between two sharded regions (gather -> replicated op -> scatter), after the final ``gather`` (a head,
 a final norm), and for losses on any replicated output (video or text), with no scaling by the SP degree anywhere.
 With data parallelism on top (an SP x DP world) the mean over SP then over DP is the mean over the world: DDP over the
-whole world alone does both.
+whole world alone does both, and so does FSDP2 sharding the weights over every rank of a (dp, sp) mesh: its
+reduce-scatter is that mean, and :func:`sync_gradients` skips the parameters it reduced
+(:mod:`winsp.adoption.sharding`).
 
 :func:`sync_gradients` needs few collectives: gradients are flattened by (device, dtype) into buckets, and each
 bucket is summed with one all-reduce and divided by the group size.
@@ -108,8 +110,10 @@ def sync_gradients(
         bucket_bytes: the most bytes one all-reduce carries (one tensor larger than that goes alone).
 
     Afterwards every rank holds the one-rank gradient of the loss every rank computed (the module docstring says
-    why). Tensors without a gradient on any rank are skipped; one that has a gradient on some ranks only gets zeros on
-    the others first (one extra small all-reduce decides). Every rank must pass the same tensors in the same order.
+    why). Parameters FSDP2 sharded over a mesh holding the whole SP group (``fully_shard`` over all ranks) are
+    skipped: FSDP's own reduce-scatter averaged their gradients over the SP ranks already. Tensors without a gradient
+    on any rank are skipped; one that has a gradient on some ranks only gets zeros on the others first (one extra
+    small all-reduce decides). Every rank must pass the same tensors in the same order.
     """
     sp = _as_group(params, group)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -123,6 +127,9 @@ def sync_gradients(
             raise ValueError("sync_gradients: sparse gradients are not supported; use dense embeddings")
     if sp.is_single or not tensors:
         return 0
+    tensors = [t for t in tensors if not _reduced_by_its_mesh(t, sp)]
+    if not tensors:
+        return 0
     # A tensor can get a gradient on some ranks only (a rank without windows never touches some text weights): that
     # rank's contribution is zero. One small all-reduce of "has a gradient" flags keeps every rank's buckets identical.
     present = torch.tensor([t.grad is not None for t in tensors], dtype=torch.int32, device=tensors[0].device)
@@ -130,7 +137,7 @@ def sync_gradients(
     for t, count in zip(tensors, present.tolist(), strict=True):
         if count and t.grad is None:
             t.grad = torch.zeros_like(t)
-    grads = [t.grad for t in tensors if t.grad is not None]
+    grads = [_local(t.grad) for t in tensors if t.grad is not None]
     if not grads:
         return 0
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -148,6 +155,44 @@ def sync_gradients(
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
     return calls
+
+
+def _dtensor_mesh_ranks(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The global ranks of the mesh a DTensor parameter lives on (FSDP2's sharded parameters are DTensors), or None
+    for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return None
+    return tuple(int(r) for r in t.device_mesh.mesh.flatten().tolist())
+
+
+def _reduced_by_its_mesh(t: torch.Tensor, sp: SPGroup) -> bool:
+    """Whether ``t``'s gradient is averaged over the SP ranks already, by the owner of its DTensor mesh.
+
+    FSDP2 over a mesh that holds the whole SP group (every rank: the usual way) reduce-scatters gradients over it,
+    which averages over SP as well: nothing is left to do. A mesh that holds none of the other SP ranks (FSDP over
+    the dp dimension only) leaves every SP rank with the same shard of the dp mean: that shard is averaged over SP as
+    a plain tensor. A mesh holding some but not all of them is refused (neither is right)."""
+    ranks = _dtensor_mesh_ranks(t)
+    if ranks is None:
+        return False
+    members, me = set(_group_ranks(sp)), world_rank_and_size()[0]
+    shared = members & set(ranks)
+    if shared == members:
+        return True
+    if shared == {me}:
+        return False
+    raise ValueError(f"sync_gradients: a parameter is a DTensor on ranks {list(ranks)}, which hold some but not all of "
+                     f"the SP group's ranks {sorted(members)}; shard over all ranks of the mesh (then no "
+                     f"sync_gradients is needed) or over the dp dimension only")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: the local shard of a DTensor (which shares its storage), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

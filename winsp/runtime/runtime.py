@@ -69,7 +69,8 @@ class WindowRuntime:
         schedule: one :class:`~winsp.geometry.windows.WindowGeometry` per layer (a model on one grid), or the
             :class:`~winsp.planning.stages.Stage` list of a hierarchical one (layers are numbered across stages; a flat
             schedule is simply one stage).
-        group: a :class:`~winsp.comm.group.SPGroup`, a ``torch.distributed`` process group, or None (one rank).
+        group: a :class:`~winsp.comm.group.SPGroup`, a ``torch.distributed`` process group, a 1-D ``DeviceMesh`` (or
+            ``mesh["sp"]`` of a larger one), or None (one rank).
         attention_backend: ``"auto"`` or a backend name of :mod:`winsp.attention.backends`.
         neighborhood_backend: the kernel of :class:`~winsp.Neighborhood` layers: ``"auto"``, ``"tiled"``, ``"flex"`` or
             ``"natten"`` (:mod:`winsp.attention.halo.backends`).
@@ -124,13 +125,23 @@ class WindowRuntime:
         """Build the runtime a :class:`DiffusionParallelConfig` asks for (``options``: other keyword arguments of
         the constructor, e.g. ``split_windows``).
 
-        The SP degree N (``sp_degree``, ``ulysses_degree`` in the vLLM-Omni lineage) = 1 needs no process group. For
-        N > 1 torch.distributed must be initialised; ``group`` defaults to the world, and its size must equal N.
+        ``config`` None with a ``group``: every rank of the group. The SP degree N (``sp_degree``, ``ulysses_degree``
+        in the vLLM-Omni lineage) = 1 needs no process group. For N > 1 torch.distributed must be initialised;
+        ``group`` (a process group, a 1-D ``DeviceMesh`` or ``mesh["sp"]``, or the config's ``mesh``) defaults to
+        the world, and its size must equal N.
         """
+        sized_by_group = config is None and group is not None  # no config: the group's size is the SP degree
         config = config if config is not None else DiffusionParallelConfig()
         if not isinstance(config, DiffusionParallelConfig):
             raise ValueError(f"parallel_config must be a DiffusionParallelConfig, got {type(config).__name__}")
         n = config.ulysses_degree
+        if config.mesh is not None:
+            from_mesh = SPGroup(config.mesh)
+            given = None if group is None else group if isinstance(group, SPGroup) else SPGroup(group)
+            if given is not None and given.group is not from_mesh.group:
+                raise ValueError("the SP group was given twice, differently (DiffusionParallelConfig(mesh=...) and "
+                                 "group=...); give one of them")
+            group = from_mesh if given is None else given
         if isinstance(group, SPGroup):
             sp = group
         elif group is not None:
@@ -146,7 +157,7 @@ class WindowRuntime:
                     f"call torch.distributed.init_process_group), or a process group passed as group="
                 )
             sp = SPGroup(dist.group.WORLD)
-        if sp.size != n:
+        if sp.size != n and not sized_by_group:
             raise ValueError(
                 f"ulysses_degree={n} but the SP group has {sp.size} ranks; pass a subgroup of exactly {n} ranks"
             )
@@ -262,6 +273,7 @@ class WindowRuntime:
         return self.store.get(("plans", grids, split_windows), lambda: staged_plans(
             self.stages, grids, self.world_size, self.planner, split_windows=split_windows, costs=self.costs))
 
+    @planning  # also reached lazily from a step (a jump between non-neighbouring layouts) inside a compiled block
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
         return self.store.get(key, lambda: Transition(src, dst).for_rank(self.rank).to(device))
