@@ -16,8 +16,10 @@ from winsp.adoption.parallelize import (
     parallelize,
     unparallelize,
 )
+from winsp.adoption.hourglass import Hourglass
+from winsp.adoption.per_sample import PerSampleOnRows
 from winsp.adoption.swapped import Swapped, swapped
 from winsp.adoption.token_io import FlatTokens
 
 __all__ = ["parallelize", "unparallelize", "is_parallelized", "ParallelPlan", "Region", "ChannelsLast", "TokenIO",
-           "FlatTokens", "adopt", "swapped", "Swapped"]
+           "FlatTokens", "adopt", "swapped", "Swapped", "Hourglass", "PerSampleOnRows"]

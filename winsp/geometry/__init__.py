@@ -23,7 +23,8 @@ from winsp.geometry.windows import (
 )
 
 __all__ = [
-    "Grid", "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "RolledWindows", "GlobalWindow", "rolled_cuts", "Neighborhood", "make_geometry",
+    "Grid", "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "RolledWindows", "GlobalWindow",
+    "rolled_cuts", "Neighborhood", "make_geometry",
     "window_slices", "check_grid", "check_grids", "is_neighborhood", "Layout", "build_layout", "inverse_permutation",
     "REGULAR_METHOD", "SHIFTED_METHOD",
 ]

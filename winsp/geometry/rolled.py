@@ -37,14 +37,20 @@ def rolled_cuts(size: int, window: int, roll: int) -> list[tuple[int, int]]:
 class RolledWindows(WindowGeometry):
     """Windows of ``window_size`` tokens on the grid rolled by ``roll`` per (t, h, w) axis, the wrapped strip masked
     (module docstring). ``roll`` is signed as ``torch.roll``'s ``shifts``: ``(0, s, s)`` for a model that calls
-    ``torch.roll(x, (s, s), dims=(h, w))`` before cutting windows, ``(0, -s, -s)`` for Swin's ``-shift``."""
+    ``torch.roll(x, (s, s), dims=(h, w))`` before cutting windows, ``(0, -s, -s)`` for Swin's ``-shift``. Fewer than
+    three values are the last axes (``((w, w), (s, s))`` for a 2D model: window ``(1, w, w)``, roll ``(0, s, s)``)."""
 
     window_size: Grid
     roll: Grid = (0, 0, 0)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "window_size", _positive_int_triple(self.window_size, "window_size"))
+        window = tuple(self.window_size) if hasattr(self.window_size, "__len__") else self.window_size
+        if isinstance(window, tuple) and 1 <= len(window) < 3:  # a 2D (h, w) or 1D model: grid (1, H, W) / (1, 1, L)
+            window = (1,) * (3 - len(window)) + window
+        object.__setattr__(self, "window_size", _positive_int_triple(window, "window_size"))
         roll = tuple(self.roll) if hasattr(self.roll, "__len__") and not isinstance(self.roll, str) else None
+        if roll is not None and 1 <= len(roll) < 3:
+            roll = (0,) * (3 - len(roll)) + roll
         if roll is None or len(roll) != 3 or any(isinstance(r, bool) or not isinstance(r, int) for r in roll):
             raise ValueError(f"RolledWindows.roll must be three integers (t, h, w), got {self.roll!r}")
         object.__setattr__(self, "roll", roll)
