@@ -76,11 +76,11 @@ def make_checkpointed_parallel(model, world_size: int):
     class Checkpointed(torch.nn.Module):  # k-diffusion's flags.checkpointing() around the forward
         def __init__(self, inner):
             super().__init__()
-            self.inner = inner
+            self.module = inner
 
         def forward(self, *args):
             with flags.checkpointing():
-                return self.inner(*args)
+                return self.module(*args)
 
     return Checkpointed(make_parallel(model, world_size))
 

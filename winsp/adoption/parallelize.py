@@ -397,6 +397,7 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
     model, plan = applied.model, applied.plan
     attention, entry_paths, grid_paths = numbering
     applied.numbering = numbering
+    applied.runtime.layer_names = tuple(attention)
     applied.order = ForwardOrder(_steps(plan, entry_paths, grid_paths))
     per_sample = ([p for p, _ in _matches(model, plan.per_sample, "per_sample")]
                   if plan.per_sample is not None else [])
