@@ -92,7 +92,7 @@ def test_hdit_with_its_own_activation_checkpointing_equals_the_original():
 
 
 def test_the_adapter_is_one_plan_of_few_lines():
-    assert model_specific_lines(hdit_adapter.__file__) <= 20
+    assert model_specific_lines(hdit_adapter.__file__) <= 15
     model = make_parallel(make_model(), 1)
     assert isinstance(model.mid_level[0].self_attn, winsp.adoption.Swapped)
     runtime = model._winsp_runtime

@@ -92,6 +92,7 @@ def _one_region(rank: int, world_size: int) -> dict:
         moved = [request.runtime._grid_step(request, request.prepared.slot_of_layer[runtime.first_layer[s] - 1], s)
                  .rows_moved for s in (1, 2)]
         recorded = make_model().eval()  # a plain plan in registration order: the forward order is recorded
+        recorded.load_state_dict(model.state_dict())
         winsp.parallelize(recorded, _plain_plan(recorded), winsp.DiffusionParallelConfig(ulysses_degree=world_size))
         same = torch.equal(recorded(x), model(x))
         wrong = make_model().eval()
@@ -113,7 +114,8 @@ def _one_region(rank: int, world_size: int) -> dict:
         groups_refusal = None
     except ValueError as err:
         groups_refusal = str(err)
-    return dict(same=same, gathers=gathers[:gathers_before - 2], mid_split=mid.has_split_windows, groups_refusal=groups_refusal,
+    return dict(same=same, gathers=gathers[:gathers_before - 2], mid_split=mid.has_split_windows,
+                groups_refusal=groups_refusal,
                 mid_rows=mid.rank_token_counts, moved=moved, refusal=refusal,
                 moves_after_refusal=len(gathers) - gathers_before + len(exchanges) - exchanges_before)
 
@@ -133,25 +135,23 @@ def test_one_region_one_gather_a_split_global_level_and_an_order_refused_on_ever
 
 def test_a_forward_order_that_does_not_match_the_forward_is_refused_naming_both_steps():
     model = make_model().eval()
-    plan = hourglass_plan(model)
     order = ("body.down", "body.merges", "body.mid", "body.splits.0", "body.up.0", "body.splits.1", "body.up.1")
-    winsp.parallelize(model, winsp.ParallelPlan(**{**plan.__dict__, "forward_order": order}))
+    winsp.parallelize(model, _plain_plan(model, forward_order=order))
     with pytest.raises(ValueError, match=r"runs 'body.splits.1' \(the grid change into stage 4\) where the plan "
                                          r"expects 'body.splits.0' \(the grid change into stage 3\).*meta tensors"):
         model(clip())
     assert winsp.runtime.context.current_request_or_none() is None
-    model._winsp_parallel.order.dry_run_done = True  # as for a model that cannot run on meta tensors: checked as it runs
+    model._winsp_parallel.order.dry_run_done = True  # as for a model that runs on no meta tensors: checked as it runs
     with pytest.raises(ValueError, match=r"runs 'body.splits.1' .*Refused before 'body.splits.1' moved any rows"):
         model(clip())
     assert winsp.runtime.context.current_request_or_none() is None
     with pytest.raises(ValueError, match="'body.up.0.blocks.0.attn', which no glob of ParallelPlan.forward_order"):
-        winsp.parallelize(make_model(), winsp.ParallelPlan(**{**plan.__dict__, "forward_order": order[:2]}))
+        winsp.parallelize(make_model(), _plain_plan(make_model(), forward_order=order[:2]))
 
 
 def test_an_unswapped_dropout_is_refused_by_name_in_training():
     model = make_model()
-    plan = hourglass_plan(model)
-    winsp.parallelize(model, winsp.ParallelPlan(**{**plan.__dict__, "swaps": ()}))
+    winsp.parallelize(model, winsp.ParallelPlan(**{**hourglass_plan(model).__dict__, "dropout": "refuse"}))
     model.eval()
     model(clip())  # eval: dropout is the identity, nothing to refuse
     model.train()

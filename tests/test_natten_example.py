@@ -47,7 +47,8 @@ def test_without_meta_kernels_the_order_is_recorded_once_from_a_real_forward_sai
     assert len(said) == 1 and "\n" not in said[0]
     assert "NATVideo cannot run on meta tensors" in said[0] and "recorded once from a no-grad forward" in said[0]
     stated = random_model(CONFIG).eval()
-    winsp.parallelize(stated, winsp.ParallelPlan(**{**model._winsp_parallel.plan.__dict__, "forward_order": ("blocks",)}))
+    plan = model._winsp_parallel.plan
+    winsp.parallelize(stated, winsp.ParallelPlan(**{**plan.__dict__, "forward_order": ("blocks",)}))
     with pytest.warns(UserWarning, match="NATVideo cannot run on meta tensors .*checked step by step"), torch.no_grad():
         stated(_video())
 

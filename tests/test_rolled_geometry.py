@@ -27,13 +27,14 @@ def swin_reference(grid, window, shift) -> torch.Tensor:
     axis, and let pairs of one window with equal labels attend."""
     label = torch.zeros(grid, dtype=torch.long)
     count = 0
-    per_axis = [((slice(0, -k), slice(-k, -s), slice(-s, None)) if s else (slice(None),)) for k, s in zip(window, shift)]
+    per_axis = [((slice(0, -k), slice(-k, -s), slice(-s, None)) if s else (slice(None),))
+                for k, s in zip(window, shift, strict=True)]
     for t, h, w in itertools.product(*per_axis):
         label[t, h, w] = count
         count += 1
     pos = torch.arange(label.numel()).reshape(grid)
     rolled_pos = torch.roll(pos, [-s for s in shift], dims=(0, 1, 2))
-    win = [torch.arange(n) // k for n, k in zip(grid, window)]
+    win = [torch.arange(n) // k for n, k in zip(grid, window, strict=True)]
     win_id = (win[0][:, None, None] * 1000 + win[1][None, :, None] * 100 + win[2][None, None, :])
     allowed = torch.zeros(label.numel(), label.numel(), dtype=torch.bool)
     p, wid, lab = rolled_pos.reshape(-1), win_id.reshape(-1), label.reshape(-1)  # labels: rolled frame

@@ -19,11 +19,11 @@ __all__ = ["hourglass_plan", "parallelize"]
 
 def attend(m, x):
     q, k, v = m.qkv(x).unflatten(-1, (3, m.heads, -1)).unbind(-3)
-    return m.proj(winsp.current_request().attention(q, k, v, layer=m.index)[0].flatten(1))
+    return m.proj(m.request.attention(q, k, v, layer=m.index)[0].flatten(1))
 
 
 def resize(m, x, like=None):  # a merge (norm, reduce after the move) or a split (expand before it)
-    x = winsp.current_request().to_grid(x if like is None else m.expand(x), m.index)
+    x = m.request.to_grid(x if like is None else m.expand(x), m.index)
     return m.reduce(m.norm(x)) if like is None else x
 
 

@@ -88,7 +88,7 @@ class Hourglass:
         stages.append(stage(mid[0][0], merge=self.factor))
         stages += [stage(up[i][0], split=self.factor, like=i) for i in reversed(range(levels))]
         order: list[str] = []
-        for (level, _), (merge, _) in zip(down, merges):
+        for (level, _), (merge, _) in zip(down, merges, strict=True):
             order += [level, merge]
         order.append(mid[0][0])
         for i in reversed(range(levels)):

@@ -384,7 +384,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
         _matches(model, plan.per_sample, "per_sample")
     runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
     applied = _Applied(plan=plan, model=model, runtime=runtime, stated=stated)
-    _apply(applied, ([p for p, _ in attention], entry_paths, dict(zip(changing, (p for p, _ in grid_changes)))))
+    grid_paths = dict(zip(changing, (p for p, _ in grid_changes), strict=True))
+    _apply(applied, ([p for p, _ in attention], entry_paths, grid_paths))
     model._winsp_runtime = runtime
     model._winsp_parallel = applied
     return model
@@ -573,10 +574,18 @@ def _dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *,
                           f"forward order is checked step by step as the forward runs", stacklevel=2)
             order.dry_run_done = True
             return
+        try:
+            recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=False))
+        except Exception as again:  # noqa: BLE001 - e.g. a module put in after parallelize that needs a request
+            again_why = (str(again).strip().splitlines() or [type(again).__name__])[0][:160]
+            warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}) nor as its "
+                          f"original modules ({again_why}); its layers keep named_modules order, checked step by step "
+                          f"as the forward runs (ParallelPlan.forward_order states another)", stacklevel=2)
+            order.dry_run_done = True
+            return
         warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}); its forward "
                       f"order is recorded once from a no-grad forward of the original modules on the real inputs "
                       f"(ParallelPlan.forward_order states it instead)", stacklevel=2)
-        recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=False))
         found = "a no-grad forward of the original modules"
     if not applied.stated:
         recorded = _renumber(applied, recorded)
@@ -600,7 +609,7 @@ def _renumber(applied: _Applied, recorded: list) -> list:
     changing = sorted(grids)
     moves = sorted(changing, key=lambda s: first[("grid", s)])
     new_layer = {old: new for new, old in enumerate(layers)}
-    new_stage = {old: new for old, new in zip(moves, changing)}
+    new_stage = {old: new for old, new in zip(moves, changing, strict=True)}
     relabeled = [(kind, new_layer[i] if kind == "layer" else new_stage[i]) for kind, i in recorded]
     if layers != list(range(len(attention))) or moves != changing:
         numbering = ([attention[i] for i in layers], [entries[i] for i in layers],

@@ -7,7 +7,8 @@ original (same tensors, same state_dict keys, same training mode) and whose forw
 with ``module.index`` the layer or stage index the plan passed (None for ``swaps``). The original's plain attributes
 (``n_heads``, ``window_size``, ...) are kept, and so are its methods (bound to the swapped module, so ``fn`` may call
 ``module.lerp(...)`` as the original's forward does; a method using zero-argument ``super()`` cannot be called on it).
-``module.swapped_from`` is the original's class name (one ``fn`` serving several kinds of block can tell them apart).
+``module.request`` is :func:`winsp.current_request`; ``module.swapped_from`` is the original's class name (one ``fn``
+serving several kinds of block can tell them apart).
 
 ``swapped(fn, checkpoint=True)`` recomputes ``fn`` in backward (``torch.utils.checkpoint``, non-reentrant) in a
 training forward, for a model whose replaced forward checkpointed itself; the recomputation runs with the request and
@@ -16,6 +17,7 @@ layout of the forward call (:func:`winsp.adoption.recompute.replaying`).
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any, Callable, Optional
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from winsp.adoption.parallelize import adopt
 from winsp.adoption.recompute import replaying
+from winsp.runtime.context import current_request
 
 __all__ = ["Swapped", "swapped"]
 
@@ -37,7 +40,7 @@ class Swapped(nn.Module):
         super().__init__()
         if not callable(fn):
             raise ValueError(f"winsp.swapped needs a function fn(module, *args), got {type(fn).__name__}")
-        for name in ("fn", "index"):
+        for name in ("fn", "index", "request"):
             if hasattr(original, name):
                 raise ValueError(f"winsp.swapped: {type(original).__name__} has an attribute {name!r}, which the "
                                  f"swapped module uses; write a module with winsp.adopt instead")
@@ -54,14 +57,23 @@ class Swapped(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             cls = self.__dict__.get("_swapped_class")
-            found = getattr(cls, name, None) if cls is not None and not name.startswith("__") else None
-            if isinstance(found, types.FunctionType):
-                return types.MethodType(found, self)
-            if isinstance(getattr(cls, "__dict__", {}).get(name), property):
-                return cls.__dict__[name].fget(self)
-            if found is not None:
-                return found
-            raise
+            if cls is None or name.startswith("__"):
+                raise
+            try:
+                static = inspect.getattr_static(cls, name)
+            except AttributeError:
+                raise AttributeError(f"{type(self).__name__} (swapped from {cls.__name__}) has no attribute "
+                                     f"{name!r}") from None
+            if isinstance(static, property):
+                return static.fget(self)
+            if isinstance(static, types.FunctionType):  # a method: bound to the swapped module
+                return types.MethodType(static, self)
+            return getattr(cls, name)  # staticmethod, classmethod, class attribute
+
+    @property
+    def request(self):
+        """:func:`winsp.current_request` (the request of the region running now)."""
+        return current_request()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.checkpoint and self.training and torch.is_grad_enabled():

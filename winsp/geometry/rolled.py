@@ -57,7 +57,7 @@ class RolledWindows(WindowGeometry):
 
     def slices(self, grid: Grid) -> list[WindowSlices]:
         grid = check_grid(grid)
-        t, h, w = (rolled_cuts(n, k, r) for n, k, r in zip(grid, self.window_size, self.roll))
+        t, h, w = (rolled_cuts(n, k, r) for n, k, r in zip(grid, self.window_size, self.roll, strict=True))
         return [(slice(*a), slice(*b), slice(*c)) for c in w for b in h for a in t]
 
 
