@@ -15,7 +15,7 @@ import torch
 import winsp
 from winsp.testing import run_ranks
 
-natten = pytest.importorskip("natten", reason="natten is not installed: pip install 'winsp[natten]'")
+natten = pytest.importorskip("natten", reason="natten is not installed: pip install -e '.[natten]'")
 
 from examples.natten_video.adapter import parallelize  # noqa: E402
 from examples.natten_video.model import NATVideoConfig, random_model  # noqa: E402

@@ -40,7 +40,7 @@ NATTEN_CASES = [  # (grid, kernel, dilation, causal, na_dim)
 
 def _natten(q, k, v, case, extra=None):
     natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
-                                                  "pip install 'winsp[natten]'")
+                                                  "pip install -e '.[natten]'")
     grid, kernel, dilation, causal, nd = case
     shape = (1,) + grid[3 - nd:] + (HEADS, NATTEN_HEAD_DIM)
     fn = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[nd]

@@ -26,7 +26,7 @@ from winsp.planning.halo import HaloExchange, neighborhood_plan
 from winsp.testing import run_ranks
 
 natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
-                                              "pip install 'winsp[natten]'")
+                                              "pip install -e '.[natten]'")
 
 HEADS, DIM = 2, 8  # natten's CPU (flex) path wants a head dim that is a power of two >= 8
 SCALE = DIM ** -0.5

@@ -10,7 +10,8 @@ reshaped back to it.
 
 F32 / F16 / BF16 tensors come back as torch tensors; the quantised types of :mod:`.gguf_dequant` come back as
 :class:`~.quantized_linear.PackedWeight` (their bytes, still packed), which the loaders keep packed or expand. Any
-other type is refused by its name. The ``gguf`` package is an optional dependency (``pip install 'winsp[gguf]'``).
+other type is refused by its name. The ``gguf`` package is an optional dependency (``pip install -e '.[gguf]'`` in
+the winsp checkout).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _import_gguf(path: str):
         import gguf
     except ImportError:
         raise ValueError(
-            f"checkpoint {path!r} is a GGUF file, which needs the optional 'gguf' package: pip install 'winsp[gguf]' "
-            f"(or pip install gguf)"
+            f"checkpoint {path!r} is a GGUF file, which needs the optional 'gguf' package: pip install gguf "
+            f"(or pip install -e '.[gguf]' in the winsp checkout)"
         ) from None
     return gguf
 

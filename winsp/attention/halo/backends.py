@@ -56,7 +56,7 @@ def libnatten_available() -> bool:
 
 def _natten_reason(device, dtype, modded, head_dim, auto: bool, layer_reason: Callable[[], Optional[str]]):
     if _natten() is None:
-        return "natten is not installed (pip install 'winsp[natten]')"
+        return "natten is not installed (pip install -e '.[natten]')"
     kernels = libnatten_available()
     if auto and not kernels:
         return "natten is installed without libnatten (its compiled kernels)"
