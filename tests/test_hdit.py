@@ -98,3 +98,25 @@ def test_the_adapter_is_one_plan_of_few_lines():
     runtime = model._winsp_runtime
     assert [type(g).__name__ for g in runtime.schedule] == ["RolledWindows"] * 2 + ["Neighborhood"] * 2 + [
         "GlobalWindow"] + ["Neighborhood"] * 2 + ["RolledWindows"] * 2
+    lines = runtime.describe("cpu").splitlines()  # every kind of layer, with its backend and module paths
+    assert lines[1] == ("  windows (grouped SDPA): down_levels.0.0.self_attn, down_levels.0.1.self_attn, "
+                        "up_levels.0.0.self_attn, up_levels.0.1.self_attn")
+    assert lines[2].startswith("  neighborhood halos (tiled kernel): down_levels.1.0.self_attn, ")
+    assert lines[3] == "  split windows (heads across ranks, grouped SDPA): mid_level.0.self_attn"
+
+
+def test_the_rolled_windows_are_hdits_own_mask():
+    """The geometry the plan gives a shifted level equals the mask HDiT builds (its make_shifted_window_masks)."""
+    h, w, size, shift = 8, 12, 4, 2
+    pos = torch.roll(torch.arange(h * w).reshape(h, w), (shift, shift), dims=(0, 1))
+    windows = hdit.window(size, pos[..., None])[..., 0]  # [h / size, w / size, size, size] original positions
+    mask = hdit.make_shifted_window_masks(h // size, w // size, size, size, shift)
+    allowed = torch.zeros(h * w, h * w, dtype=torch.bool)
+    ids = windows.reshape(h // size, w // size, -1)
+    allowed[ids[..., :, None], ids[..., None, :]] = mask.reshape(h // size, w // size, size * size, size * size)
+    geometry = winsp.geometry.RolledWindows((size, size), (shift, shift))
+    group = torch.full((h, w), -1)
+    for i, (_, a, b) in enumerate(geometry.slices((1, h, w))):
+        group[a, b] = i
+    flat = group.reshape(-1)
+    assert torch.equal(allowed, flat[:, None] == flat[None, :])

@@ -200,7 +200,8 @@ class ParallelPlan:
             raise ValueError("ParallelPlan: stages=Hourglass(...) gives the grid changes and the forward order; leave "
                              "grid_changes and forward_order out")
         if (self.grid_changes is None and not hourglass) != (self.make_grid_change is None):
-            raise ValueError("ParallelPlan: give grid_changes and make_grid_change together")
+            raise ValueError("ParallelPlan: give make_grid_change with stages=Hourglass(...)" if hourglass else
+                             "ParallelPlan: give grid_changes and make_grid_change together")
         object.__setattr__(self, "swaps", tuple(tuple(s) for s in self.swaps))
         if self.forward_order is not None:
             order = (self.forward_order,) if isinstance(self.forward_order, str) else tuple(self.forward_order)
@@ -421,12 +422,11 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
         # before the entries' hooks: a region may start at its first block, which is also a layer entry
         applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
             _region_start(applied), with_kwargs=True))
-        for layer, path in enumerate(entry_paths):  # looked up after the swaps: an entry may have been swapped
+        for path in entry_paths:  # looked up after the swaps: an entry may have been swapped
             entry = model.get_submodule(path) if path else model
-            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer, applied.order)))
-        for stage, path in grid_paths.items():
-            applied.handles.append(model.get_submodule(path).register_forward_pre_hook(
-                _grid_change(stage, applied.order)))
+            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(path, applied)))
+        for path in grid_paths.values():
+            applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(path, applied)))
         applied.handles += watch_rows(model, _inner_paths(model, plan.region, list(grid_paths.values())),
                                       dropout=plan.dropout, modes=applied.dropouts)
         applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []),  # activation checkpointing
@@ -486,8 +486,11 @@ def _inner_paths(model: nn.Module, region: Region, grid_paths: list[str]) -> lis
             if path and path not in skip and (not top or path.startswith(top + "."))]
 
 
-def _layer_entry(layer: int, order: ForwardOrder):
+def _layer_entry(path: str, applied: _Applied):
+    """Layer entry ``path``'s hook; its layer number is looked up when it runs (a hook that was already running when
+    the first forward renumbered the layers acts for the new numbering)."""
     def hook(module: nn.Module, args: tuple):
+        layer, order = applied.numbering[1].index(path), applied.order
         if not args or not isinstance(args[0], Tensor):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first positional argument")
@@ -497,9 +500,9 @@ def _layer_entry(layer: int, order: ForwardOrder):
     return hook
 
 
-def _grid_change(stage: int, order: ForwardOrder):
+def _grid_change(path: str, applied: _Applied):
     def hook(module: nn.Module, args: tuple):
-        order.arrive("grid", stage)
+        applied.order.arrive("grid", next(s for s, p in applied.numbering[2].items() if p == path))
 
     return hook
 
