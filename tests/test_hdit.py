@@ -85,6 +85,7 @@ def make_checkpointed_parallel(model, world_size: int):
     return Checkpointed(make_parallel(model, world_size))
 
 
+@pytest.mark.slow  # about 40 s on a shared 2-core machine; the same model without checkpointing runs by default
 def test_hdit_with_its_own_activation_checkpointing_equals_the_original():
     report = check_parallel(make_model, make_checkpointed_parallel, make_inputs, world_sizes=(2,), train=True,
                             timeout=300)

@@ -87,6 +87,9 @@ def test_the_global_window_is_every_pair():
 
 def test_bad_rolls_are_refused_by_name():
     with pytest.raises(ValueError, match="RolledWindows.roll must be three integers"):
-        RolledWindows((1, 4, 4), (0, 2))
+        RolledWindows((1, 4, 4), (0, 2, 2, 2))
+    with pytest.raises(ValueError, match="RolledWindows.roll must be three integers"):
+        RolledWindows((1, 4, 4), (0, 2.0, 2))
+    assert RolledWindows((4, 4), (2, 2)) == RolledWindows((1, 4, 4), (0, 2, 2))  # a 2D model: the last axes
     with pytest.raises(ValueError, match=r"window_size\[h\] must be >= 1"):
         RolledWindows((1, 0, 4))
