@@ -205,7 +205,7 @@ class WindowRuntime:
 
     def describe(self, device: torch.device | str = "cpu", backend: str | None = None) -> str:
         """A report of the execution path: one line (``window-aligned SP, Plan A (auto), 4 ranks, grouped SDPA``),
-        then, for a schedule with more than one kind of layer or layers named by :func:`winsp.parallelize`, a line
+        then, for a schedule with more than one kind of layer or with layers named by :func:`winsp.parallelize`, a line
         per kind (:meth:`layer_kinds`) with its backend and its layers' module paths (or numbers)."""
         backend = (backend or self.backend_for(device)).replace("_", " ").replace("sdpa", "SDPA")
         if self.world_size == 1:
@@ -214,7 +214,7 @@ class WindowRuntime:
             head = f"window-aligned SP, Plan A ({self.planner}), {self.world_size} ranks, {backend}"
         kinds = self.layer_kinds()
         names = self.layer_names
-        if names is None and [k for k, _ in kinds] == ["windows"]:
+        if names is None and len(kinds) == 1:
             return head
         halo = explain_neighborhood_backend(self.neighborhood_backend, device)[0]
         how = {"windows": backend, "split windows": f"heads across ranks, {backend}",
