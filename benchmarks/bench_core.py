@@ -82,7 +82,7 @@ def build_rank0_indices(regular: winsp.planning.Plan, shifted: winsp.planning.Pl
             plan.rank_token_ids(rank)
     for src, dst in ((regular, shifted), (shifted, regular)):
         Transition(src, dst).for_rank(0).to(torch.device("cpu"))
-    shifted.gather_order
+    _ = shifted.gather_order
 
 
 INDEX_BUILD_ROUNDS = {"720p": 10, "1080p": 10, "4K": 3}

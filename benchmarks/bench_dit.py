@@ -105,7 +105,7 @@ class PlainContext:
         # canonical window-local coordinates (for RoPE)
         local = torch.empty(perm.numel(), 3, dtype=torch.long)
         offset = 0
-        for s, (t, h, w) in enumerate(self.grids):
+        for t, h, w in self.grids:
             for bt, bh, bw in geometry.slices((t, h, w)):
                 tt, hh, ww = torch.meshgrid(torch.arange(bt.start, bt.stop), torch.arange(bh.start, bh.stop),
                                             torch.arange(bw.start, bw.stop), indexing="ij")
@@ -144,14 +144,10 @@ class PlainContext:
         row = 0
         for count, length, s in groups:
             n_txt, start = self.text_lengths[s], self.txt_start[s]
-
-            def window_batch(vid, txt):
-                vid = vid[row:row + count * length].view(count, length, heads, dim)
-                txt = txt[start:start + n_txt].expand(count, n_txt, heads, dim)
-                return torch.cat([vid, txt], dim=1).transpose(1, 2)
-
-            out = F.scaled_dot_product_attention(window_batch(q_w, q_t), window_batch(k_w, k_t),
-                                                 window_batch(v_w, v_t)).transpose(1, 2)
+            q, k, v = (torch.cat([vid[row:row + count * length].view(count, length, heads, dim),
+                                  txt[start:start + n_txt].expand(count, n_txt, heads, dim)], dim=1).transpose(1, 2)
+                       for vid, txt in ((q_w, q_t), (k_w, k_t), (v_w, v_t)))
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
             vid_out.append(out[:, :length].reshape(count * length, heads, dim))
             txt_sum[start:start + n_txt] += out[:, length:].sum(0)
             row += count * length

@@ -14,9 +14,9 @@ Run from the repository root: ``python benchmarks/bench_neighborhood.py`` (all t
 3. **Speed-up.** A stack of 4 attention blocks (C = 256, 4 heads x 64, MLP 4x, float32) on a (4, 24, 32) grid, once
    with 3D neighborhood layers (3, 7, 7) and once with whole windows (FixedWindows (4, 12, 16): 4 windows, 2 a rank
    at SP = 2, no transitions: whole windows' best case); ``--speedup-grid 720p``: on (4, 45, 80), four latent
-   frames of 720p, against windows (4, 15, 20) (12 windows, 6 a rank), SP = 1 and SP = 2 on gloo, one thread a rank, interleaved;
-   medians of warm forwards in wall and CPU seconds (the slower rank at SP = 2). Inference: each neighborhood layer's
-   halo exchange runs in the background while the tiles that need no halo are computed.
+   frames of 720p, against windows (4, 15, 20) (12 windows, 6 a rank), SP = 1 and SP = 2 on gloo, one thread a rank,
+   interleaved; medians of warm forwards in wall and CPU seconds (the slower rank at SP = 2). Inference: each
+   neighborhood layer's halo exchange runs in the background while the tiles that need no halo are computed.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Run from the repository root: ``OMP_NUM_THREADS=1 python benchmarks/bench_split_
 One window of ``W`` video rows plus 58 text rows, 20 heads x 128 (SeedVR2 3B), float32, its rows split evenly over
 ``g`` ranks (one thread each). Per call, interleaved, median of the repeats, the slowest rank:
 
-* head-parallel (:func:`winsp.attention.split.split_attention`): an all-to-all of q, k, v (each rank's rows for the others'
-  heads), whole-window attention for ``20 / g`` heads, an all-to-all of the output back;
+* head-parallel (:func:`winsp.attention.split.split_attention`): an all-to-all of q, k, v (each rank's rows for the
+  others' heads), whole-window attention for ``20 / g`` heads, an all-to-all of the output back;
 * query-parallel: an all-gather of k, v (each rank's rows to every other), attention of the rank's own query rows
   (and, on the first rank, the text queries) against all keys, every head.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -46,13 +47,13 @@ def _rank(rank: int, world: int, rows: int, repeats: int) -> dict:
     group = winsp.comm.SPGroup.world()
     lay = build_layout([(1, 1, rows)], winsp.FixedWindows((1, 1, rows)))
     cuts = [rows * r // world for r in range(world + 1)]
-    plan = winsp.planning.Plan(lay, world, rank_pieces=[[(0, a, b)] for a, b in zip(cuts, cuts[1:])])
+    plan = winsp.planning.Plan(lay, world, rank_pieces=[[(0, a, b)] for a, b in pairwise(cuts)])
     split = SplitAttention.build(plan, rank, HEADS, (TEXT,)).to("cpu")
     mine = cuts[rank + 1] - cuts[rank]
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(mine, HEADS, HEAD_DIM, generator=g) for _ in range(3))
     qt, kt, vt = (torch.randn(TEXT, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)) for _ in range(3))
-    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+    sizes = [b - a for a, b in pairwise(cuts)]
     times = {"head": [], "query": []}
     with torch.inference_mode():
         for i in range(repeats + 1):

@@ -16,7 +16,6 @@ row it does not hold: ``N * (P - 1)``), with LPT plans relabelled per stage as t
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import resource
 import statistics
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 
 import winsp  # noqa: E402
 from examples.swin3d import import_torchvision, parallelize, swin3d_plan  # noqa: E402
-from winsp.planning.hierarchy import GridStep, _place_stage, _relabel, grid_sources, stage_grids  # noqa: E402
+from winsp.planning.hierarchy import GridStep, _place_stage, grid_sources, stage_grids  # noqa: E402
 from winsp.planning.schedule import plan_schedule  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
 

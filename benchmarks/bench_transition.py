@@ -133,8 +133,8 @@ def measure(world_sizes=(2, 4, 8), shapes: dict = SHAPES, hidden: int = 128, rep
 
 def markdown(rows: list[dict], hidden: int) -> str:
     lines = [
-        f"| shape | P | LPT transition | locality transition | Ulysses layer (4 a2a) | locality / LPT "
-        f"| LPT / Ulysses | locality / Ulysses | loc / LPT (min) | LPT / Uly (min) | loc / Uly (min) |",
+        "| shape | P | LPT transition | locality transition | Ulysses layer (4 a2a) | locality / LPT "
+        "| LPT / Ulysses | locality / Ulysses | loc / LPT (min) | LPT / Uly (min) | loc / Uly (min) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -146,8 +146,8 @@ def markdown(rows: list[dict], hidden: int) -> str:
             f"| {r['min_locality'] / r['min_ulysses']:.2f} |")
     lines += [
         "",
-        f"| shape | P | planner | rows moved / N | MiB moved (bf16, D = 2560) | max send rows | max recv rows "
-        f"| peers per rank (mean / max) |",
+        "| shape | P | planner | rows moved / N | MiB moved (bf16, D = 2560) | max send rows | max recv rows "
+        "| peers per rank (mean / max) |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -7,7 +7,12 @@
 ``--scaling`` (modes ``height``; ``wavefront``, the split :func:`choose_split` picks; ``time``, the wavefront alone)
 runs the released VAE architecture (``--channels`` scales its widths; random weights, float32, one
 thread a rank, gloo, temporal chunks of 4) on each clip: one rank (``vae.encode`` / ``vae.decode``), then every mode at
-every world size, one process a rank. Per rank it records wall time (after a barrier), process CPU time, and the time
+every world size, one process a rank, in ``--rounds`` interleaved rounds (the best of them kept). One rank is run
+twice: as a user runs it (a plain single process with torch's default intra-op threads: one per core,
+``--p1-threads`` to change) and on one thread like each parallel rank. **Wall speed-ups are against the first** (what
+a user runs at P = 1); ``*_speedup_1thread`` against the second. (Before, the only baseline was one rank on one
+thread, so on a 2-core machine a P = 2 run with one thread a rank was compared with half of what one process
+uses.) Per rank it records wall time (after a barrier), process CPU time, and the time
 spent inside collectives and point-to-point waits; *busy* = wall - that, and *busy CPU* = the rank's main-thread CPU
 time outside them (what a rank computes, which predicts a machine with a core per rank and, unlike wall time, holds
 on a loaded machine). Reported: wall speed-up over one rank (the slowest rank's wall), total CPU over the ranks / one
@@ -33,6 +38,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,9 +51,9 @@ from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled  # noqa: E402
 from examples.seedvr2.vae.wavefront import (  # noqa: E402
     RelayCache,
     VAESplit,
+    clip_splits,
     decode_wavefront,
     encode_wavefront,
-    split_for_clip,
 )
 from tests.helpers import random_video, tiny_vae  # noqa: E402
 from winsp.comm.group import SPGroup  # noqa: E402
@@ -75,8 +81,8 @@ def bench_chunking(video: torch.Tensor) -> dict:
     reference = {}
     for split in (None, 4):
         vae = build_vae(split)
-        latent, enc_peak, enc_s = measured(lambda: vae.encode(video))
-        decoded, dec_peak, dec_s = measured(lambda: vae.decode(latent))
+        latent, enc_peak, enc_s = measured(partial(vae.encode, video))
+        decoded, dec_peak, dec_s = measured(partial(vae.decode, latent))
         name = "whole" if split is None else f"chunked(split={split})"
         if split is None:
             reference = {"latent": latent, "decoded": decoded}
@@ -125,8 +131,8 @@ def bench_tiled(video: torch.Tensor, tiles=((32, 16), (48, 16), (64, 32))) -> di
     decoded, dec_peak, _ = measured(lambda: vae.decode(latent))
     rows = {"whole(split=4)": {"encode_peak_mib": enc_peak / MIB, "decode_peak_mib": dec_peak / MIB}}
     for tile, overlap in tiles:
-        lat_t, e_peak, e_s = measured(lambda: encode_tiled(vae, video, tile_size=tile, overlap=overlap))
-        dec_t, d_peak, d_s = measured(lambda: decode_tiled(vae, latent, tile_size=tile, overlap=overlap))
+        lat_t, e_peak, e_s = measured(partial(encode_tiled, vae, video, tile_size=tile, overlap=overlap))
+        dec_t, d_peak, d_s = measured(partial(decode_tiled, vae, latent, tile_size=tile, overlap=overlap))
         rows[f"tiled(tile={tile},overlap={overlap})"] = {
             "encode_peak_mib": e_peak / MIB, "decode_peak_mib": d_peak / MIB,
             "latent_max_dev": (lat_t - latent).abs().max().item(),
@@ -194,10 +200,11 @@ def _run_mode(mode: str, vae, x, group, what: str):
     return decode_wavefront(vae, x, group, split=split)
 
 
-def _scaling_rank(rank: int, world: int, mode: str, clip: tuple[int, int, int], channels: list[int]) -> dict:
+def _scaling_rank(rank: int, world: int, mode: str, clip: tuple[int, int, int], channels: list[int],
+                  threads: int = 1) -> dict:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     clock = _CommClock()
     vae = scaled_vae(channels)
     group = SPGroup.world()
@@ -226,42 +233,102 @@ def _scaling_rank(rank: int, world: int, mode: str, clip: tuple[int, int, int], 
     return out
 
 
-def bench_scaling(clips, worlds, modes, channels) -> dict:
+def user_threads() -> int:
+    """The intra-op threads torch gives a process started without ``OMP_NUM_THREADS`` (what a user's single process
+    gets: one per core)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    return int(done.stdout.strip() or 1)
+
+
+def _best(runs: list[dict]) -> dict:
+    """Of several runs of one configuration (lists of per-rank results), the one with the smallest slowest-rank wall
+    time, for encode and decode separately."""
+    best = {}
+    for what in ("encode", "decode"):
+        best[what] = min((r for r in runs), key=lambda per_rank: max(x[what]["wall_s"] for x in per_rank))
+    return best
+
+
+def bench_scaling(clips, worlds, modes, channels, rounds: int = 2, threads: int | None = None) -> dict:
+    """Every mode at every world size against one rank, interleaved over ``rounds`` rounds (the best kept).
+
+    One rank is measured twice: as a user runs it (a plain ``vae.encode`` / ``vae.decode`` in one process with
+    torch's default intra-op threads, ``threads``: one per core) and on one thread (as each rank of the parallel runs
+    is). Speed-ups are against the first (``*_speedup``) and, for reference, the second (``*_speedup_1thread``).
+    """
     import tempfile
 
+    threads = threads or user_threads()
     rows = {}
     for clip in clips:
         name = "x".join(map(str, clip))
-        single = run_ranks(_scaling_rank, 1, "single", clip, channels, timeout=3600)[0]
-        with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f:
-            torch.save({"latent": single.pop("latent"), "decoded": single.pop("decoded")}, f.name)
-        os.environ["BENCH_VAE_REFERENCE"] = f.name
-        print(f"  {name} P=1: {single['encode']} {single['decode']}", flush=True)
-        rows[f"{name} P=1"] = {f"{w}_{k}": round(single[w][k], 3) for w in ("encode", "decode")
-                               for k in ("wall_s", "cpu_s", "busy_cpu_s")}
+        runs: dict = {"user": [], "one": []}
+        reference_path = None
+        for r in range(rounds):
+            for key, n in (("one", 1), ("user", threads)):  # the one-thread run first: the reference outputs
+                result = run_ranks(_scaling_rank, 1, "single", clip, channels, n, timeout=3600)
+                if reference_path is None:
+                    with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as f:
+                        torch.save({"latent": result[0]["latent"], "decoded": result[0]["decoded"]}, f.name)
+                    reference_path = os.environ["BENCH_VAE_REFERENCE"] = f.name
+                for x in result:
+                    x.pop("latent", None)
+                    x.pop("decoded", None)
+                runs[key].append(result)
+                print(f"  round {r + 1} {name} P=1 ({n} thread{'s' if n > 1 else ''}): encode "
+                      f"{result[0]['encode']['wall_s']:.2f} s, decode {result[0]['decode']['wall_s']:.2f} s",
+                      flush=True)
+            for world in worlds:
+                for mode in modes:
+                    result = run_ranks(_scaling_rank, world, mode, clip, channels, timeout=3600)
+                    runs.setdefault((world, mode), []).append(result)
+                    print(f"  round {r + 1} {name} {mode} P={world}: encode "
+                          f"{max(x['encode']['wall_s'] for x in result):.2f} s, decode "
+                          f"{max(x['decode']['wall_s'] for x in result):.2f} s", flush=True)
+        user, one = _best(runs["user"]), _best(runs["one"])
+        singles = {"user": {w: user[w][0][w] for w in ("encode", "decode")},
+                   "one": {w: one[w][0][w] for w in ("encode", "decode")}}
+        rows[f"{name} P=1"] = {"clip": list(clip), "world": 1, "mode": "single", "user_threads": threads,
+                               **{f"{w}_{k}": round(singles['user'][w][k], 3) for w in ("encode", "decode")
+                                  for k in ("wall_s", "cpu_s", "busy_cpu_s")},
+                               **{f"{w}_{k}_1thread": round(singles['one'][w][k], 3) for w in ("encode", "decode")
+                                  for k in ("wall_s", "cpu_s", "busy_cpu_s")}}
         for world in worlds:
             for mode in modes:
-                per_rank = run_ranks(_scaling_rank, world, mode, clip, channels, timeout=3600)
-                row = {}
+                best = _best(runs[(world, mode)])
+                row = {"clip": list(clip), "world": world, "mode": mode}
                 for what in ("encode", "decode"):
-                    wall = max(r[what]["wall_s"] for r in per_rank)
-                    busy = [r[what]["busy_s"] for r in per_rank]
+                    per_rank = [x[what] for x in best[what]]
+                    wall = max(x["wall_s"] for x in per_rank)
+                    busy = [x["busy_s"] for x in per_rank]
+                    user1, one1 = singles["user"][what], singles["one"][what]
                     row[f"{what}_wall_s"] = round(wall, 3)
-                    row[f"{what}_speedup"] = round(single[what]["wall_s"] / wall, 3)
-                    row[f"{what}_cpu_ratio"] = round(sum(r[what]["cpu_s"] for r in per_rank) / single[what]["cpu_s"], 3)
+                    row[f"{what}_speedup"] = round(user1["wall_s"] / wall, 3)
+                    row[f"{what}_speedup_1thread"] = round(one1["wall_s"] / wall, 3)
+                    row[f"{what}_cpu_ratio"] = round(sum(x["cpu_s"] for x in per_rank) / one1["cpu_s"], 3)
                     row[f"{what}_busy_s"] = [round(b, 3) for b in busy]
-                    row[f"{what}_busy_speedup"] = round(single[what]["wall_s"] / max(busy), 3)
-                    busy_cpu = [r[what]["busy_cpu_s"] for r in per_rank]
+                    row[f"{what}_busy_speedup"] = round(one1["wall_s"] / max(busy), 3)
+                    busy_cpu = [x["busy_cpu_s"] for x in per_rank]
                     row[f"{what}_busy_cpu_s"] = [round(b, 3) for b in busy_cpu]
-                    row[f"{what}_busy_cpu_speedup"] = round(single[what]["busy_cpu_s"] / max(busy_cpu), 3)
-                    row[f"{what}_calls"] = per_rank[0][what]["calls"]
-                    row[f"{what}_max_err"] = max(r[what]["max_err"] for r in per_rank)
-                if mode != "height":
-                    split = VAESplit(world, 1) if mode == "time" else split_for_clip(world, clip[0], clip[1] // 8)
-                    row["split"] = f"{split.time}x{split.height}"
+                    row[f"{what}_busy_cpu_speedup"] = round(one1["busy_cpu_s"] / max(busy_cpu), 3)
+                    row[f"{what}_calls"] = per_rank[0]["calls"]
+                    row[f"{what}_max_err"] = max(x["max_err"] for x in per_rank)
+                if mode == "height":
+                    splits = (VAESplit(1, world),) * 2
+                elif mode == "time":
+                    splits = (VAESplit(world, 1),) * 2
+                else:
+                    splits = clip_splits(world, clip[0], clip[1] // 8)
+                row["splits"] = {"encode": [splits[0].time, splits[0].height],
+                                 "decode": [splits[1].time, splits[1].height]}
                 rows[f"{name} {mode} P={world}"] = row
                 print(f"  {name} {mode} P={world}: {row}", flush=True)
-        os.unlink(f.name)
+        if reference_path is not None:
+            os.unlink(reference_path)
     return rows
 
 
@@ -291,13 +358,19 @@ def main() -> None:
                         choices=["height", "wavefront", "time"],
                         help="height: height bands; wavefront: the split choose_split picks; time: wavefront only")
     parser.add_argument("--channels", default="128,256,512,512", help="VAE widths of --scaling (released: default)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="--scaling: interleaved rounds (one rank, then every mode and world), the best kept")
+    parser.add_argument("--p1-threads", type=int, default=0,
+                        help="--scaling: intra-op threads of the one-rank baseline (default 0: torch's default in a "
+                             "fresh process, one per core, what a user's single process gets)")
     args = parser.parse_args()
     if args.scaling:
         clips = [tuple(int(v) for v in c.split("x")) for c in args.clips]
         channels = [int(c) for c in args.channels.split(",")]
         print(f"scaling: channels {channels}, clips {args.clips}, worlds {args.worlds}, modes {args.modes}; "
               f"load {os.getloadavg()}")
-        results = {"scaling": bench_scaling(clips, args.worlds, args.modes, channels)}
+        results = {"scaling": bench_scaling(clips, args.worlds, args.modes, channels, rounds=args.rounds,
+                                            threads=args.p1_threads or None)}
         _print("scaling (wall = slowest rank; busy = wall minus collectives; cpu_ratio = total CPU / one rank's)",
                results["scaling"])
         print(f"load after: {os.getloadavg()}")

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,6 +39,11 @@ def config():
 
     return NaDiTConfig.seedvr2_at_size(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=LAYERS,
                                        mm_layers=LAYERS, rope_dim=128)
+
+
+def _gguf_type(kind: str, key: str, value) -> str:
+    """The GGUF type of one tensor: ``kind`` for matrices whose rows split into 256-wide blocks, else F32."""
+    return kind if value.dim() == 2 and value.shape[-1] % 256 == 0 else "F32"
 
 
 def write_checkpoints(directory: Path) -> dict[str, Path]:
@@ -60,7 +66,7 @@ def write_checkpoints(directory: Path) -> dict[str, Path]:
                        for k, v in state.items()}, str(path))
         else:
             kind = fmt.split("_", 1)[1]
-            write_gguf(path, state, lambda k, v: kind if v.dim() == 2 and v.shape[-1] % 256 == 0 else "F32")
+            write_gguf(path, state, partial(_gguf_type, kind))
         paths[fmt] = path
     return paths
 

@@ -3,8 +3,8 @@
 Run from the repository root: ``python benchmarks/cost_model.py`` (prints the crossover tables of
 ``benchmarks/README.md``), ``--fit-gloo FILE`` to refit the communication constants on the JSON that
 ``benchmarks/bench_transition.py --json FILE`` writes, ``--detail`` for per-layer figures, ``--fit-wall FILE`` to refit
-the planner's own constants (:mod:`winsp.planning.costs`: a row, a pair, a row moved, a collective) on the forward wall times
-that ``benchmarks/bench_split.py --json FILE`` measures for every planner.
+the planner's own constants (:mod:`winsp.planning.costs`: a row, a pair, a row moved, a collective) on the forward wall
+times that ``benchmarks/bench_split.py --json FILE`` measures for every planner.
 
 What is modelled, per layer, with nothing overlapped (communication and compute add up):
 
@@ -419,6 +419,100 @@ def fit_wall_markdown(fit: dict) -> str:
     return "\n".join(lines)
 
 
+def vae_split_points(data: dict, measure: str = "wall") -> list[dict]:
+    """The (clip, encode/decode, split, speed-up) points of a VAE split fit: the rows of
+    ``benchmarks/vae_split_walls.json``, or of the JSON ``benchmarks/bench_vae.py --scaling --json`` writes
+    (``measure``: ``wall`` speed-up, or ``busy_cpu``: blind to the wavefront's fill, which is waiting)."""
+    if "rows" in data:
+        return [dict(r, speedup=r["wall_speedup"]) for r in data["rows"]]
+    points = []
+    for row in data.get("scaling", {}).values():
+        if "splits" not in row:
+            continue
+        for what in ("encode", "decode"):
+            key = f"{what}_speedup" if measure == "wall" else f"{what}_busy_cpu_speedup"
+            points.append({"clip": row["clip"], "what": what, "split": row["splits"][what], "speedup": row[key]})
+    return points
+
+
+def fit_vae_split(points: list[dict]) -> dict:
+    """Non-negative relative-error least squares of the wavefront's split model
+    (:func:`examples.seedvr2.vae.wavefront.split_cost`): measured time over one rank's (1 / speed-up) minus the ideal
+    share (busiest time rank's frames x largest band) = ``height_comm`` x (H - 1) + ``time_comm`` x (T - 1)."""
+    from examples.seedvr2.vae.model import _chunk_bounds
+    from examples.seedvr2.vae.wavefront import VAESplit, split_cost
+
+    rows_x, rows_y, labels = [], [], []
+    for p in points:
+        frames, height, _ = p["clip"]
+        split = VAESplit(*p["split"])
+        chunks = [b - a for a, b in _chunk_bounds(frames, 4)]
+        if p["what"] == "decode":
+            latent = [b - a for a, b in _chunk_bounds(1 + (frames - 1) // 4, 1)]
+            chunks = [1 + 4 * (n - 1) if c == 0 else 4 * n for c, n in enumerate(latent)]
+        ideal = split_cost(split, chunks, height // 8, height_comm=0.0, time_comm=0.0)
+        measured = 1.0 / p["speedup"]
+        rows_x.append([split.height - 1, split.time - 1])
+        rows_y.append((measured, ideal))
+        labels.append((f"{frames}x{height}x{p['clip'][2]}", p["what"], f"{split.time}x{split.height}"))
+    x = np.asarray(rows_x, dtype=float)
+    measured = np.asarray([m for m, _ in rows_y])
+    ideal = np.asarray([i for _, i in rows_y])
+    active, coef = [0, 1], np.zeros(2)
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] / measured[:, None], (measured - ideal) / measured, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    model = ideal + x @ coef
+    return {"height_comm": float(coef[0]), "time_comm": float(coef[1]),
+            "points": [(lab, 1 / m, 1 / pr) for lab, m, pr in zip(labels, measured, model, strict=True)]}
+
+
+def fit_vae_split_markdown(fit: dict) -> str:
+    lines = [f"fitted: height_comm {fit['height_comm']:.4f}, time_comm {fit['time_comm']:.4f} (of one rank's run, per "
+             f"extra height / time rank)", "", "| clip | pass | split T x H | measured speed-up | model |",
+             "|---|---|---|---:|---:|"]
+    for (clip, what, split), measured, model in fit["points"]:
+        lines.append(f"| {clip} | {what} | {split} | {measured:.2f}x | {model:.2f}x |")
+    return "\n".join(lines)
+
+
+def restore_prediction(degrees=(2, 4, 8), vae_shares=(0.3, 0.5, 0.7), grid=(6, 45, 80), frames: int = 21,
+                       latent_rows: int = 90) -> list[dict]:
+    """Whole-restore speed-up on one NVLink node: the DiT's best window-SP plan from this model (3B, ``grid``) and the
+    VAE wavefront's fitted split model (:func:`examples.seedvr2.vae.wavefront.split_cost`, constants fitted on gloo
+    CPU runs) combined for a VAE share ``v`` of the one-GPU time: ``1 / ((1 - v) / s_DiT + v / s_VAE)``. The input
+    decoding and output encoding run on background threads and are left out. The VAE share on a GPU was not measured
+    here, hence several."""
+    from examples.seedvr2.vae.model import _chunk_bounds
+    from examples.seedvr2.vae.wavefront import choose_split, split_cost
+
+    def dit(p: int) -> float:
+        return min(pr.forward(SEEDVR2_3B) for pr in predictions(SEEDVR2_3B, grid, p, NVLINK_NODE).values()
+                   if pr is not None)
+
+    chunks = [b - a for a, b in _chunk_bounds(frames, 4)]
+    rows = []
+    for p in degrees:
+        split = choose_split(p, chunks, latent_rows)
+        s_dit, s_vae = dit(1) / dit(p), 1.0 / split_cost(split, chunks, latent_rows)
+        rows.append({"p": p, "dit": s_dit, "vae": s_vae, "split": f"{split.time}x{split.height}",
+                     "whole": {v: 1.0 / ((1 - v) / s_dit + v / s_vae) for v in vae_shares}})
+    return rows
+
+
+def restore_prediction_markdown(rows: list[dict], reference=(1.24, 1.85, 2.03)) -> str:
+    shares = list(rows[0]["whole"])
+    lines = ["| GPUs | DiT (window SP) | VAE (split) | " + " | ".join(f"restore, VAE {v:.0%} of 1 GPU" for v in shares)
+             + " | vLLM-Omni draft |", "|---:|---:|---:|" + "---:|" * len(shares) + "---:|"]
+    for r, ref in zip(rows, reference, strict=False):
+        lines.append(f"| {r['p']} | {r['dit']:.2f}x | {r['vae']:.2f}x ({r['split']}) | "
+                     + " | ".join(f"{r['whole'][v]:.2f}x" for v in shares) + f" | {ref:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-gloo", type=Path, help="JSON written by benchmarks/bench_transition.py --json")
@@ -427,7 +521,19 @@ def main(argv=None) -> None:
                     "--json: refit the planner's cost constants (winsp.planning.costs) on measured wall time")
     ap.add_argument("--fit-on", choices=("wall", "cpu"), default="wall",
                     help="with --fit-wall: fit wall time (default) or the slower rank's CPU time (a loaded machine)")
+    ap.add_argument("--fit-vae", type=Path, nargs="+", help="benchmarks/vae_split_walls.json, or JSON files written "
+                    "by benchmarks/bench_vae.py --scaling --json: refit the VAE wavefront's split constants")
+    ap.add_argument("--predict-restore", action="store_true",
+                    help="whole-restore speed-up on an 8-GPU node (3B, 720p x 21 frames) from the DiT and VAE models")
     args = ap.parse_args(argv)
+    if args.predict_restore:
+        print(restore_prediction_markdown(restore_prediction()))
+        return
+    if args.fit_vae:
+        points = [p for path in args.fit_vae for p in vae_split_points(json.loads(path.read_text()),
+                                                                       "busy_cpu" if args.fit_on == "cpu" else "wall")]
+        print(fit_vae_split_markdown(fit_vae_split(points)))
+        return
     if args.fit_wall:
         records = [r for path in args.fit_wall for r in json.loads(path.read_text())]
         print(fit_wall_markdown(fit_wall(records, measure=args.fit_on)))

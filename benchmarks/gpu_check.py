@@ -43,6 +43,7 @@ import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -139,6 +140,11 @@ class Memory:
 
     def peak(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+
+def _sci(entry: dict, key: str) -> str:
+    """``entry[key]`` in scientific notation for the report table ("" when absent)."""
+    return "" if key not in entry else format(entry[key], ".2e")
 
 
 def _gib(nbytes: int | None) -> float | None:
@@ -252,15 +258,15 @@ def section_vae(sizes, device, clock, memory, state) -> dict:
                      "peak_above_inputs_gib": None if peak is None else _gib(peak - before)}
 
     try:
-        latent, result["encode"] = measure(lambda: vae.encode(clip))
-        video, result["decode"] = measure(lambda: vae.decode(latent))
+        latent, result["encode"] = measure(partial(vae.encode, clip))
+        video, result["decode"] = measure(partial(vae.decode, latent))
     except torch.OutOfMemoryError as error:
         result["first_attempt"] = f"out of memory without temporal chunks: {str(error).splitlines()[0]}"
         memory.reset()
         vae.set_temporal_chunking(4)
         result["temporal_chunk"] = 4
-        latent, result["encode"] = measure(lambda: vae.encode(clip))
-        video, result["decode"] = measure(lambda: vae.decode(latent))
+        latent, result["encode"] = measure(partial(vae.encode, clip))
+        video, result["decode"] = measure(partial(vae.decode, latent))
     result["latent_shape"], result["decoded_shape"] = list(latent.shape), list(video.shape)
     del vae, clip, latent, video
     memory.reset()
@@ -326,8 +332,7 @@ def section_attention(sizes, device, clock, memory, state) -> dict:
             continue
         kernel = _sdpa_flash_only(device) if label == "flash SDPA" else nullcontext()
 
-        def call():
-            return window_attention(*qkv, segments, backend=backend, score_mod=score_mod)
+        call = partial(window_attention, *qkv, segments, backend=backend, score_mod=score_mod)
         try:
             with torch.no_grad(), kernel:
                 got = call()
@@ -408,9 +413,9 @@ def section_neighborhood(sizes, device, clock, memory, state) -> dict:
             if grads:
                 entry["max_rel_err_grads"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
                                                  for a, b in zip(grads, want_grads))
-            entry["ms"] = round(clock.median_ms(lambda: run(kernels[name], dtype, rpb), warmup=1,
+            entry["ms"] = round(clock.median_ms(partial(run, kernels[name], dtype, rpb), warmup=1,
                                                 iters=cfg["iters"]), 3)
-            entry["tiled_ms"] = round(clock.median_ms(lambda: run(tiled, dtype, rpb), warmup=1,
+            entry["tiled_ms"] = round(clock.median_ms(partial(run, tiled, dtype, rpb), warmup=1,
                                                       iters=cfg["iters"]), 3)
         except Exception as error:
             entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -472,9 +477,8 @@ def markdown(report: dict) -> str:
                   f"tokens; {'forward + backward' if nbh['backward'] else 'forward only'}, vs the float32 tiled path",
                   "", "| run | ms | tiled ms | max err out | max rel err grads | |", "|---|---:|---:|---:|---:|---|"]
         for label, e in nbh["runs"].items():
-            err = lambda key: "" if key not in e else format(e[key], ".2e")  # noqa: E731
-            lines.append(f"| {label} | {e.get('ms', '')} | {e.get('tiled_ms', '')} | {err('max_err_out')} | "
-                         f"{err('max_rel_err_grads')} | {e.get('unavailable') or e.get('error', '')} |")
+            lines.append(f"| {label} | {e.get('ms', '')} | {e.get('tiled_ms', '')} | {_sci(e, 'max_err_out')} | "
+                         f"{_sci(e, 'max_rel_err_grads')} | {e.get('unavailable') or e.get('error', '')} |")
         lines.append("")
     for name, body in report["sections"].items():
         if "error" in body or "skipped" in body:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,6 +45,11 @@ def _qkv(segments, text_len, heads, head_dim, dtype, device, seed=0):
     def draw(rows):
         return torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype)
     return [draw(segments.total_vid) for _ in range(3)] + [draw(text_len) for _ in range(3)]
+
+
+def _attend_all(per_layout, layouts, backend: str) -> list:
+    """Window attention of every layout's inputs with ``backend`` (one timed unit)."""
+    return [window_attention(*x, s, backend=backend) for x, s in zip(per_layout, layouts, strict=True)]
 
 
 def main(argv=None) -> int:
@@ -99,8 +105,7 @@ def main(argv=None) -> int:
         err = max((g.float() - w_).abs().max().item() for g, w_ in zip(got, want))
         per_layout = [_qkv(s, text_len, heads, head_dim, dtype, device, seed=1) for s in layouts]
         with torch.no_grad():
-            ms = timed(lambda: [window_attention(*x, s, backend=backend) for x, s in zip(per_layout, layouts)],
-                       warmup=2, iters=iters)
+            ms = timed(partial(_attend_all, per_layout, layouts, backend), warmup=2, iters=iters)
         tflops = sum(_attention_flops(s, heads, head_dim) for s in layouts) / (ms * 1e-3) / 1e12
         model.build_runtime(winsp.DiffusionParallelConfig(attention_backend=backend))
         with torch.no_grad():

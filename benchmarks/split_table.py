@@ -5,12 +5,12 @@ Run from the repository root: ``python benchmarks/split_table.py`` (a few second
 post-patch grids (``1 + (frames - 1) / 4`` latent frames, 16x spatial downsampling).
 
 1. Balance: per case and P, whether each layout splits windows, and the largest rank's rows and attention pairs
-   against a perfect split (:attr:`winsp.planning.Plan.row_imbalance`, :attr:`~winsp.planning.Plan.attention_imbalance`; ``imbalance``
-   is the worse) of the default (``"auto"``) against whole windows (LPT); rows moved per layer also for the
-   ``"heads"`` plan (head parallelism with split windows: its exchanges plus the transitions between layouts).
+   against a perfect split (:attr:`winsp.planning.Plan.row_imbalance`, :attr:`~winsp.planning.Plan.attention_imbalance`;
+   ``imbalance`` is the worse) of the default (``"auto"``) against whole windows (LPT); rows moved per layer also for
+   the ``"heads"`` plan (head parallelism with split windows: its exchanges plus the transitions between layouts).
 2. Bytes per layer, in rows of the hidden state summed over ranks: the transition into the layer's layout (rows that
-   change rank) plus its in-window exchanges (:func:`winsp.planning.balance.exchange_rows`), averaged over the two layouts,
-   against Ulysses' four all-to-alls (``4 N (P - 1) / P``). Bytes are these rows times ``D x 2`` (bf16).
+   change rank) plus its in-window exchanges (:func:`winsp.planning.balance.exchange_rows`), averaged over the two
+   layouts, against Ulysses' four all-to-alls (``4 N (P - 1) / P``). Bytes are these rows times ``D x 2`` (bf16).
 3. Planning time of a 32-layer schedule on a cache miss (median of 5).
 4. GPU predictions (not measurements) of one layer from :mod:`benchmarks.cost_model`'s constants: Ulysses, the
    ``"heads"`` plan, whole windows (LPT) and the default.

@@ -19,7 +19,7 @@ import winsp
 def _cuts(size: int, window: int, shift: int) -> list[tuple[int, int]]:
     """Window boundaries along one axis: the first cut at ``shift`` (or ``window``), then every ``window``."""
     starts = [0] + list(range(shift or window, size, window))
-    return [(a, min(b, size)) for a, b in zip(starts, starts[1:] + [size]) if b > a]
+    return [(a, min(b, size)) for a, b in zip(starts, starts[1:] + [size], strict=True) if b > a]
 
 
 class BiasedBlock(nn.Module):
@@ -39,7 +39,7 @@ class BiasedBlock(nn.Module):
         return sh * sw, sw, 1
 
     def center(self) -> int:
-        return sum((k - 1) * s for k, s in zip(self.window, self.strides()))
+        return sum((k - 1) * s for k, s in zip(self.window, self.strides(), strict=True))
 
     def split(self, x: torch.Tensor):
         return x.unflatten(-1, (3, self.heads, -1)).unbind(-3)
@@ -66,10 +66,10 @@ class PlainBiasedWindows(nn.Module):
         out_vid, out_txt = torch.zeros_like(vid), torch.zeros_like(txt)
         x_vid, x_txt = block.norm(vid), block.norm(txt)
         row, trow = 0, 0
-        for (t, h, w), n_txt in zip(grids, text_lengths):
+        for (t, h, w), n_txt in zip(grids, text_lengths, strict=True):
             ids = torch.arange(t * h * w).view(t, h, w)
             coords = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), -1)
-            cuts = [_cuts(n, k, s) for n, k, s in zip((t, h, w), self.window, self.shift(block.layer))]
+            cuts = [_cuts(n, k, s) for n, k, s in zip((t, h, w), self.window, self.shift(block.layer), strict=True)]
             windows = [(a, b, c) for c in cuts[2] for b in cuts[1] for a in cuts[0]]
             for (t0, t1), (h0, h1), (w0, w1) in windows:
                 mine = row + ids[t0:t1, h0:h1, w0:w1].reshape(-1)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from functools import partial
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -221,7 +223,7 @@ def test_gradients_match_reference(name):
     want = grads(lambda: reference_window_attention(*inputs, segments))
     assert any(g.abs().max() > 1e-3 for g in want)
     for backend in runnable_backends(segments):
-        got = grads(lambda: window_attention(*inputs, segments, backend=backend))
+        got = grads(partial(window_attention, *inputs, segments, backend=backend))
         for g, w in zip(got, want):
             assert_close(g, w, 1e-10)
 
@@ -335,9 +337,9 @@ def test_cu_seqlens_int32_overflow_check_without_allocating():
     huge = WindowSegments(vid_counts=(2**30, 2**30), txt_lengths=(1, 0), txt_starts=(0, 0))
     assert huge.max_seqlen == 2**30 + 1  # plain Python arithmetic still works
     with pytest.raises(ValueError, match="int32"):
-        huge.cu_seqlens
+        _ = huge.cu_seqlens
     with pytest.raises(ValueError, match="int32"):
-        huge.packed_cu_seqlens
+        _ = huge.packed_cu_seqlens
 
 
 # --------------------------------------------------------------------------- input validation
@@ -401,12 +403,12 @@ def fake_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
     assert isinstance(max_q, int) and max_q == max_k
     scale = kwargs.get("softmax_scale", kwargs.get("scale"))
     cu = cu_q.tolist()
-    assert cu[-1] == q.shape[0] and max(b - a for a, b in zip(cu, cu[1:])) == max_q
+    assert cu[-1] == q.shape[0] and max(b - a for a, b in pairwise(cu)) == max_q
     outs = [
         F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=scale
         ).transpose(0, 1)
-        for a, b in zip(cu, cu[1:])
+        for a, b in pairwise(cu)
     ]
     return torch.cat(outs)
 

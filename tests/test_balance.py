@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -157,7 +158,7 @@ def test_mixed_placement_gives_each_rank_one_piece_per_window(counts, p):
         version = 1
 
         def slices(self, g):
-            return [(slice(0, 1), slice(0, 1), slice(int(a), int(b))) for a, b in zip(cuts, cuts[1:])]
+            return [(slice(0, 1), slice(0, 1), slice(int(a), int(b))) for a, b in pairwise(cuts)]
 
     lay = build_layout([grid], Runs())
     plan = winsp.planning.Plan(lay, p, rank_pieces=mixed_placement(lay, p))  # refuses two pieces of a window on one rank

@@ -441,6 +441,6 @@ def test_gguf_shapes_land_on_the_released_manifest(tmp_path, model):
     write_gguf(path, small, lambda k, v: "Q8_0" if v.dim() == 2 and v.shape[-1] % 32 == 0 else "F16")
     stored = {t.name: t.shape.tolist() for t in gguf.GGUFReader(str(path)).tensors}
     read = read_checkpoint_file(path)
-    for key, value in small.items():
+    for key in small:
         assert stored[key] == list(reversed(manifest[key])), key
         assert tuple(read[key].shape) == tuple(manifest[key]), key

@@ -6,7 +6,8 @@ The model below is written without winsp (as a diffusion transformer of this kin
 conditioning per row with ``request.sample_rows`` and the positions with ``request.grid_rows``, and is checked
 against it in outputs and every gradient (float64, 2 and 3 ranks). Also the messages a new user meets on the way:
 an unswapped adaLN norm (named, with the fix), a 2D model given one int as its neighbourhood kernel, activation
-checkpointing inside the region (exact where a module is recomputed, refused by its cause where not), and the shifted windows of a model that rolls its grid forward.
+checkpointing inside the region (exact where a module is recomputed, refused by its cause where not), and the shifted
+windows of a model that rolls its grid forward.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Functional dropout inside a ``winsp.parallelize`` region: a block that calls ``F.dropout`` itself (no module to swap).
+"""Functional dropout inside a ``winsp.parallelize`` region: a block that calls ``F.dropout`` itself (no module to
+swap).
 
 The model below is written without winsp: 2 x 2 window attention blocks on channels-last ``[B, H, W, C]``, whose MLP
 calls ``F.dropout`` on the hidden tokens, then an ``nn.Dropout``, and a gate drawn per sample by ``F.dropout`` of a

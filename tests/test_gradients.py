@@ -1,10 +1,10 @@
 """Training gradients under window SP equal one rank's, whatever a parameter feeds (float64, SP = 2, 3, 4).
 
 winsp's convention: every rank computes the same loss, each rank's copy of a replicated value is its own contribution,
-and ``winsp.sync_gradients`` averages the gradients over the SP group. Covered here on the SeedVR2 DiT in train() mode: blocks before ``mm_layers``
-keep separate video/text weights, later blocks share one set between the streams, the timestep embedding modulates
-both streams, and the inputs ``vid`` and ``txt`` get gradients too. (The toy model's version of the same check, with
-video-only, text-only and shared weights, is in test_parallel_core.py.)
+and ``winsp.sync_gradients`` averages the gradients over the SP group. Covered here on the SeedVR2 DiT in train() mode:
+blocks before ``mm_layers`` keep separate video/text weights, later blocks share one set between the streams, the
+timestep embedding modulates both streams, and the inputs ``vid`` and ``txt`` get gradients too. (The toy model's
+version of the same check, with video-only, text-only and shared weights, is in test_parallel_core.py.)
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ moves only rows whose output lives elsewhere, and relabelling a stage's ranks ke
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ SEEDVR2 = [REG, SHIFT] * 4  # the 3B alternation, shortened (the placement only 
 
 def _moved(plans) -> int:
     """Rows that change rank over all transitions of a schedule's plans (read off the real count matrices)."""
-    return sum(Transition(a, b).rows_moved for a, b in zip(plans, plans[1:]) if a is not b)
+    return sum(Transition(a, b).rows_moved for a, b in pairwise(plans) if a is not b)
 
 
 def _balance_limit(plan_locality: Plan, plan_lpt: Plan) -> float:

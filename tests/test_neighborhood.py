@@ -10,6 +10,7 @@ its one-rank run in outputs and every gradient, on grids that do and do not divi
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -304,7 +305,7 @@ def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):
     results = run_ranks(_model_rank, world_size, names, timeout=240)
     for name in names:
         ref_out, ref_txt, ref_grads = _one_rank(name)
-        for rank, by_name in enumerate(results):
+        for by_name in results:
             out, txt_out, grads, rows, inferred = by_name[name]
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(txt_out, ref_txt, rtol=1e-12, atol=1e-12)
@@ -426,4 +427,4 @@ def test_query_tiles_put_the_longer_tiles_where_they_cost_fewer_pairs():
     for n, k, d, box in [(32, 7, 1, slice(0, 32)), (20, 3, 2, slice(3, 17)), (9, 3, 1, slice(0, 9))]:
         tiles = _axis_tiles(n, k, d, False, box)
         assert tiles[0][0] == box.start and tiles[-1][1] == box.stop
-        assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:])) and max(hi - lo for lo, hi in tiles) <= k * d
+        assert all(a[1] == b[0] for a, b in pairwise(tiles)) and max(hi - lo for lo, hi in tiles) <= k * d

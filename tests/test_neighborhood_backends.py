@@ -42,6 +42,11 @@ CASES = {
 }
 
 
+
+def _even_columns_or_self(halo):
+    """A mask_mod on key coordinates: keys in even columns, and the query's own row."""
+    return lambda h, q, k: (halo.key_coords[k][..., 2] % 2 == 0) | (k == q)
+
 def _inputs(name, dtype=torch.float32, seed=0):
     grids, text_lengths, _ = CASES[name]
     g = torch.Generator().manual_seed(seed)
@@ -111,7 +116,7 @@ def test_flex_equals_the_tiled_path_in_float64_with_score_and_mask_mods():
         halo = halo_tensors(req, 0)
         rpb = neighborhood_rpb_score_mod(_table(geom, dtype=torch.float64), halo, geom)
         # a mask_mod on key coordinates: drop keys in odd columns except the query's own
-        mask = lambda h, q, k: (halo.key_coords[k][..., 2] % 2 == 0) | (k == q)  # noqa: E731
+        mask = _even_columns_or_self(halo)
         with torch.no_grad():
             out, _ = req.attention(*(req.scatter(x) for x in inputs[:3]), *inputs[3:], layer=0, score_mod=rpb,
                                    mask_mod=mask)

@@ -1,5 +1,7 @@
 """DiffusionParallelConfig validation and WindowRuntime construction / reporting."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,6 +29,20 @@ def test_head_sharded_options_are_refused_with_the_reason(kwargs, option):
 def test_degree_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match="ulysses_degree"):
         winsp.DiffusionParallelConfig(ulysses_degree=bad)
+
+
+def test_sp_degree_is_the_plain_name_of_ulysses_degree():
+    by_plain = winsp.DiffusionParallelConfig(sp_degree=4)
+    assert by_plain.ulysses_degree == by_plain.sp_degree == 4
+    assert by_plain == winsp.DiffusionParallelConfig(ulysses_degree=4)
+    assert winsp.DiffusionParallelConfig(4, sp_degree=4).sp_degree == 4  # both, agreeing
+    assert winsp.DiffusionParallelConfig().sp_degree == 1
+    with pytest.raises(ValueError, match="sp_degree=2 and ulysses_degree=3 disagree"):
+        winsp.DiffusionParallelConfig(ulysses_degree=3, sp_degree=2)
+    with pytest.raises(ValueError, match="sp_degree must be a positive integer"):
+        winsp.DiffusionParallelConfig(sp_degree=0)
+    assert dataclasses.replace(by_plain, ulysses_degree=2).sp_degree == 2
+    assert dataclasses.replace(by_plain, planner="lpt").sp_degree == 4
 
 
 def test_no_head_count_divisibility_anywhere():

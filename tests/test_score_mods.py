@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-import winsp
 from tests.test_attention import STRUCTURES, make_inputs, structure
 from winsp.attention.backends import explain_backend
 from winsp.attention.windows import reference_window_attention, window_attention
@@ -143,7 +142,8 @@ def test_sdpa_backends_match_the_dense_oracle_forward_and_backward(kind, name):
     ref = run(lambda x: reference_window_attention(*x, segments, score_mod=score_mod, mask_mod=mask_mod))
     for backend in backends + ["reference"]:
         got = ref if backend == "reference" else run(
-            lambda x: window_attention(*x, segments, backend=backend, score_mod=score_mod, mask_mod=mask_mod))
+            lambda x, backend=backend: window_attention(*x, segments, backend=backend, score_mod=score_mod,
+                                                        mask_mod=mask_mod))
         for g, w in zip(got[:2], want[:2]):
             assert g.shape == w.shape and _err(g, w) <= TOL, backend
         for g, w in zip(got[2], want[2]):

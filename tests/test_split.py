@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -74,9 +75,9 @@ def test_bad_pieces_are_refused(pieces, match):
 
 def test_head_bounds_tile_the_heads_in_proportion():
     for rows, heads, cuts in [(10, 4, [0, 3, 10]), (7, 3, [0, 1, 2, 7]), (5, 8, [0, 5])]:
-        spans = [head_bounds(a, b, rows, heads) for a, b in zip(cuts, cuts[1:])]
+        spans = [head_bounds(a, b, rows, heads) for a, b in pairwise(cuts)]
         assert spans[0][0] == 0 and spans[-1][1] == heads
-        assert all(x[1] == y[0] and x[0] <= x[1] for x, y in zip(spans, spans[1:]))
+        assert all(x[1] == y[0] and x[0] <= x[1] for x, y in pairwise(spans))
         for (h0, h1), a, b in zip(spans, cuts, cuts[1:]):
             assert abs((h1 - h0) - heads * (b - a) / rows) <= 1
 
@@ -125,7 +126,7 @@ def _forward(runtime, grids, text_lengths, x, txt, w, layers=(0, 1, 0)):
     req = runtime.request(grids=grids, text_lengths=text_lengths, dtype=torch.float64)
     h = req.scatter(x, layers[0])
     shape = (-1, HEADS, HEAD_DIM)
-    for i, layer in enumerate(layers):
+    for layer in layers:
         h = req.to_layer(h, layer)
         q, k, v = (torch.tanh(h @ w[j]).view(shape) for j in range(3))
         qt, kt, vt = (torch.tanh(txt @ w[j]).view(shape) for j in range(3))
@@ -167,7 +168,7 @@ def test_split_windows_equal_one_rank(world_size, planner, batch):
     ref_out, ref_txt = _forward(winsp.WindowRuntime(_schedule(batch)), grids, text_lengths, x, txt, w)
     ref_out.square().sum().backward()
     results = run_ranks(_rank_main, world_size, planner, batch, timeout=120)
-    for rank, (out, txt_out, grad_w, split) in enumerate(results):
+    for out, txt_out, grad_w, split in results:
         assert any(split), split
         torch.testing.assert_close(out, ref_out.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(txt_out, ref_txt.detach(), rtol=1e-12, atol=1e-12)

@@ -6,7 +6,8 @@
   roll + mask (its own ``_compute_attention_mask_3d``).
 - Otherwise padding decides: with ``pad=True`` the windows lie on the padded grid and winsp's attention (padding rows
   zeroed before qkv) equals torchvision's; clipping instead (``pad=False``) drops the padded keys and differs.
-- :func:`winsp.geometry.swin.window_raster` is the raster position torchvision indexes its bias with, clamped axes included.
+- :func:`winsp.geometry.swin.window_raster` is the raster position torchvision indexes its bias with, clamped axes
+  included.
 """
 
 from __future__ import annotations

@@ -14,8 +14,11 @@ from examples.seedvr2.vae.wavefront import (
     VAESplit,
     WaveStats,
     choose_split,
+    clip_splits,
     decode_wavefront,
+    describe_splits,
     encode_wavefront,
+    split_cost,
     split_for_clip,
 )
 from tests.helpers import random_video, tiny_vae
@@ -157,15 +160,46 @@ def test_wavefront_refuses_a_split_that_does_not_fit():
 
 def test_choose_split_balances_chunks_against_bands():
     eight = [5] + [4] * 7  # a 33-frame clip in chunks of 4
-    assert choose_split(2, eight, 16) == VAESplit(2, 1)  # 17 / 16 frames: time wins (no per-layer collectives)
+    # 17 / 33 frames on the busiest time rank plus the measured fill lose to even bands plus their halos
+    assert choose_split(2, eight, 16) == VAESplit(1, 2)
+    assert choose_split(2, eight, 3) == VAESplit(2, 1)  # 3 rows split 2 / 1: time wins
     assert choose_split(2, [5, 4, 4, 4, 4], 16) == VAESplit(1, 2)  # 13 / 8 frames: the height splits evenly
     assert choose_split(4, eight, 16).size == 4
     assert choose_split(3, [5], 1) == VAESplit(3, 1)  # nothing to split: no height without rows
     assert choose_split(4, [5], 16) == VAESplit(1, 4)  # one chunk: height only
     with pytest.raises(ValueError, match="world must be >= 1"):
         choose_split(0, eight, 16)
-    assert split_for_clip(2, 33, 16) == VAESplit(2, 1)
+    assert split_for_clip(2, 33, 16) == VAESplit(1, 2)
     assert split_for_clip(1, 33, 16) == VAESplit(1, 1)
+
+
+def test_split_cost_follows_the_fitted_constants():
+    eight = [5] + [4] * 7
+    # no overheads: the ideal shares; the constants add per extra rank of each kind
+    assert split_cost(VAESplit(2, 1), eight, 16, height_comm=0, time_comm=0) == pytest.approx(17 / 33)
+    assert split_cost(VAESplit(1, 2), eight, 15, height_comm=0, time_comm=0) == pytest.approx(8 / 15)
+    assert split_cost(VAESplit(2, 2), eight, 16, height_comm=0.1, time_comm=0.2) == pytest.approx(17 / 66 + 0.3)
+    # with no cost for time ranks a long clip goes to time ranks, with no cost for bands to bands
+    assert choose_split(2, eight, 16, height_comm=0.05, time_comm=0.0) == VAESplit(2, 1)
+    assert choose_split(2, eight, 16, height_comm=0.0, time_comm=0.05) == VAESplit(1, 2)
+
+
+@pytest.mark.parametrize("frames, rows, world, expected", [
+    (1, 90, 2, "height bands x2"),  # an image: one chunk
+    (9, 90, 2, "height bands x2"),  # 720p x 9 frames (3 latent chunks): the case
+    (21, 30, 2, "height bands x2"),  # 320x240, one batch of 21 frames
+    (41, 3, 2, "time x2"),  # a long clip of 3 latent rows: bands of 2 and 1 rows
+    (121, 90, 4, "time x height 2x2"),
+])
+def test_clip_splits_short_long_and_images(frames, rows, world, expected):
+    assert describe_splits(*clip_splits(world, frames, rows)) == expected
+
+
+def test_decode_is_weighed_by_the_frames_it_outputs():
+    # 5 latent frames decode to 1 + 4 x 4 = 17 frames; time ranks get 1 + 4 + 4 and 4 + 4: not 3 / 5 of the work
+    encode, decode = clip_splits(2, 17, 3, temporal_chunk=4)
+    assert decode == choose_split(2, [1, 4, 4, 4, 4], 3)
+    assert describe_splits(VAESplit(1, 2), VAESplit(2, 1)) == "encode height bands x2, decode time x2"
 
 
 def test_split_validation():
@@ -177,7 +211,8 @@ def test_split_validation():
 def test_memory_area_follows_the_chosen_split():
     from examples.seedvr2.pipeline import vae_work_area
 
-    # 33 frames on 2 ranks: time 2 x height 1, a rank works on whole frames; 21 frames: the height is split
-    assert vae_work_area(128, 96, "wavefront", 2, frames=33) == 128 * 96
+    # 41 frames of 3 latent rows on 2 ranks: time 2 x height 1, a rank works on whole frames; 21 frames of 16 rows:
+    # the height is split
+    assert vae_work_area(24, 96, "wavefront", 2, frames=41) == 24 * 96
     assert vae_work_area(128, 96, "wavefront", 2, frames=21) == vae_work_area(128, 96, "height", 2)
     assert vae_work_area(128, 96, "wavefront", 1, frames=33) == 128 * 96

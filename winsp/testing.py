@@ -13,7 +13,8 @@ import math
 import os
 import pickle
 import queue as queue_mod
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,26 +24,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "RankError", "check_parallel", "ParallelReport", "Discrepancy", "DEFAULT_TOLERANCES"]
+__all__ = ["run_ranks", "RankError", "check_parallel", "ParallelCheckError", "ParallelReport", "Discrepancy",
+           "DEFAULT_TOLERANCES"]
 
 
 class RankError(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ParallelCheckError(AssertionError):
+    """:func:`check_parallel` found a difference; ``report`` is the full :class:`ParallelReport`."""
+
+    def __init__(self, message: str, report: "ParallelReport") -> None:
+        super().__init__(message)
+        self.report = report
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, out) -> None:
+def _rank_main(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple, kwargs: dict, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -69,9 +71,12 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    # Rendezvous through a file of our own, not a TCP port: a "free" port can be taken by another process between
+    # choosing it and binding it, which failed tests when several suites ran at once.
+    store_dir = tempfile.mkdtemp(prefix="winsp-ranks-")
+    init_method = "file://" + os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, kwargs, out), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, world_size, init_method, fn, args, kwargs, out), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -115,6 +120,7 @@ def run_ranks(
                 p.kill()
         for p in procs:
             p.join(timeout=5)
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 # ---- comparing a parallelised model with the original ------------------------------------------------------------
@@ -304,7 +310,7 @@ def check_parallel(
             weights on every call: ``torch.manual_seed(seed)`` runs before each call.
         make_parallel: ``make_parallel(original, world_size)`` turns a freshly built original into the parallel
             model: return a new module (e.g. your winsp model with ``load_state_dict(original.state_dict())`` and
-            ``build_runtime(DiffusionParallelConfig(ulysses_degree=world_size))``), or change ``original`` in place and
+            ``build_runtime(DiffusionParallelConfig(sp_degree=world_size))``), or change ``original`` in place and
             return None or it (``winsp.parallelize``). Its parameter names must be the original's (a wrapper's prefix
             such as ``module.`` is dropped when matching).
         make_inputs: the forward's inputs, a tuple of positional arguments (or a dict of keyword arguments, or one
@@ -387,7 +393,5 @@ def check_parallel(
         head = (f"{worst.kind} {worst.name} differs from the original by {worst.error:.3g} (tolerance "
                 f"{worst.tolerance:.3g}, max |original| {worst.scale:.3g}) at world size {worst.world_size}, rank "
                 f"{worst.rank}" if worst else report.problems[0])
-        error = AssertionError(f"check_parallel: {head}\n{report}")
-        error.report = report
-        raise error
+        raise ParallelCheckError(f"check_parallel: {head}\n{report}", report)
     return report

@@ -38,7 +38,7 @@ class WindowAttention(nn.Module):
         b, t, h, w, c = x.shape
         mask = None
         if self.window is not None:
-            ids = [_window_ids(n, k, s) for n, k, s in zip((t, h, w), self.window, self.shift)]
+            ids = [_window_ids(n, k, s) for n, k, s in zip((t, h, w), self.window, self.shift, strict=True)]
             win = ((ids[0][:, None, None] * h + ids[1][None, :, None]) * w + ids[2][None, None, :]).reshape(-1)
             mask = (win[:, None] == win[None, :]).to(x.device)
         q, k, v = self.qkv(x.reshape(b, -1, c)).reshape(b, -1, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
@@ -107,20 +107,21 @@ class Hourglass(nn.Module):
     def __init__(self, dims=(8, 12, 16), heads=(2, 3, 2), window=(2, 3, 3), shift=(1, 1, 1),
                  dropout: float = 0.1) -> None:
         super().__init__()
-        self.down = nn.ModuleList([Level(d, n, window, shift, dropout) for d, n in zip(dims[:2], heads[:2])])
-        self.up = nn.ModuleList([Level(d, n, window, shift, dropout) for d, n in zip(dims[:2], heads[:2])])
+        levels = list(zip(dims[:2], heads[:2], strict=True))
+        self.down = nn.ModuleList([Level(d, n, window, shift, dropout) for d, n in levels])
+        self.up = nn.ModuleList([Level(d, n, window, shift, dropout) for d, n in levels])
         self.merges = nn.ModuleList([Merge(dims[0], dims[1]), Merge(dims[1], dims[2])])
         self.splits = nn.ModuleList([Split(dims[1], dims[0]), Split(dims[2], dims[1])])
         self.mid = Block(dims[2], heads[2], None, dropout=dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skips = []
-        for level, merge in zip(self.down, self.merges):
+        for level, merge in zip(self.down, self.merges, strict=True):
             x = level(x)
             skips.append(x)
             x = merge(x)
         x = self.mid(x)
-        for level, split, skip in reversed(list(zip(self.up, self.splits, skips))):
+        for level, split, skip in reversed(list(zip(self.up, self.splits, skips, strict=True))):
             x = level(split(x, skip) + skip)
         return x
 

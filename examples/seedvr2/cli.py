@@ -634,10 +634,13 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
 
     from winsp.comm.temporal import build_temporal_mesh, ordered_results
 
+    from . import stage_clock
     from .media import MediaWriter, iter_frames
     from .memory_fit import tile_overlap
     from .memory_limits import usable_memory
+    from .overlap import background_worker, prefetch
     from .pipeline import SeedVR2Pipeline
+    from .stage_clock import timed_iter
     from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
 
     # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
@@ -686,6 +689,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
 
     progress.start("restore")
     started = time.perf_counter()
+    if stage_clock.active() is not None:
+        stage_clock.active().mark("restore started")
     needed = np.zeros(info.num_frames, dtype=bool)  # frames of the batches this rank's group restores
     for batch in plan:
         if mesh.owns(batch.index):
@@ -694,18 +699,24 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         None if frame is None else frames_to_model(frame[None], geometry)[:, 0]
         for _, frame, _ in iter_frames(info, keep=lambda i: bool(needed[i]))
     )
-    batches = temporal_batches(model_frames, settings.batch_frames, settings.overlap)
+    # the next batch's frames are decoded on a thread while this one is restored (see .overlap)
+    batches = iter(prefetch(temporal_batches(timed_iter(model_frames, "read"), settings.batch_frames,
+                                             settings.overlap)))
     computed = []
 
-    def compute(index: int) -> torch.Tensor:
+    def next_batch(index: int):
         for batch, clip in batches:  # skip the batches other groups restore (their frames were not converted)
             if batch.index == index:
-                break
-        else:
-            raise RuntimeError(f"the input ended before temporal batch {index} of {len(plan)}")
-        restored = pipe.restore_batch(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix)
+                return batch, clip
+        raise RuntimeError(f"the input ended before temporal batch {index} of {len(plan)}")
+
+    def compute(index: int) -> torch.Tensor:
+        with stage_clock.stage("input wait"):
+            batch, clip = next_batch(index)
         computed.append(batch.num_frames)
-        return torch.from_numpy(model_to_frames(restored.cpu(), geometry))
+        # the colour fix and the conversion to 8-bit frames are shared by the group's ranks (see the pipeline)
+        return pipe.restore_batch_frames(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix,
+                                         lambda v: torch.from_numpy(model_to_frames(v.cpu(), geometry)))
 
     results = ordered_results(mesh, len(plan), compute)
     if mesh.is_writer:
@@ -713,10 +724,25 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
                          audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf) as writer:
             blender = TemporalBlender()
-            for index, frames in results:
-                for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
-                    writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+
+            def write_batch(item: tuple[int, torch.Tensor]) -> None:
+                index, frames = item
+                with stage_clock.stage("write"):
+                    for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
+                        writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
                 progress.frames(writer.frames_written, info.num_frames)
+
+            # finished batches are cross-faded and encoded on a thread while the next one is restored
+            write = background_worker(write_batch)
+            try:
+                for item in results:
+                    with stage_clock.stage("writer wait"):
+                        write.submit(item)
+            except BaseException:
+                write.abandon()  # the thread must not write on while the partial output is removed
+                raise
+            with stage_clock.stage("writer wait"):
+                write.close()
             for frame in blender.finish():
                 writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
             progress.frames(writer.frames_written, info.num_frames)
@@ -726,6 +752,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         for _ in results:
             pass
     seconds_restore = time.perf_counter() - started
+    if stage_clock.active() is not None:
+        stage_clock.active().mark("restore finished")
     peak, peak_kind = _peak_memory(launch.device)
     figures = _per_rank_figures([peak, float(sum(computed)), seconds_restore], launch.device)
     progress.done()
@@ -796,8 +824,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     one-line note), so no rank waits on a failed one. SIGTERM / SIGINT stop the process at once (see
     :mod:`.stop_signals`).
     """
+    from . import stage_clock
     from .stop_signals import StopOnSignals
 
+    if os.environ.get(stage_clock.PROFILE_ENV):
+        stage_clock.enable(comm=True).mark("main entered")
     args = build_parser().parse_args(argv)
     with StopOnSignals(_stop_message(int(os.environ.get("RANK", "0")))):
         return _main(args)
@@ -831,6 +862,19 @@ def _main(args: argparse.Namespace) -> int:
         raise
     finally:
         launch.close(failed=failed)
+        _write_profile(launch.rank, progress.seconds)
     if launch.rank == 0:
         print(summary, file=sys.stderr)
     return 0
+
+
+def _write_profile(rank: int, cli_stages: dict) -> None:
+    """With ``SEEDVR2_PROFILE=DIR``: this rank's stage figures (and the CLI's own ``cli_stages`` seconds) to
+    ``DIR/rank<N>.json`` (see :mod:`.stage_clock`)."""
+    from . import stage_clock
+
+    directory = os.environ.get(stage_clock.PROFILE_ENV)
+    if directory and stage_clock.active() is not None:
+        stage_clock.active().mark("main left")
+        stage_clock.write_profile(directory, rank, {"cli": dict(cli_stages)})
+        stage_clock.disable()

@@ -12,7 +12,8 @@ A one-step diffusion restorer can drift in overall colour and brightness. Each f
 * ``none``.
 
 The wavelet fix splits both images with an "a trous" wavelet pyramid (a 3x3 binomial blur applied at dilations
-1, 2, 4, 8, 16 with edge replication) and recombines the restored image's high-frequency bands with the input's coarsest low-pass band:
+1, 2, 4, 8, 16 with edge replication) and recombines the restored image's high-frequency bands with the input's coarsest
+low-pass band:
 
     fixed = restored - lowpass(restored) + lowpass(input)
 
@@ -109,8 +110,8 @@ def lab_color_fix(restored: torch.Tensor, reference: torch.Tensor, eps: float = 
     for both axes (a similarity of the chroma plane without rotation: hues relative to the mean colour are kept).
 
     ``eps`` (added to the variances, in L*a*b* units: AdaIN's 1e-5 of [0, 1] units at L*'s scale of 100) keeps a
-    flat frame flat. Values are clipped to [-1, 1] first (the sRGB curve is defined there); the result may leave [-1, 1] where the
-    transfer leaves the sRGB gamut and is clipped later like any output.
+    flat frame flat. Values are clipped to [-1, 1] first (the sRGB curve is defined there); the result may leave [-1, 1]
+    where the transfer leaves the sRGB gamut and is clipped later like any output.
     """
     dtype = _check_pair(restored, reference)
     if restored.dim() < 3 or restored.shape[-3] != 3:

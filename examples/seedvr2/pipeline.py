@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from . import stage_clock
 from .color_fix import apply_color_fix
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, TemporalBlender, clip_noise, temporal_batches
 from .vae.modes import VAE_MODES, make_vae_runner
@@ -135,10 +136,9 @@ class MemoryEstimate:
 
 # The constants below are fitted to the peak resident memory of real command-line runs on the CPU (fp32, demo
 # weights) by ``benchmarks/calibrate_memory.py`` (non-negative least squares of the relative error over 45 runs, with
-# one float32 frame copy and the DiT term fixed, then scaled by 1.10 so that no run is under-estimated by more than 10 %; the table is
-# in benchmarks/README.md). Peak RSS
-# is well above the peak of live tensors: CPU 3D convolutions unfold their input (vol2col, 27 x channels per pixel)
-# and the allocator keeps freed blocks.
+# one float32 frame copy and the DiT term fixed, then scaled by 1.10 so that no run is under-estimated by more than
+# 10 %; the table is in benchmarks/README.md). Peak RSS is well above the peak of live tensors: CPU 3D convolutions
+# unfold their input (vol2col, 27 x channels per pixel) and the allocator keeps freed blocks.
 #: VAE bytes per pixel of the area one rank's VAE works on at once (the frame, its band, or a tile), in units of the
 #: first level's channels x element size, by padded batch length (1 frame, 5 frames, 9 or more: chunks of 4 frames).
 #: The one-frame figure is not in the calibration grid (a conservative guess, 0.57 x the five-frame one).
@@ -271,6 +271,7 @@ class SeedVR2Pipeline:
         self.vae_tile_size, self.vae_tile_overlap = vae_tile_size, vae_tile_overlap
         # height sharding over one rank is the whole frame: run it as such
         mode = "replicated" if vae_parallel in ("height", "wavefront") and self.group.size == 1 else vae_parallel
+        self.vae_splits: set = set()  # the wavefront's (encode, decode) splits used so far
         self.vae_runner = make_vae_runner(
             mode, vae, group=self.group, tile_size=vae_tile_size, overlap=vae_tile_overlap
         )
@@ -324,8 +325,22 @@ class SeedVR2Pipeline:
         """One line: the DiT's execution path and how the VAE runs."""
         vae = {"replicated": "VAE replicated", "height": f"VAE height-sharded x{self.group.size}",
                "tiled": f"VAE tiled ({self.vae_tile_size}px tiles)",
-               "wavefront": f"VAE temporal wavefront x{self.group.size}"}[self.vae_parallel]
+               "wavefront": f"VAE wavefront x{self.group.size}"}[self.vae_parallel]
+        if self.vae_parallel == "wavefront" and self.vae_splits:  # what the cost model chose for the clips that ran
+            from .vae.wavefront import describe_splits
+
+            chosen = sorted({describe_splits(*splits) for splits in self.vae_splits})
+            vae += f" ({'; '.join(chosen)})"
         return f"{self.runtime.describe(self.device)}; {vae}"
+
+    def _note_vae_splits(self, frames: int, latent_rows: int) -> None:
+        """Remember the wavefront's (encode, decode) splits for a padded clip of ``frames`` frames (for describe)."""
+        if self.vae_parallel == "wavefront" and self.group.size > 1:
+            from .vae.wavefront import clip_splits
+
+            chunk = self.vae.temporal_chunk
+            self.vae_splits.add(clip_splits(self.group.size, frames, latent_rows, temporal_chunk=chunk,
+                                            temporal_factor=self.temporal_factor))
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """The ``(t', h', w', 16)`` latent (and noise) shape of a clip of this size."""
@@ -351,6 +366,7 @@ class SeedVR2Pipeline:
         """``[3, t, h, w]`` in [-1, 1] -> scaled latent ``(t', h', w', 16)`` (float32), frames padded to 4k + 1."""
         self.check_video(video)
         x = pad_to_causal_length(video, self.temporal_factor)[None].to(self.device)
+        self._note_vae_splits(x.shape[2], x.shape[3] // self.spatial_factor)
         latent = self.vae_runner.encode(x)
         return latent[0].permute(1, 2, 3, 0).float() * self.scaling_factor
 
@@ -415,11 +431,14 @@ class SeedVR2Pipeline:
         not given. ``trace`` (a dict) receives the intermediates (``latent``, ``condition``, ``dit_vid``,
         ``timestep``, ``velocity``, ``restored_latent``).
         """
-        latent = self.encode(video)
-        restored = self.denoise(latent, txt, noise=noise, generator=generator, trace=trace)
+        with stage_clock.stage("VAE encode"):
+            latent = self.encode(video)
+        with stage_clock.stage("DiT"):
+            restored = self.denoise(latent, txt, noise=noise, generator=generator, trace=trace)
         if trace is not None:
             trace.update(latent=latent, restored_latent=restored)
-        return self.decode(restored, video.shape[1])
+        with stage_clock.stage("VAE decode"):
+            return self.decode(restored, video.shape[1])
 
     # ---- long clips -------------------------------------------------------------------------------------------
     def restore_batch(
@@ -433,11 +452,49 @@ class SeedVR2Pipeline:
         f = self.spatial_factor
         noise = clip_noise(seed, start, t, (h // f, w // f), self.vae.config.latent_channels, self.temporal_factor)
         restored = self.restore(video, txt, noise=noise)
+        return self._color_fix(color_fix, restored, video)
+
+    @staticmethod
+    def _color_fix(color_fix: str | bool, restored: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
+        """``restored [3, t, h, w]`` colour-fixed towards ``video`` (frame by frame)."""
         method = ("wavelet" if color_fix else "none") if isinstance(color_fix, bool) else color_fix
-        if method != "none":
+        if method == "none":
+            return restored
+        with stage_clock.stage("colour fix"):
             reference = video.to(restored.device).transpose(0, 1)
-            restored = apply_color_fix(method, restored.transpose(0, 1), reference).transpose(0, 1)
-        return restored
+            return apply_color_fix(method, restored.transpose(0, 1), reference).transpose(0, 1)
+
+    def restore_batch_frames(
+        self, video: torch.Tensor, txt: torch.Tensor, start: int, seed: int, color_fix: str | bool,
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """:meth:`restore_batch`, then ``finish`` (e.g. the conversion to 8-bit output frames): ``[3, t', h, w]``
+        float frames -> a tensor of ``t'`` rows (frames first). Returns ``finish`` of the whole batch on every rank.
+
+        The colour fix and ``finish`` work frame by frame, so the group's ranks share them: each takes a contiguous
+        run of the batch's frames, and the finished rows (8-bit frames: a quarter of the float32 bytes) are gathered.
+        The result is the same as fixing and finishing the whole batch on one rank (each frame's arithmetic does not
+        depend on the others; tested bit for bit). ``SEEDVR2_SERIAL_IO=1`` does it all on every rank instead.
+        """
+        from winsp.comm.spatial import band_offsets, band_sizes
+
+        from .overlap import serial_io
+
+        group = self.group
+        if group.is_single or serial_io():
+            fixed = self.restore_batch(video, txt, start, seed, color_fix)
+            with stage_clock.stage("to frames"):
+                return finish(fixed)
+        restored = self.restore_batch(video, txt, start, seed, "none")
+        t = video.shape[1]
+        sizes = band_sizes(t, group.size)
+        first = band_offsets(sizes)[group.rank]
+        frames = slice(first, first + sizes[group.rank])
+        fixed = self._color_fix(color_fix, restored[:, frames], video[:, frames])
+        with stage_clock.stage("to frames"):
+            mine = finish(fixed)
+        with stage_clock.stage("frames gather"):
+            return group.all_gather_rows(mine.to(restored.device), sizes).to(mine.device)
 
     def restore_stream(
         self,

@@ -89,8 +89,9 @@ def compare_with_torchvision(rank: int, sp: int, shape=(2, 3, 4, 32, 32), train:
 
 
 class WithStages(torch.nn.Module):
-    """A swin3d returning ``(logits, stage 0 output, ..., stage 3 output)``, so that :func:`winsp.testing.check_parallel`
-    compares the intermediate features too (in the parallel model each stage's rows are gathered for it)."""
+    """A swin3d returning ``(logits, stage 0 output, ..., stage 3 output)``, so that
+    :func:`winsp.testing.check_parallel` compares the intermediate features too (in the parallel model each stage's
+    rows are gathered for it)."""
 
     def __init__(self, module: torch.nn.Module, stages: tuple[str, ...] = STAGES) -> None:
         super().__init__()

@@ -26,7 +26,8 @@ _LIBRARY = None  # kept alive: a dropped Library object would remove its definit
 
 
 def import_torchvision() -> ModuleType:
-    """``torchvision``, imported as is; the two op schemas are declared and the import retried only if it failed on them.
+    """``torchvision``, imported as is; the two op schemas are declared and the import retried only if it failed on
+    them.
 
     Call it before anything that imports torchvision (transformers does); afterwards ``import torchvision`` works.
     """

@@ -71,7 +71,7 @@ def _gathered_stage_outputs(model) -> list[torch.Tensor]:
 
 
 def _loss(tensors: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
-    return sum((t * w).sum() for t, w in zip(tensors, weights))
+    return sum((t * w).sum() for t, w in zip(tensors, weights, strict=True))
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,8 +103,9 @@ def compare_with_original(rank: int, world_size: int, cases=ALL_CASES, drop_path
         torch.manual_seed(seed + 1)
         out = parallel(par_in)
         ref_tensors = [ref.last_hidden_state, ref.pooler_output, *ref.hidden_states[1:]]
-        par_tensors = [out.last_hidden_state, out.pooler_output, *(s.view_as(r) for s, r in
-                                                                    zip(stage_outputs, ref.hidden_states[1:]))]
+        # the stages the hooks saw (as many as the reference's, or fewer: stages_compared says how many)
+        compared = zip(stage_outputs, ref.hidden_states[1:], strict=False)
+        par_tensors = [out.last_hidden_state, out.pooler_output, *(s.view_as(r) for s, r in compared)]
         weights = [torch.randn_like(t) for t in ref_tensors]
         _loss(ref_tensors, weights).backward()
         _loss(par_tensors, weights).backward()
@@ -117,7 +118,8 @@ def compare_with_original(rank: int, world_size: int, cases=ALL_CASES, drop_path
         results[(size, train)] = {
             "last_hidden_state": (out.last_hidden_state - ref.last_hidden_state).abs().max().item(),
             "pooler_output": (out.pooler_output - ref.pooler_output).abs().max().item(),
-            "hidden_states": max((a - b).abs().max().item() for a, b in zip(par_tensors[2:], ref_tensors[2:])),
+            "hidden_states": max((a - b).abs().max().item()
+                                 for a, b in zip(par_tensors[2:], ref_tensors[2:], strict=False)),
             "stages_compared": len(stage_outputs),
             "parameter_grad": max(grads.values()),
             "worst_parameter": max(grads, key=grads.get),

@@ -81,7 +81,7 @@ class Hourglass:
                     raise ValueError(f"Hourglass.windows returned {type(geometry).__name__} for a layer of {path!r}; "
                                      f"it must return a WindowGeometry (winsp.FixedWindows, RolledWindows, ...)")
             split = all(isinstance(g, GlobalWindow) for g in layers)
-            return Stage(layers, split_windows=True if split else None, **grid)
+            return Stage(tuple(layers), split_windows=True if split else None, **grid)
 
         levels = len(down)
         stages = [stage(path, merge=self.factor if i else (1, 1, 1)) for i, (path, _) in enumerate(down)]

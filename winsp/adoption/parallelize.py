@@ -171,10 +171,12 @@ class ParallelPlan:
             forward), for a model known to call none on local rows; ``nn.Dropout`` modules are still refused.
     """
 
-    region: Optional[Region] = None
-    stages: Union[tuple[Stage, ...], Hourglass, None] = None
-    attention: Union[str, tuple[str, ...], None] = None
-    make_attention: Optional[Callable[[nn.Module, int], nn.Module]] = None
+    # region, stages, attention and make_attention are required (checked below); region may be left out with
+    # stages=Hourglass(...), and parallelize() fills both in before it reads them
+    region: Region = None  # type: ignore[assignment]
+    stages: tuple[Stage, ...] = None  # type: ignore[assignment]
+    attention: Union[str, tuple[str, ...]] = None  # type: ignore[assignment]
+    make_attention: Callable[[nn.Module, int], nn.Module] = None  # type: ignore[assignment]
     layer_entry: Union[str, tuple[str, ...]] = "parent"
     grid_changes: Union[str, tuple[str, ...], None] = None
     make_grid_change: Optional[Callable[[nn.Module, int], nn.Module]] = None
@@ -245,7 +247,7 @@ class _Applied:
     swapped: list = field(default_factory=list)  # (parent, name, original) in application order
     handles: list = field(default_factory=list)
     tokens: list = field(default_factory=list)  # ContextVar tokens of regions in progress
-    order: Optional[ForwardOrder] = None
+    order: ForwardOrder = field(default_factory=lambda: ForwardOrder(()))  # replaced by _apply
     dropouts: list = field(default_factory=list)  # per region call in progress: its RegionDropout (None in eval)
     depths: list = field(default_factory=list)  # per model call in progress: the region calls open when it began
     numbering: tuple = ()  # (attention paths, entry paths, {stage: grid change path}) as layers are numbered now
@@ -335,7 +337,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
                 group=None) -> nn.Module:
     """Make ``model`` window-parallel in place as ``plan`` says, on the SP group ``config`` asks for; returns it.
 
-    ``config`` None runs one rank. Under ``torch.distributed`` pass ``DiffusionParallelConfig(ulysses_degree=N)``
+    ``config`` None runs one rank. Under ``torch.distributed`` pass ``DiffusionParallelConfig(sp_degree=N)``
     (the world, or ``group=`` a subgroup of N ranks). Every rank must call the model with identical inputs; the
     region's output is complete on every rank. Gradients follow winsp's convention: call
     ``winsp.sync_gradients(model)`` after ``backward``. Whatever a forward raises inside the region, winsp leaves
@@ -387,8 +389,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     applied = _Applied(plan=plan, model=model, runtime=runtime, stated=stated)
     grid_paths = dict(zip(changing, (p for p, _ in grid_changes), strict=True))
     _apply(applied, ([p for p, _ in attention], entry_paths, grid_paths))
-    model._winsp_runtime = runtime
-    model._winsp_parallel = applied
+    # torch's stubs type Module.__setattr__ for tensors and modules only; plain attributes are set the same way
+    model._winsp_runtime = runtime  # type: ignore[assignment]
+    model._winsp_parallel = applied  # type: ignore[assignment]
     return model
 
 
@@ -407,9 +410,11 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
     try:
         for layer, path in enumerate(attention):
             _swap(model, path, plan.make_attention(model.get_submodule(path), layer), applied, "make_attention")
+        make_grid_change = plan.make_grid_change
         for stage, path in grid_paths.items():
-            _swap(model, path, plan.make_grid_change(model.get_submodule(path), stage), applied, "make_grid_change")
-        dims = getattr(plan.region.tokens, "spatial_dims", None)
+            assert make_grid_change is not None  # checked by ParallelPlan: grid changes come with make_grid_change
+            _swap(model, path, make_grid_change(model.get_submodule(path), stage), applied, "make_grid_change")
+        dims = int(getattr(plan.region.tokens, "spatial_dims", 0))  # checked by parallelize() where per_sample is set
         for path in per_sample:
             _swap(model, path, PerSampleOnRows(model.get_submodule(path), dims, path), applied, "per_sample")
         for path, factory in swaps:

@@ -33,13 +33,13 @@ class PerSampleOnRows(nn.Module):
         self.spatial_dims, self.path, self.swapped_from = spatial_dims, path, type(original).__name__
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        original = self._original
+        original: nn.Module = self.__dict__["_original"]
         original._parameters.update(self._parameters)  # a .to() / .double() after the swap reached these dicts
         original._buffers.update(self._buffers)
         original.training = self.training
         request = current_request_or_none()
         now = request._now if request is not None else None
-        if now is None or not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != now.num_rows:
+        if request is None or now is None or not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != now.num_rows:
             return original(x, *args, **kwargs)
         samples = len(request.stage_model_grids[request.stage])
 

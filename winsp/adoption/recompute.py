@@ -110,7 +110,7 @@ def replaying() -> Callable[..., Any]:
     with that request current in the layout noted now, and the region's dropout mode pushed again. For a checkpointed
     function that is not a module call (:func:`winsp.swapped` with ``checkpoint=True``)."""
     request = context.current_request_or_none()
-    state = _state(request) if request is not None else None
+    state = _state(request) if request is not None else ()
     mode = next((m for m in reversed(torch.overrides._get_current_function_mode_stack())
                  if isinstance(m, region_dropout.RegionDropout)), None)
     policy = mode.policy if mode is not None else None

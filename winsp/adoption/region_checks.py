@@ -11,8 +11,8 @@ misfit is, naming the module, instead of a symptom layers later.
 - **Element-wise dropout**: ``nn.Dropout`` on local rows would draw other numbers than the original's over its full
   tensor; an unswapped one in training mode is refused by path before it runs (swap it for
   :class:`winsp.RowDropout`, which reproduces the original's draws, or let ``ParallelPlan.dropout="rows"`` draw them).
-  Functional dropout calls are :mod:`winsp.adoption.region_dropout`'s; the hooks here keep its stack of the region modules
-  running, so a refusal names the innermost one.
+  Functional dropout calls are :mod:`winsp.adoption.region_dropout`'s; the hooks here keep its stack of the region
+  modules running, so a refusal names the innermost one.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class ForwardOrder:
 def watch_rows(model: nn.Module, paths: list[str], *, dropout: str = "refuse", modes: Optional[list] = None) -> list:
     """Hooks on the modules at ``paths`` checking local row shapes and refusing element-wise dropout modules (unless
     ``dropout="rows"``: their ``F.dropout`` call then draws the original's mask); returns the handles. ``modes``: the
-    :class:`~winsp.adoption.region_dropout.RegionDropout` of each region call in progress (None in eval), whose stack of module
-    paths the hooks keep."""
+    :class:`~winsp.adoption.region_dropout.RegionDropout` of each region call in progress (None in eval), whose stack of
+    module paths the hooks keep."""
     modes = [] if modes is None else modes
     handles = []
     for path in paths:
@@ -144,13 +144,13 @@ def _before(path: str, state: list, dropout: str, modes: list):
                 f"ParallelPlan.swaps=[({path!r}, winsp.RowDropout.like)]"
                 + (", or for every nn.Dropout of the region ParallelPlan(..., dropout='rows')"
                    if type(module) is nn.Dropout else "") + " (or run the model in eval mode)")
-        rows = request._now.num_rows
+        rows = request._current_layout().num_rows
         x = args[0] if args else None
-        takes_rows = isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == rows
+        shape = tuple(x.shape) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == rows else None
         paths = modes[-1].paths if modes and modes[-1] is not None else None
         if paths is not None:
             paths.append(path)
-        state.append((rows, tuple(x.shape) if takes_rows else None, request._slot, request.transitions_done, paths))
+        state.append((rows, shape, request._slot, request.transitions_done, paths))
         return None
 
     return hook

@@ -21,7 +21,7 @@ training runs unchanged. An eval forward pushes no mode, so inference pays nothi
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ _ELEMENTWISE = {F.dropout: ("torch.nn.functional.dropout", None), torch.dropout:
                 torch.dropout_: ("torch.dropout_", True)}
 _CHANNELS = "it drops whole channels or rescales otherwise, which has no row-wise equivalent"
 # refused on local rows: function -> (its name, why)
-_NO_ROW_WISE = {
+_NO_ROW_WISE: dict[Callable, tuple[str, str]] = {
     **{f: (f"torch.nn.functional.{f.__name__}", _CHANNELS)
        for f in (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)},
     **{f: (f"torch.{f.__name__}", _CHANNELS)
@@ -55,7 +55,7 @@ _ORDER = ("input", "p", "training", "inplace")  # the functional signatures; tor
 
 def _arguments(args: tuple, kwargs: dict) -> tuple[object, float, bool, bool]:
     """(input, p, training, inplace) of a dropout call, whichever of its signatures it used."""
-    named = dict(zip(_ORDER, args))
+    named = dict(zip(_ORDER, args, strict=False))
     named.update({("training" if k == "train" else k): v for k, v in kwargs.items()})
     return named.get("input"), float(named.get("p", 0.5)), bool(named.get("training", True)), bool(
         named.get("inplace", False))
@@ -63,7 +63,8 @@ def _arguments(args: tuple, kwargs: dict) -> tuple[object, float, bool, bool]:
 
 class RegionDropout(TorchFunctionMode):
     """Active while one region call runs a training forward; ``paths`` is the stack of region modules running now
-    (the region's start at the bottom; :func:`winsp.adoption.region_checks.watch_rows` pushes and pops the inner ones)."""
+    (the region's start at the bottom; :func:`winsp.adoption.region_checks.watch_rows` pushes and pops the inner
+    ones)."""
 
     def __init__(self, policy: str, start: str) -> None:
         super().__init__()

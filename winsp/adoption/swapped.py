@@ -1,4 +1,5 @@
-"""``winsp.swapped(fn)``: a module swap written as one function, for a :class:`~winsp.adoption.parallelize.ParallelPlan`.
+"""``winsp.swapped(fn)``: a module swap written as one function, for a
+:class:`~winsp.adoption.parallelize.ParallelPlan`.
 
 A swapped module must reuse the original's parameters (``winsp.adopt``) and usually needs to know which window layer
 (or stage) it is; most adapters then only differ in ``forward``. ``swapped(fn)`` is the factory a plan takes for
@@ -64,7 +65,7 @@ class Swapped(nn.Module):
             except AttributeError:
                 raise AttributeError(f"{type(self).__name__} (swapped from {cls.__name__}) has no attribute "
                                      f"{name!r}") from None
-            if isinstance(static, property):
+            if isinstance(static, property) and static.fget is not None:
                 return static.fget(self)
             if isinstance(static, types.FunctionType):  # a method: bound to the swapped module
                 return types.MethodType(static, self)

@@ -41,8 +41,9 @@ class ScoreMods:
         return self.score_mod is not None or self.mask_mod is not None
 
 
-def check_score_mods(score_mod: object, mask_mod: object) -> Optional[ScoreMods]:
-    """A :class:`ScoreMods` for the two arguments (None when both are None); a ValueError if one is not callable."""
+def check_score_mods(score_mod: Optional[ScoreMod], mask_mod: Optional[MaskMod]) -> Optional[ScoreMods]:
+    """A :class:`ScoreMods` for the two arguments (None when both are None); a ValueError if one is not callable
+    (the types say what a caller should pass; the check is for callers without a type checker)."""
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be a callable (score_mod(score, head, q_row, k_row) / "
@@ -56,8 +57,8 @@ def modified_scores(scores: Tensor, rows: Tensor, vid_rows: Tensor, num_vid: int
 
     ``rows`` are concat rows (``< num_vid``: a local video row; else a text row), as in
     :attr:`~winsp.attention.segments.WindowSegments.concat_index`; ``vid_rows`` the matching
-    :attr:`~winsp.attention.segments.WindowSegments.pack_vid_row`, where the functions are evaluated (text pairs are evaluated
-    at a video row of the same window, then left unmodified). Masked pairs become ``-inf``.
+    :attr:`~winsp.attention.segments.WindowSegments.pack_vid_row`, where the functions are evaluated (text pairs are
+    evaluated at a video row of the same window, then left unmodified). Masked pairs become ``-inf``.
     """
     if num_vid == 0:
         return scores

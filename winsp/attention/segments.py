@@ -8,7 +8,7 @@ copies of those indices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -62,6 +62,19 @@ class WindowSegments:
     """Text length of each window's sample (0 for a model without text)."""
     txt_starts: tuple[int, ...]
     """First row of that sample's text in the packed text tensor."""
+
+    # derived at construction by _derive_lengths (see there); not arguments, not compared
+    seq_lens: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    total_vid: int = field(init=False, repr=False, compare=False)
+    total_txt: int = field(init=False, repr=False, compare=False)
+    total_seq: int = field(init=False, repr=False, compare=False)
+    txt_extent: int = field(init=False, repr=False, compare=False)
+    max_seqlen: int = field(init=False, repr=False, compare=False)
+    groups: tuple[tuple[int, tuple[int, ...]], ...] = field(init=False, repr=False, compare=False)
+    pack_order: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    group_slices: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
+    is_uniform: bool = field(init=False, repr=False, compare=False)
+    packing_is_identity: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         vid_counts = count_tuple("WindowSegments.vid_counts", self.vid_counts)
@@ -121,14 +134,15 @@ class WindowSegments:
         one window, all with the same video count and text length: the packed sequence is ``[N, V + T]`` with the
         video a view of ``vid``) and ``packing_is_identity`` (no window text and pack order is local order).
         """
-        seq_lens = tuple(v + t for v, t in zip(self.vid_counts, self.txt_lengths))
+        seq_lens = tuple(v + t for v, t in zip(self.vid_counts, self.txt_lengths, strict=True))
         members: dict[int, list[int]] = {}
         for window, length in enumerate(seq_lens):
             if length > 0:
                 members.setdefault(length, []).append(window)
         groups = tuple((length, tuple(windows)) for length, windows in members.items())
         pack_order = tuple(w for _, windows in groups for w in windows)
-        slices, start = [], 0
+        slices: list[tuple[int, int, int]] = []
+        start = 0
         for length, windows in groups:
             slices.append((start, len(windows), length))
             start += len(windows) * length
@@ -138,7 +152,7 @@ class WindowSegments:
             total_vid=total_vid,
             total_txt=total_txt,
             total_seq=total_vid + total_txt,
-            txt_extent=max((s + n for s, n in zip(self.txt_starts, self.txt_lengths) if n > 0), default=0),
+            txt_extent=max((s + n for s, n in zip(self.txt_starts, self.txt_lengths, strict=True) if n > 0), default=0),
             max_seqlen=max(seq_lens, default=0),
             groups=groups,
             pack_order=pack_order,

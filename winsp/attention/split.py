@@ -57,10 +57,10 @@ def refuse_score_mods(plan: Plan, score_mod, mask_mod) -> None:
 class SplitAttention:
     """What one rank does for the split windows of one plan, at one head count (CPU index arrays).
 
-    Local rows are split into the rows of whole windows (``whole_rows``, what :func:`winsp.attention.windows.attend` sees) and
-    the rows of split pieces (``split_rows``, piece order); ``restore`` puts ``cat([whole, split])`` back in local
-    order. ``in_send`` picks ``(qkv, split row, head)`` rows of the stacked ``[3 * L_split * H, d]`` inputs per peer;
-    ``in_gather`` turns the received rows into ``[3, W, h]`` blocks, one per window this rank computes heads of
+    Local rows are split into the rows of whole windows (``whole_rows``, what :func:`winsp.attention.windows.attend`
+    sees) and the rows of split pieces (``split_rows``, piece order); ``restore`` puts ``cat([whole, split])`` back in
+    local order. ``in_send`` picks ``(qkv, split row, head)`` rows of the stacked ``[3 * L_split * H, d]`` inputs per
+    peer; ``in_gather`` turns the received rows into ``[3, W, h]`` blocks, one per window this rank computes heads of
     (``windows``: ``(rows W, text start, text length, first head, head count)``). ``out_send`` / ``out_gather`` do the
     same for the outputs; ``text_index`` places each block's ``[T, h]`` text output in the ``[N_txt * H]`` rows of the
     text accumulator.
@@ -89,7 +89,9 @@ class SplitAttention:
         holders = plan.window_holders
         txt_start = np.concatenate([[0], np.cumsum(text_lengths)]).astype(np.int64)
         # local rows: whole windows' and split pieces' (piece order)
-        whole_rows, split_rows, mine = [], [], {}
+        whole_rows: list[np.ndarray] = []
+        split_rows: list[np.ndarray] = []
+        mine: dict[int, tuple[int, int, int]] = {}  # window -> (first row, end row, offset among my split rows)
         row = 0
         for w, a, b in plan.rank_pieces[rank]:
             rows = np.arange(row, row + b - a, dtype=np.int64)
@@ -110,7 +112,10 @@ class SplitAttention:
         shared = [sorted(w for w in mine if any(r == q for r, _, _ in holders[w])) for q in range(p)]
 
         # ---- in: send my rows of w, heads of peer q; receive peer q's rows of w, my heads
-        send, send_sizes, recv_sizes, recv_offset = [], [], [], {}
+        send: list[np.ndarray] = []
+        send_sizes: list[int] = []
+        recv_sizes: list[int] = []
+        recv_offset: dict[tuple[int, int], int] = {}
         received = 0
         for q in range(p):
             sent = 0
@@ -118,8 +123,9 @@ class SplitAttention:
                 a, b, off = mine[w]
                 _, qa, qb = next(h for h in holders[w] if h[0] == q)
                 h0, h1 = bounds(w, qa, qb)
-                t, r, h = np.meshgrid(np.arange(3), np.arange(off, off + b - a), np.arange(h0, h1), indexing="ij")
-                send.append(((t * n_split + r) * heads + h).reshape(-1))
+                part, row_of, head_of = np.meshgrid(np.arange(3), np.arange(off, off + b - a), np.arange(h0, h1),
+                                                    indexing="ij")
+                send.append(((part * n_split + row_of) * heads + head_of).reshape(-1))
                 sent += send[-1].size
                 m0, m1 = bounds(w, a, b)
                 recv_offset[(q, w)] = received
@@ -149,7 +155,10 @@ class SplitAttention:
             out_rows += count * h_mine
 
         # ---- out: send peer q its rows of w for my heads; receive my rows of w for peer q's heads
-        out_send, out_send_sizes, out_recv_sizes, out_offset = [], [], [], {}
+        out_send: list[np.ndarray] = []
+        out_send_sizes: list[int] = []
+        out_recv_sizes: list[int] = []
+        out_offset: dict[tuple[int, int], tuple[int, int, int]] = {}
         received = 0
         for q in range(p):
             sent = 0
@@ -158,8 +167,8 @@ class SplitAttention:
                 _, qa, qb = next(h for h in holders[w] if h[0] == q)
                 m0, m1 = bounds(w, a, b)
                 if m1 > m0:
-                    r, h = np.meshgrid(np.arange(qa, qb), np.arange(m1 - m0), indexing="ij")
-                    out_send.append((block_offset[w] + r * (m1 - m0) + h).reshape(-1))
+                    out_row, out_head = np.meshgrid(np.arange(qa, qb), np.arange(m1 - m0), indexing="ij")
+                    out_send.append((block_offset[w] + out_row * (m1 - m0) + out_head).reshape(-1))
                     sent += out_send[-1].size
                 h0, h1 = bounds(w, qa, qb)
                 out_offset[(q, w)] = (received, h0, h1)
@@ -171,7 +180,7 @@ class SplitAttention:
             owner_of_head = np.empty(heads, dtype=np.int64)
             start_of_head = np.empty(heads, dtype=np.int64)
             width_of_head = np.empty(heads, dtype=np.int64)
-            for q, qa, qb in holders[w]:
+            for q, _, _ in holders[w]:
                 base, h0, h1 = out_offset[(q, w)]
                 owner_of_head[h0:h1] = base - h0
                 start_of_head[h0:h1] = h0
@@ -275,7 +284,8 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, q_txt: Tensor, k_txt: Tenso
         qkv = [torch.cat([block[i], txt[t0:t0 + t_len, h0:h0 + h]]).transpose(0, 1)
                for i, txt in enumerate((q_txt, k_txt, v_txt))]
         # 4-D: CPU SDPA takes its fused (flash) kernel only for [batch, heads, rows, d]; 3-D falls back to the math path
-        out = F.scaled_dot_product_attention(*(t[None] for t in qkv), scale=scale)[0].transpose(0, 1)  # [rows+T, h, d]
+        q4, k4, v4 = (t[None] for t in qkv)
+        out = F.scaled_dot_product_attention(q4, k4, v4, scale=scale)[0].transpose(0, 1)  # [rows+T, h, d]
         outs.append(out[:rows].reshape(-1, d))
         texts.append(out[rows:].reshape(-1, d))
     # every rank's graph reaches both exchanges (the backward runs them as collectives too), even without a block

@@ -5,9 +5,10 @@ segment made of its own video rows followed by the text of the sample it belongs
 outputs and its own copy of its sample's text outputs; averaging those copies over all windows is the runtime's job
 (:mod:`winsp.comm.text`), not this module's.
 
-:func:`window_attention` is the functional entry point (it picks a backend from :mod:`winsp.attention.backends` and builds the
-index tensors of :class:`~winsp.attention.segments.WindowSegments` on every call); :func:`attend` is what the runtime calls with
-both prepared once per request; :func:`reference_window_attention` is the per-window loop the tests use as oracle.
+:func:`window_attention` is the functional entry point (it picks a backend from :mod:`winsp.attention.backends` and
+builds the index tensors of :class:`~winsp.attention.segments.WindowSegments` on every call); :func:`attend` is what the
+runtime calls with both prepared once per request; :func:`reference_window_attention` is the per-window loop the tests
+use as oracle.
 """
 
 from __future__ import annotations
@@ -166,9 +167,9 @@ def window_attention(
     (or None / zero rows without text). Returns ``(vid_out [Lv, heads, head_dim], txt_out
     [sum(txt_lengths), heads, head_dim])`` with ``txt_out`` window-major: window 0's copy of its sample's
     text outputs, then window 1's, ... The output dtype is the input dtype. ``softmax_scale`` defaults to
-    ``head_dim ** -0.5``. ``score_mod`` / ``mask_mod`` modify the video x video scores (see :mod:`winsp.attention.score_mods`;
-    rows are indices into ``q_vid``). The backend is resolved and the indices are built on every call; a runtime
-    request does both once (see :func:`attend`).
+    ``head_dim ** -0.5``. ``score_mod`` / ``mask_mod`` modify the video x video scores (see
+    :mod:`winsp.attention.score_mods`; rows are indices into ``q_vid``). The backend is resolved and the indices are
+    built on every call; a runtime request does both once (see :func:`attend`).
     """
     txt = _check_inputs(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, segments)
     mods = check_score_mods(score_mod, mask_mod)
@@ -202,7 +203,7 @@ def reference_window_attention(
     num_vid = q_vid.shape[0]
     vid_outs, txt_outs = [], []
     vid_row = 0
-    for vid_len, txt_len, txt_start in zip(segments.vid_counts, segments.txt_lengths, segments.txt_starts):
+    for vid_len, txt_len, txt_start in zip(segments.vid_counts, segments.txt_lengths, segments.txt_starts, strict=True):
         if vid_len + txt_len == 0:
             continue
         vid_rows = slice(vid_row, vid_row + vid_len)
@@ -216,8 +217,8 @@ def reference_window_attention(
             vid = torch.arange(vid_rows.start, vid_rows.stop)
             rows = torch.cat([vid, num_vid + torch.arange(txt_rows.start, txt_rows.stop)]).to(q_vid.device)
             at = torch.cat([vid, torch.full((txt_len,), vid_rows.start if vid_len else 0)]).to(q_vid.device)
-            out = attention_with_mods(*(t.transpose(0, 1)[None] for t in (q, k, v)), rows[None], at[None], num_vid,
-                                      scale, mods)[0]
+            q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+            out = attention_with_mods(q4, k4, v4, rows[None], at[None], num_vid, scale, mods)[0]
         else:
             out = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1)
         vid_outs.append(out[:vid_len])

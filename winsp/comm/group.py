@@ -7,8 +7,8 @@ The collectives that run inside a model's forward are ``torch.library`` custom o
 ``winsp::all_to_all_rows``, ``winsp::all_gather_rows``) with static split sizes: torch.compile traces them as single
 opaque nodes, without a graph break, and autograd knows their backward. Each backward is the exact adjoint of its
 forward, with every rank's copy of a replicated value counted as that rank's own (winsp's gradient convention, see
-:mod:`winsp.runtime.gradients`): an all-reduce's backward is an all-reduce, an all-to-all's the reverse all-to-all, and an
-all-gather's a reduce-scatter.
+:mod:`winsp.runtime.gradients`): an all-reduce's backward is an all-reduce, an all-to-all's the reverse all-to-all, and
+an all-gather's a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ __all__ = ["SPGroup", "PendingRows", "init_world_from_env", "shutdown_world", "a
 def _process_group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    # the stubs type the name as GroupName, a NewType of str that older torch releases do not export
+    return _resolve_process_group(name)  # type: ignore[arg-type]
 
 
 def _all_reduce_sum_eager(x: Tensor, group) -> Tensor:

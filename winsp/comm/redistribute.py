@@ -1,5 +1,9 @@
 """Plan A redistribution: move rows between two plans with one variable-split all-to-all (or a local permutation).
 
+"Plan A" is the design's name for re-sharding the whole activation at every layout change (each rank then holds
+whole windows of the next layout), as opposed to "Plan B", exchanging only halos around fixed blocks, which
+neighborhood layers use (:mod:`winsp.planning.halo`). ``runtime.execution_path`` reports it by that name.
+
 With ``owner_src`` / ``owner_dst`` the rank of every canonical token under each plan, the count matrix
 ``C[r, d]`` is how many rows rank d needs from rank r. Rank r sends row r of C (``input_split_sizes``) and receives
 column r (``output_split_sizes``). Each peer segment is packed in the destination's local order, so the receiver puts

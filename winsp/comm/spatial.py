@@ -112,7 +112,7 @@ def halo_exchange(
         recv_splits[rank + 1] = after
     # Only the halo rows travel (rows first, as the all-to-all splits dim 0); the band itself is copied once, by
     # the concatenation, which keeps the input's layout (a convolution then reads it without another copy).
-    if n > 1 and (sum(send_splits) or sum(recv_splits)):
+    if n > 1 and (any(send_splits) or any(recv_splits)):
         send = torch.cat([p.movedim(dim, 0) for p in pieces], 0) if pieces else x.narrow(dim, 0, 0).movedim(dim, 0)
         recv = group.all_to_all_single(send, recv_splits, send_splits).movedim(0, dim)
     else:

@@ -6,7 +6,7 @@ shifted windows and the global window (:mod:`~winsp.geometry.rolled`), neighborh
 (:mod:`~winsp.geometry.neighborhood`) and the packed-batch layout of a geometry (:mod:`~winsp.geometry.layout`).
 """
 
-from winsp.geometry.layout import Layout, build_layout, check_grids, inverse_permutation
+from winsp.geometry.layout import Grids, Layout, build_layout, check_grids, inverse_permutation
 from winsp.geometry.neighborhood import Neighborhood, is_neighborhood
 from winsp.geometry.rolled import GlobalWindow, RolledWindows, rolled_cuts
 from winsp.geometry.swin import SwinWindows
@@ -23,8 +23,8 @@ from winsp.geometry.windows import (
 )
 
 __all__ = [
-    "Grid", "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "RolledWindows", "GlobalWindow",
-    "rolled_cuts", "Neighborhood", "make_geometry",
+    "Grid", "Grids", "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "RolledWindows",
+    "GlobalWindow", "rolled_cuts", "Neighborhood", "make_geometry",
     "window_slices", "check_grid", "check_grids", "is_neighborhood", "Layout", "build_layout", "inverse_permutation",
     "REGULAR_METHOD", "SHIFTED_METHOD",
 ]

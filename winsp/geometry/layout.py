@@ -15,7 +15,7 @@ import numpy as np
 
 from winsp.geometry.windows import Grid, WindowGeometry, check_grid
 
-__all__ = ["Layout", "build_layout", "check_grids", "inverse_permutation"]
+__all__ = ["Grids", "Layout", "build_layout", "check_grids", "inverse_permutation"]
 
 
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:
@@ -25,14 +25,28 @@ def inverse_permutation(perm: np.ndarray) -> np.ndarray:
     return inv
 
 
-def check_grids(grids: Sequence[Sequence[int]]) -> tuple[Grid, ...]:
-    """Validate a list of (T, H, W) grids (one per sample) and return them as a tuple of int tuples."""
+class Grids(tuple[Grid, ...]):
+    """The (t, h, w) grids of a packed batch, one per sample, that :func:`check_grids` has checked.
+
+    A plain tuple of int triples that says by its type that it needs no further check: grids are checked once, where
+    they enter (:meth:`winsp.WindowRuntime.request`, or a public planning function given plain tuples), and the code
+    further in takes :class:`Grids` as they are (:func:`check_grids` returns one unchanged).
+    """
+
+    __slots__ = ()
+
+
+def check_grids(grids: Sequence[Sequence[int]]) -> Grids:
+    """Validate a list of (T, H, W) grids (one per sample) and return them as :class:`Grids` (returned as they are
+    when they already are: checked once)."""
+    if isinstance(grids, Grids):
+        return grids
     if isinstance(grids, (str, bytes)) or not hasattr(grids, "__len__") or len(grids) == 0:
         raise ValueError(f"grids must be a non-empty list of (T, H, W) grids, got {grids!r}")
     if len(grids) == 3 and all(isinstance(g, (int, np.integer)) for g in grids):
         raise ValueError(f"grids must be a list of (T, H, W) grids, one per sample; got a single grid {tuple(grids)}:"
                          f" wrap it as [{tuple(grids)}]")
-    return tuple(check_grid(g, f"grids[{i}]") for i, g in enumerate(grids))
+    return Grids(check_grid(g, f"grids[{i}]") for i, g in enumerate(grids))
 
 
 def _is_index(v) -> bool:
@@ -44,7 +58,7 @@ def _check_boxes(boxes, grid: Grid, geometry: WindowGeometry) -> None:
     for i, box in enumerate(boxes):
         if len(box) != 3 or not all(isinstance(s, slice) for s in box):
             raise ValueError(f"geometry {geometry!r}: window {i} of grid {grid} is not three slices: {box!r}")
-        for axis, s, size in zip("thw", box, grid):
+        for axis, s, size in zip("thw", box, grid, strict=True):
             if s.step not in (None, 1) or not _is_index(s.start) or not _is_index(s.stop) \
                     or not 0 <= s.start < s.stop <= size:
                 raise ValueError(
@@ -143,6 +157,7 @@ class Layout:
                 out = np.empty((self.num_tokens,) + values.shape[2:], dtype=np.int64)
             positions = self.offsets[members][:, None] + np.arange(lt.size)[None, :]
             out[positions.reshape(-1)] = values.reshape((-1,) + values.shape[2:])
+        assert out is not None, "a layout has at least one window (every grid axis is >= 1)"
         return out
 
     def _window_token_ids(self, members, lt, lh, lw) -> np.ndarray:

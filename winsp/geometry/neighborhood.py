@@ -35,7 +35,7 @@ def _triple(value, name: str, fill, kind) -> tuple:
         raise ValueError(f"Neighborhood {name} must be one value or 1 to 3 values (the last axes of (t, h, w)), "
                          f"got {value!r}")
     out = (fill,) * (3 - len(value)) + tuple(value)
-    for axis, v in zip("thw", out):
+    for axis, v in zip("thw", out, strict=True):
         if kind is bool:
             if not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"Neighborhood {name}[{axis}] must be a bool, got {v!r}")
@@ -55,8 +55,8 @@ class Neighborhood(WindowGeometry):
         causal: per-axis causality (typically time only: ``(True, False, False)``); one bool applies to all axes.
 
     A grid axis of size ``n`` needs ``kernel * dilation <= n`` (as in NATTEN). Used as a layer's entry in a
-    :class:`winsp.WindowRuntime` schedule; its rows are then cut into blocks, one per rank (:mod:`winsp.planning.halo`), and
-    attention exchanges only halos.
+    :class:`winsp.WindowRuntime` schedule; its rows are then cut into blocks, one per rank (:mod:`winsp.planning.halo`),
+    and attention exchanges only halos.
     """
 
     kernel: Grid
@@ -76,7 +76,7 @@ class Neighborhood(WindowGeometry):
     def check_fits(self, grid: Sequence[int], where: str = "grid") -> Grid:
         """``grid`` if every axis holds ``kernel * dilation`` tokens, else a ValueError naming the axis."""
         grid = check_grid(grid, where)
-        for axis, n, k, d in zip("thw", grid, self.kernel, self.dilation):
+        for axis, n, k, d in zip("thw", grid, self.kernel, self.dilation, strict=True):
             if k * d > n:
                 hint = "" if n > 1 else (f"; a 1D or 2D model's grid is (1, 1, L) / (1, H, W) and one int is a kernel "
                                          f"on all three axes: give the kernel of the model's axes only, e.g. "
@@ -139,7 +139,7 @@ def neighbourhood_ids(coords: np.ndarray, grid: Grid, geometry: Neighborhood) ->
     """
     t_, h_, w_ = grid
     tables = [axis_neighbours(n, k, d, c) for n, k, d, c in zip(grid, geometry.kernel, geometry.dilation,
-                                                                  geometry.causal)]
+                                                                  geometry.causal, strict=True)]
     (kt, vt), (kh, vh), (kw, vw) = ((keys[coords[:, a]], valid[coords[:, a]]) for a, (keys, valid) in enumerate(tables))
     ids = (kt[:, :, None, None] * h_ + kh[:, None, :, None]) * w_ + kw[:, None, None, :]
     valid = vt[:, :, None, None] & vh[:, None, :, None] & vw[:, None, None, :]

@@ -32,7 +32,14 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from winsp.geometry.windows import FixedWindows, Grid, WindowGeometry, WindowSlices, _check_window_and_shift, check_grid
+from winsp.geometry.windows import (
+    FixedWindows,
+    Grid,
+    WindowGeometry,
+    WindowSlices,
+    _checked_window_and_shift,
+    check_grid,
+)
 
 __all__ = ["SwinWindows", "window_raster", "relative_position_score_mod"]
 
@@ -56,7 +63,9 @@ class SwinWindows(WindowGeometry):
     clamp: bool = True
 
     def __post_init__(self) -> None:
-        _check_window_and_shift(self)
+        window, shift = _checked_window_and_shift(self.window_size, self.shift)
+        object.__setattr__(self, "window_size", window)
+        object.__setattr__(self, "shift", shift)
         for name in ("pad", "clamp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -67,8 +76,8 @@ class SwinWindows(WindowGeometry):
         grid = check_grid(grid)
         if not self.clamp:
             return self.window_size, self.shift
-        window = tuple(g if g <= k else k for g, k in zip(grid, self.window_size))
-        shift = tuple(0 if g <= k else s for g, k, s in zip(grid, self.window_size, self.shift))
+        window = tuple(g if g <= k else k for g, k in zip(grid, self.window_size, strict=True))
+        shift = tuple(0 if g <= k else s for g, k, s in zip(grid, self.window_size, self.shift, strict=True))
         return window, shift  # type: ignore[return-value]
 
     def padded_grid(self, grid: Sequence[int]) -> Grid:
@@ -77,7 +86,7 @@ class SwinWindows(WindowGeometry):
         if not self.pad:
             return grid
         window, _ = self.effective(grid)
-        return tuple(-(-g // k) * k for g, k in zip(grid, window))  # type: ignore[return-value]
+        return tuple(-(-g // k) * k for g, k in zip(grid, window, strict=True))  # type: ignore[return-value]
 
     def slices(self, grid: Grid) -> list[WindowSlices]:
         window, shift = self.effective(grid)

@@ -45,7 +45,7 @@ def _positive_int_triple(value: Sequence[int], name: str) -> Grid:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 3:
         raise ValueError(f"{name} must be three integers (t, h, w), got {value!r}")
     out = []
-    for axis, v in zip("thw", value):
+    for axis, v in zip("thw", value, strict=True):
         if isinstance(v, bool) or not isinstance(v, int):
             # numpy / torch integer scalars are accepted, floats are not
             if hasattr(v, "__index__") and not isinstance(v, bool):
@@ -55,7 +55,7 @@ def _positive_int_triple(value: Sequence[int], name: str) -> Grid:
         if v < 1:
             raise ValueError(f"{name}[{axis}] must be >= 1, got {v}")
         out.append(int(v))
-    return tuple(out)  # type: ignore[return-value]
+    return out[0], out[1], out[2]
 
 
 def check_grid(grid: Sequence[int], name: str = "grid") -> Grid:
@@ -135,7 +135,7 @@ def _shifted_cuts(size: int, win: int) -> list[tuple[int, int]]:
 
 
 def _boxes(grid: Grid, cut_fn, win: Grid) -> list[WindowSlices]:
-    ct, ch, cw = (cut_fn(s, k) for s, k in zip(grid, win))
+    ct, ch, cw = (cut_fn(s, k) for s, k in zip(grid, win, strict=True))
     # Enumeration: w outermost, then h, then t innermost (the reference's window id order).
     return [
         (slice(t0, t1), slice(h0, h1), slice(w0, w1))
@@ -176,16 +176,16 @@ class SeedVR2Windows(WindowGeometry):
         return _boxes(grid, _shifted_cuts if self.shifted else _regular_cuts, win)
 
 
-def _check_window_and_shift(geometry: WindowGeometry) -> None:
-    """Validate and normalise ``geometry.window_size`` / ``geometry.shift`` (three ints, 0 <= shift < window)."""
-    object.__setattr__(geometry, "window_size", _positive_int_triple(geometry.window_size, "window_size"))
-    shift = tuple(geometry.shift)
-    if len(shift) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shift):
-        raise ValueError(f"shift must be three non-negative integers, got {geometry.shift!r}")
-    for axis, s, k in zip("thw", shift, geometry.window_size):
+def _checked_window_and_shift(window_size: Sequence[int], shift: Sequence[int]) -> tuple[Grid, Grid]:
+    """``(window_size, shift)`` as three ints each, checked: windows positive, ``0 <= shift < window`` per axis."""
+    window = _positive_int_triple(window_size, "window_size")
+    moved = tuple(shift)
+    if len(moved) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in moved):
+        raise ValueError(f"shift must be three non-negative integers, got {shift!r}")
+    for axis, s, k in zip("thw", moved, window, strict=True):
         if s >= k:
             raise ValueError(f"shift[{axis}]={s} must be smaller than window_size[{axis}]={k}")
-    object.__setattr__(geometry, "shift", shift)
+    return window, (moved[0], moved[1], moved[2])
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,9 @@ class FixedWindows(WindowGeometry):
     shift: Grid = (0, 0, 0)
 
     def __post_init__(self) -> None:
-        _check_window_and_shift(self)
+        window, shift = _checked_window_and_shift(self.window_size, self.shift)
+        object.__setattr__(self, "window_size", window)
+        object.__setattr__(self, "shift", shift)
 
     def slices(self, grid: Grid) -> list[WindowSlices]:
         grid = check_grid(grid)
@@ -207,7 +209,7 @@ class FixedWindows(WindowGeometry):
         def cuts(axis: int):
             size, win, s = grid[axis], self.window_size[axis], self.shift[axis]
             starts = [0] + list(range(s if s else win, size, win))
-            return [(a, min(b, size)) for a, b in zip(starts, starts[1:] + [size]) if b > a]
+            return [(a, min(b, size)) for a, b in zip(starts, starts[1:] + [size], strict=True) if b > a]
 
         per_axis = [cuts(a) for a in range(3)]
         return [
@@ -224,7 +226,7 @@ def make_geometry(method: str, num_windows: Sequence[int]) -> SeedVR2Windows:
         raise ValueError(
             f"unknown window method {method!r}; expected one of {sorted(_METHOD_ALIASES)}"
         )
-    return SeedVR2Windows(num_windows=tuple(num_windows), shifted=_METHOD_ALIASES[method])
+    return SeedVR2Windows(num_windows=_positive_int_triple(num_windows, "num_windows"), shifted=_METHOD_ALIASES[method])
 
 
 def window_slices(grid: Sequence[int], num_windows: Sequence[int], method: str) -> list[WindowSlices]:

@@ -3,8 +3,8 @@
 Whole windows cap the speed-up when windows per rank are few (three windows on two ranks: 2 : 1), and even with
 many windows a rank may get its share of rows but far from its share of attention (small border windows on one
 rank, large ones on another). Three placements share windows' rows between ranks instead (a split window is computed
-head-parallel by the ranks holding it, :mod:`winsp.attention.split`, which moves ``4 w (W - w) / W`` rows' worth per rank
-holding ``w`` of its ``W`` rows):
+head-parallel by the ranks holding it, :mod:`winsp.attention.split`, which moves ``4 w (W - w) / W`` rows' worth per
+rank holding ``w`` of its ``W`` rows):
 
 * :func:`split_placement` cuts the layout's rows, in window order, into ``P`` runs of equal predicted work (a row's
   tokenwise work plus its window's attention pairs); a cut within ``SNAP`` of a window edge moves onto the edge.
@@ -23,7 +23,9 @@ CPU and deterministic, so every rank chooses the same with no communication.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -77,7 +79,7 @@ def split_placement(layout: Layout, world_size: int, costs: CostConstants = DEFA
         cuts.append(max(pos, cuts[-1]))
     cuts.append(int(offsets[-1]))
     out: list[list[tuple[int, int, int]]] = []
-    for start, end in zip(cuts, cuts[1:]):
+    for start, end in pairwise(cuts):
         if end <= start:
             out.append([])
             continue
@@ -86,6 +88,24 @@ def split_placement(layout: Layout, world_size: int, costs: CostConstants = DEFA
         out.append([(w, int(max(start, offsets[w]) - offsets[w]), int(min(end, offsets[w + 1]) - offsets[w]))
                     for w in range(first, last + 1)])
     return out
+
+
+def _rows_from_small_end(pairs: Callable[[int], float], lo: int, hi: int, take: int, target: float) -> int:
+    """The ``y`` in ``[0, take]`` whose ``y`` rows from ``lo`` up plus ``take - y`` rows from ``hi`` down hold the
+    pairs closest to ``target`` (``pairs(x)``: pairs of the first ``x`` sorted rows). Their pairs do not increase
+    with ``y``, so bisection finds the smallest ``y`` at or under ``target``, then the nearer of it and ``y - 1``."""
+
+    def got(y: int) -> float:
+        return pairs(lo + y) - pairs(lo) + pairs(hi) - pairs(hi - take + y)
+
+    a, b = 0, take
+    while a < b:
+        m = (a + b) // 2
+        if got(m) <= target:
+            b = m
+        else:
+            a = m + 1
+    return a if a == 0 or abs(got(a) - target) <= abs(got(a - 1) - target) else a - 1
 
 
 def mixed_placement(layout: Layout, world_size: int) -> list[list[tuple[int, int, int]]]:
@@ -117,15 +137,7 @@ def mixed_placement(layout: Layout, world_size: int) -> list[list[tuple[int, int
             break
         take = int(round((hi - lo) / left))
         target = (pairs(hi) - pairs(lo)) / left
-        got = lambda y: pairs(lo + y) - pairs(lo) + pairs(hi) - pairs(hi - take + y)  # noqa: E731 (non-increasing)
-        a, b = 0, take  # smallest y with got(y) <= target
-        while a < b:
-            m = (a + b) // 2
-            if got(m) <= target:
-                b = m
-            else:
-                a = m + 1
-        y = a if a == 0 or abs(got(a) - target) <= abs(got(a - 1) - target) else a - 1
+        y = _rows_from_small_end(pairs, lo, hi, take, target)
         if y:  # one piece per window and rank: a window both runs reach has equal pairs per row, take it from above
             k = int(np.searchsorted(rows_at, lo + y - 1, side="right")) - 1
             if rows_at[k + 1] > hi - take + y:
@@ -152,9 +164,9 @@ def heads_placement(layout: Layout, world_size: int) -> list[list[tuple[int, int
     """Head parallelism (Ulysses) as a placement: every window cut into ``P`` near-equal row runs, one a rank.
 
     Run ``j`` of window ``w`` goes to rank ``(j + w) % P``. A split window's heads follow its rows
-    (:func:`winsp.attention.split.head_bounds`), so every rank computes about ``H / P`` heads of every window; where ``P`` does
-    not divide the head count, the rotation hands the extra heads to a different rank in each window. A window with
-    fewer rows than ranks is shared by as many ranks as it has rows.
+    (:func:`winsp.attention.split.head_bounds`), so every rank computes about ``H / P`` heads of every window; where
+    ``P`` does not divide the head count, the rotation hands the extra heads to a different rank in each window. A
+    window with fewer rows than ranks is shared by as many ranks as it has rows.
     """
     p = _check_world_size(world_size)
     out: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
@@ -233,7 +245,7 @@ def placement_candidates(layout: Layout, world_size: int, costs: CostConstants =
     """Every placement :func:`choose_placement` weighs for ``layout`` (whole windows only without ``allow_split``)."""
     p = _check_world_size(world_size)
     counts = layout.token_counts
-    made = {"lpt": {"rank_windows": lpt_assign(counts.tolist(), p)}}
+    made: dict[str, dict[str, list]] = {"lpt": {"rank_windows": lpt_assign(counts.tolist(), p)}}
     if p > 1:
         made["work"] = {"rank_windows": work_balanced_windows(layout, p)}
         if allow_split:

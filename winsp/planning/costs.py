@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CostConstants", "DEFAULT_COSTS", "GLOO_CPU_COSTS", "PEAK_BF16_FLOPS", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
-           "ELEMENTWISE_PER_GEMM", "NVLINK_BYTES_PER_S", "NVLINK_LATENCY_S"]
+__all__ = ["CostConstants", "DEFAULT_COSTS", "GLOO_CPU_COSTS", "PEAK_BF16_FLOPS", "GEMM_EFFICIENCY",
+           "ATTENTION_EFFICIENCY", "ELEMENTWISE_PER_GEMM", "NVLINK_BYTES_PER_S", "NVLINK_LATENCY_S"]
 
 #: Published dense bf16 peak of an H100/H200 SXM (FLOP/s).
 PEAK_BF16_FLOPS = 989e12

@@ -1,7 +1,7 @@
 """The prepared per-rank data of a stage: the sharded grid change into it, and its padding rows.
 
-A :class:`GridStep` is one rank's part of a grid change (merge or split, :mod:`winsp.planning.stages`): every output row is
-built on the rank that owns it in the next stage's first layout, from rows that either are already there or arrive in
+A :class:`GridStep` is one rank's part of a grid change (merge or split, :mod:`winsp.planning.stages`): every output row
+is built on the rank that owns it in the next stage's first layout, from rows that either are already there or arrive in
 one variable-split all-to-all. Only rows whose output lives on another rank move; nothing is all-gathered.
 :class:`StageRows` tells padding rows from model rows in one layout. Both are built once per request shape (in the
 runtime's store) and applied with tensor ops only.

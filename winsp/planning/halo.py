@@ -3,12 +3,12 @@
 A neighborhood layer keeps its rows where they are: rank ``r`` owns block ``r`` of every sample (a box of the grid,
 from cutting t, h and w into ``splits`` balanced runs) and needs only the key rows its queries can reach that other
 ranks own, its *halo*. Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches
-are exactly the product of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per axis,
-never per token.
+are exactly the product of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per
+axis, never per token.
 
 :func:`choose_splits` picks the cut (along t, h, w or a 2D/3D tiling) that minimises the predicted time of the
-slowest rank, its rows of work and its halo bytes weighed with :mod:`winsp.planning.costs`: halo rows traded against balance.
-Every neighborhood layer of a schedule shares one cut (the one best for all of them together), so consecutive
+slowest rank, its rows of work and its halo bytes weighed with :mod:`winsp.planning.costs`: halo rows traded against
+balance. Every neighborhood layer of a schedule shares one cut (the one best for all of them together), so consecutive
 neighborhood layers share one plan and move nothing but halos; transitions to window layouts are ordinary
 redistributions. :class:`HaloExchange` is one rank's share: what it sends to whom, and for each local query the key
 rows (local rows first, then received halo rows) of its neighbourhood.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Sequence
 
 import numpy as np
@@ -40,13 +41,13 @@ def axis_cuts(n: int, parts: int) -> list[tuple[int, int]]:
     when ``parts > n``)."""
     base, extra = divmod(n, parts)
     bounds = np.concatenate([[0], np.cumsum([base + (i < extra) for i in range(parts)])])
-    return [(int(a), int(b)) for a, b in zip(bounds, bounds[1:])]
+    return [(int(a), int(b)) for a, b in pairwise(bounds)]
 
 
 def _blocks(grid: Grid, splits: Grid) -> list[tuple[int, WindowSlices]]:
     """(rank, box) of every non-empty block of ``grid``; block ``(it, ih, iw)`` belongs to rank
     ``(it * ph + ih) * pw + iw``."""
-    cuts = [axis_cuts(n, p) for n, p in zip(grid, splits)]
+    cuts = [axis_cuts(n, p) for n, p in zip(grid, splits, strict=True)]
     out = []
     for it, (t0, t1) in enumerate(cuts[0]):
         for ih, (h0, h1) in enumerate(cuts[1]):
@@ -81,7 +82,7 @@ def block_halo_rows(grid: Grid, splits: Grid, geometry: Neighborhood) -> list[tu
     out = [(0, 0)] * math.prod(splits)
     for rank, box in _blocks(grid, splits):
         reach = [axis_reach(n, k, d, c, s.start, s.stop).size for n, k, d, c, s in
-                 zip(grid, geometry.kernel, geometry.dilation, geometry.causal, box)]
+                 zip(grid, geometry.kernel, geometry.dilation, geometry.causal, box, strict=True)]
         own = math.prod(s.stop - s.start for s in box)
         out[rank] = (own, math.prod(reach) - own)
     return out
@@ -106,6 +107,7 @@ def choose_splits(grids: Sequence[Grid], geometries: Sequence[Neighborhood], wor
         cost = float(rank_time.max()) + (costs.latency_s if world_size > 1 else 0.0) * len(geometries)
         if cost < best_cost - 1e-15:
             best, best_cost = splits, cost
+    assert best is not None, "world_size has at least the factorisation (1, 1, world_size)"
     return best
 
 
@@ -147,10 +149,11 @@ def _axis_tiles(n: int, k: int, d: int, causal: bool, box: slice) -> list[tuple[
     best, best_pairs = None, None
     for order in (lengths, lengths[::-1]):
         bounds = np.concatenate([[0], np.cumsum(order)]) + box.start
-        tiles = [(int(lo), int(hi)) for lo, hi in zip(bounds, bounds[1:])]
+        tiles = [(int(lo), int(hi)) for lo, hi in pairwise(bounds)]
         pairs = sum((hi - lo) * axis_reach(n, k, d, causal, lo, hi).size for lo, hi in tiles)
         if best_pairs is None or pairs < best_pairs:
             best, best_pairs = tiles, pairs
+    assert best is not None  # the loop runs twice
     return best
 
 
@@ -201,7 +204,8 @@ def _rank_boxes(plan: Plan) -> list[dict[int, WindowSlices]]:
         if rank in out[sample] or plan.has_split_windows:
             raise ValueError(f"a neighborhood plan gives rank {rank} one box per sample, whole: sample {sample} breaks "
                              "that")
-        out[sample][rank] = tuple(slice(int(a), int(a + n)) for a, n in zip(lay.window_start[w], lay.window_shape[w]))
+        (t, h, w0), (dt, dh, dw) = lay.window_start[w].tolist(), lay.window_shape[w].tolist()
+        out[sample][rank] = (slice(t, t + dt), slice(h, h + dh), slice(w0, w0 + dw))
     return out
 
 
@@ -219,8 +223,8 @@ class HaloExchange:
         p = plan.world_size
         boxes = _rank_boxes(plan)
         reach = [{r: [axis_reach(n, k, d, c, s.start, s.stop) for n, k, d, c, s in
-                      zip(grid, geometry.kernel, geometry.dilation, geometry.causal, box)]
-                  for r, box in sample_boxes.items()} for grid, sample_boxes in zip(lay.grids, boxes)]
+                      zip(grid, geometry.kernel, geometry.dilation, geometry.causal, box, strict=True)]
+                  for r, box in sample_boxes.items()} for grid, sample_boxes in zip(lay.grids, boxes, strict=True)]
 
         def rows_from(src: int, dst: int) -> np.ndarray:
             """Canonical packed ids of src's rows that dst's queries reach (empty for src == dst)."""
@@ -231,7 +235,7 @@ class HaloExchange:
                 if src not in boxes[s] or dst not in reach[s]:
                     continue
                 box = boxes[s][src]
-                sets = [r[(r >= b.start) & (r < b.stop)] for r, b in zip(reach[s][dst], box)]
+                sets = [r[(r >= b.start) & (r < b.stop)] for r, b in zip(reach[s][dst], box, strict=True)]
                 if all(x.size for x in sets):
                     parts.append(lay.sample_offsets[s] + _box_ids(sets, grid))
             return np.concatenate(parts) if parts else np.empty(0, np.int64)
@@ -279,15 +283,15 @@ class HaloExchange:
                             [np.arange(t0, t1), np.arange(h0, h1), np.arange(w0, w1)], grid)
                         reach = [axis_reach(n, k, d, c, lo, hi) for n, k, d, c, (lo, hi) in
                                  zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
-                                     ((t0, t1), (h0, h1), (w0, w1)))]
+                                     ((t0, t1), (h0, h1), (w0, w1)), strict=True)]
                         k_ids = lay.sample_offsets[s] + _box_ids(reach, grid)
                         q_rows = own_sorted[np.searchsorted(own_ids_sorted, q_ids)]
                         # the mask is the outer product of per-axis masks: a neighbourhood is a product over axes
                         axis_masks = [_axis_mask(n, k, d, c, lo, hi, r) for n, k, d, c, (lo, hi), r in
                                       zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
-                                          ((t0, t1), (h0, h1), (w0, w1)), reach)]
+                                          ((t0, t1), (h0, h1), (w0, w1)), reach, strict=True)]
                         # interior: the keys (a box) lie inside this rank's box, so it needs no halo row
-                        interior = all(r[0] >= sl.start and r[-1] < sl.stop for r, sl in zip(reach, box))
+                        interior = all(r[0] >= sl.start and r[-1] < sl.stop for r, sl in zip(reach, box, strict=True))
                         tiles.append((q_rows, k_ids, s, axis_masks, interior))
         by_shape: dict[tuple[bool, int, int], list] = {}
         for tile in tiles:  # tiles of one shape run as one batch (no padding); interior tiles first

@@ -12,12 +12,13 @@ from the end of stage s (a U-net level's output) already lies (:meth:`winsp.Wind
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from winsp.geometry.layout import Layout
+from winsp.geometry.layout import Layout, check_grids
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 from winsp.planning.grid_step import GridStep, StageRows
 from winsp.planning.locality import SLACK_LIMIT
@@ -33,12 +34,12 @@ __all__ = ["staged_plans", "grid_change_rows", "affinity_placement",
 def _relabel(prev: Plan, stage_plans: list[Plan], sources: np.ndarray) -> list[Plan]:
     """The stage's plans with ranks permuted so that most rows of the grid change stay where they are."""
     first = stage_plans[0]
-    p, n_src = prev.world_size, prev.layout.num_tokens
+    p = prev.world_size
     rows, cols = np.nonzero(sources >= 0)
     overlap = np.bincount(prev.token_owner[sources[rows, cols]] * p + first.token_owner[rows],
                           minlength=p * p).reshape(p, p)  # [old rank, new rank]
     perm = [-1] * p  # perm[new rank] = the rank its windows go to
-    taken = set()
+    taken: set[int] = set()
     for flat in np.argsort(-overlap, axis=None, kind="stable"):
         old, new = divmod(int(flat), p)
         if perm[new] < 0 and old not in taken:
@@ -93,7 +94,7 @@ def _rows_moved(prev: Plan, plans: Sequence[Plan], sources: np.ndarray) -> int:
     rows, cols = np.nonzero(sources >= 0)
     needed = np.unique(plans[0].token_owner[rows] * prev.layout.num_tokens + sources[rows, cols])
     moved = int((prev.token_owner[needed % prev.layout.num_tokens] != needed // prev.layout.num_tokens).sum())
-    for a, b in zip(plans, plans[1:]):
+    for a, b in pairwise(plans):
         if a is not b:
             moved += int((a.token_owner != b.token_owner).sum())
     return moved
@@ -168,7 +169,7 @@ def grid_change_rows(stages: Sequence[Stage], grids: Sequence[Sequence[int]], wo
                      planner: str = "lpt") -> list[tuple[int, int, int]]:
     """For each grid change of a forward: ``(stage, rows to_grid moves between ranks, rows an all-gather of the same
     activations would move)``; the all-gather moves every row to every rank that does not hold it, ``N * (P - 1)``."""
-    stages = check_stages(stages)
+    stages, grids = check_stages(stages), check_grids(grids)  # checked once here: the calls below take them as they are
     model, laid = stage_grids(stages, grids)
     plans = staged_plans(stages, grids, world_size, planner)
     starts = np.concatenate([[0], np.cumsum([len(st.layers) for st in stages])]).astype(int)
@@ -180,7 +181,7 @@ def grid_change_rows(stages: Sequence[Stage], grids: Sequence[Sequence[int]], wo
         sources, chunk = grid_sources(st, model[s - 1], laid[s - 1], model[s], laid[s])
         split = st.split != (1, 1, 1)
         step = GridStep.build(plans[starts[s] - 1], plans[landing], sources, chunk if split else None,
-                              len(st.order) if split else 1, 0, torch.device("cpu"))
+                              st.children if split else 1, 0, torch.device("cpu"))
         rows = sum(t * h * w for t, h, w in model[s - 1])
         out.append((s, step.rows_moved, rows * (world_size - 1)))
     return out

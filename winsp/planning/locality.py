@@ -71,8 +71,11 @@ def overlap_edges(a: Layout, b: Layout) -> tuple[np.ndarray, np.ndarray, np.ndar
         ea.append(ia[pair // ib.size])
         eb.append(ib[pair % ib.size])
         ew.append(np.bincount(inverse.reshape(-1), weights=volume, minlength=pair.size).astype(np.int64))
-    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
-    return cat(ea), cat(eb), cat(ew)
+    return _concat(ea), _concat(eb), _concat(ew)
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _label_cells(lo: np.ndarray, hi: np.ndarray, cuts: list[np.ndarray]) -> np.ndarray:
@@ -80,7 +83,7 @@ def _label_cells(lo: np.ndarray, hi: np.ndarray, cuts: list[np.ndarray]) -> np.n
     first = np.stack([np.searchsorted(cuts[k], lo[:, k]) for k in range(3)], axis=1)
     last = np.stack([np.searchsorted(cuts[k], hi[:, k]) for k in range(3)], axis=1)
     labels = np.empty(tuple(c.size - 1 for c in cuts), dtype=np.int64)
-    for i, ((t0, h0, w0), (t1, h1, w1)) in enumerate(zip(first.tolist(), last.tolist())):
+    for i, ((t0, h0, w0), (t1, h1, w1)) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
         labels[t0:t1, h0:h1, w0:w1] = i
     return labels
 
@@ -285,7 +288,8 @@ def _refine(g: _Graph, owner: np.ndarray, conn: np.ndarray, cap: np.ndarray) -> 
 
     for _ in range(_FM_PASSES):
         locked = np.zeros(g.n, dtype=bool)
-        gain_total, best_gain, best_len, moves = 0, 0, 0, []
+        gain_total, best_gain, best_len = 0, 0, 0
+        moves: list[tuple[int, int, int]] = []  # (window, from rank, to rank)
         while len(moves) - best_len <= _FM_PATIENCE:
             cand = np.nonzero(~locked & (total > own_conn))[0]  # windows on a rank boundary
             if cand.size == 0:

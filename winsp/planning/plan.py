@@ -2,8 +2,8 @@
 
 LPT (deterministic, so every rank computes the same plan with no communication): windows sorted by
 (-token count, window id); each goes to the rank with the smallest (assigned tokens, rank id); each rank then lists
-its windows in ascending window id. A rank may end up with no window. Other placements (see :mod:`winsp.planning.schedule`)
-hand a :class:`Plan` their own ``rank_windows``.
+its windows in ascending window id. A rank may end up with no window. Other placements (see
+:mod:`winsp.planning.schedule`) hand a :class:`Plan` their own ``rank_windows``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 from functools import cached_property
+from itertools import pairwise
 from typing import Sequence
 
 import numpy as np
@@ -87,7 +88,7 @@ def _check_rank_pieces(rank_pieces, counts: np.ndarray, world_size: int) -> tupl
             spans.setdefault(w, []).append((a, b))
     for w, ranges in spans.items():
         ranges.sort()
-        if ranges[0][0] != 0 or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
+        if ranges[0][0] != 0 or any(x[1] != y[0] for x, y in pairwise(ranges)):
             raise ValueError(f"rank_pieces: the pieces of window {w} overlap or leave a gap: {ranges}")
     if not np.array_equal(covered, counts):
         missing = int(np.nonzero(covered != counts)[0][0])
@@ -108,8 +109,9 @@ class Plan:
     heads are shared out); ``row_imbalance`` and ``attention_imbalance`` are the largest rank's share of each against
     ``1 / P``, and ``imbalance`` is the worse of the two (what the default planner keeps within 5 %).
     ``work_imbalance`` is the same for the two combined into a layer's predicted work with the cost constants of
-    :mod:`winsp.planning.costs` (what a rank's time follows on the modelled GPU). ``window_bound_imbalance`` is the former
-    figure: the largest rank's rows against the best whole windows could do (``max(largest window, ceil(N / P))``).
+    :mod:`winsp.planning.costs` (what a rank's time follows on the modelled GPU). ``window_bound_imbalance`` is the
+    former figure: the largest rank's rows against the best whole windows could do (``max(largest window, ceil(N /
+    P))``).
 
     Args:
         layout: the windows.

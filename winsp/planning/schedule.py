@@ -9,6 +9,7 @@ deterministic: every rank computes the same plans with no communication. Caching
 from __future__ import annotations
 
 import functools
+from itertools import pairwise
 from typing import Sequence
 
 from winsp.geometry.layout import build_layout, check_grids
@@ -77,8 +78,8 @@ def plan_schedule(
     predict among the placements that keep rows and attention within 5 % of a perfect split
     (:func:`winsp.planning.balance.choose_placement`). ``"lpt"`` places each layout's windows whole and independently by
     the LPT rule (:func:`winsp.lpt_assign`). ``"locality"`` places all the schedule's whole windows together so that
-    few rows change rank between consecutive layers (:func:`winsp.planning.locality.locality_placement`); its plans depend on
-    the whole schedule, and their keys say so. ``"split"`` always cuts the rows into equal contiguous runs
+    few rows change rank between consecutive layers (:func:`winsp.planning.locality.locality_placement`); its plans
+    depend on the whole schedule, and their keys say so. ``"split"`` always cuts the rows into equal contiguous runs
     (:func:`winsp.planning.balance.split_placement`), splitting the windows that straddle a cut. ``"heads"`` is head
     parallelism (Ulysses) in the same machinery: every window split over all ranks, each computing ``1 / P`` of its
     heads (:func:`winsp.planning.balance.heads_placement`). ``split_windows=False`` (a model whose attention takes a
@@ -128,7 +129,8 @@ def plan_schedule(
 def plan_with_neighborhoods(grids, schedule, world_size: int, planner: str, split_windows: bool,
                             plan_windows) -> list[Plan]:
     """Plans of a schedule with :class:`~winsp.Neighborhood` layers: they share one block plan
-    (:func:`winsp.planning.halo.neighborhood_plan`); the window layers are planned by ``plan_windows`` as a schedule alone."""
+    (:func:`winsp.planning.halo.neighborhood_plan`); the window layers are planned by ``plan_windows`` as a schedule
+    alone."""
     from winsp.planning.halo import neighborhood_plan
 
     neighborhoods = list({g.fingerprint: g for g in schedule if is_neighborhood(g)}.values())
@@ -143,9 +145,9 @@ def _locality(layouts: dict, schedule: tuple[WindowGeometry, ...], world_size: i
     """The locality placement of each distinct layout, minimising rows moved over the schedule's transitions."""
     index = {fp: i for i, fp in enumerate(layouts)}
     transitions: dict[tuple[int, int], int] = {}
-    for prev, cur in zip(schedule, schedule[1:]):
+    for prev, cur in pairwise(schedule):
         i, j = sorted((index[prev.fingerprint], index[cur.fingerprint]))
         if i != j:
             transitions[(i, j)] = transitions.get((i, j), 0) + 1
     placed = locality_placement(list(layouts.values()), transitions, world_size)
-    return {fp: {"rank_windows": rw} for fp, rw in zip(layouts, placed)}
+    return {fp: {"rank_windows": rw} for fp, rw in zip(layouts, placed, strict=True)}

@@ -11,12 +11,13 @@ grid outside the model grid are padding rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from winsp.geometry.layout import check_grids
+from winsp.geometry.layout import Grids, check_grids
 from winsp.geometry.windows import Grid, WindowGeometry, _positive_int_triple
 from winsp.planning.schedule import _check_schedule
 
@@ -47,7 +48,8 @@ class Stage:
     split_windows: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        try:  # whatever a flat schedule accepts as a layer's geometry, a stage accepts (one rule, in winsp.planning.schedule)
+        # whatever a flat schedule accepts as a layer's geometry, a stage accepts (one rule, in winsp.planning.schedule)
+        try:
             layers = _check_schedule(self.layers)
         except ValueError as err:
             raise ValueError(f"Stage.layers: {err}") from None
@@ -78,6 +80,23 @@ class Stage:
     def changes_grid(self) -> bool:
         return self.factor != (1, 1, 1)
 
+    @property
+    def children(self) -> int:
+        """Rows one merged row is made of (or one row splits into): the product of :attr:`factor`."""
+        return math.prod(self.factor)
+
+
+def _merged(grid: Grid, merge: Grid) -> Grid:
+    """The grid after merging ``merge`` tokens per axis (a partial group at the end still makes one token)."""
+    (t, h, w), (ft, fh, fw) = grid, merge
+    return (-(-t // ft), -(-h // fh), -(-w // fw))
+
+
+def _split(grid: Grid, split: Grid) -> Grid:
+    """The grid after splitting every token into ``split`` tokens per axis."""
+    (t, h, w), (ft, fh, fw) = grid, split
+    return (t * ft, h * fh, w * fw)
+
 
 def check_stages(stages: Sequence[Stage]) -> tuple[Stage, ...]:
     """``stages`` as a tuple, checked: Stage objects, the first on the input grid, ``like`` naming earlier ones."""
@@ -94,25 +113,30 @@ def check_stages(stages: Sequence[Stage]) -> tuple[Stage, ...]:
     return stages
 
 
-def stage_grids(stages: Sequence[Stage], grids: Sequence[Sequence[int]]) -> tuple[tuple, tuple]:
+def stage_grids(stages: Sequence[Stage], grids: Sequence[Sequence[int]]) -> tuple[tuple[Grids, ...],
+                                                                                   tuple[Grids, ...]]:
     """(model grids, laid-out grids) of every stage for a batch whose stage-0 grids are ``grids``.
 
     The laid-out grid is the model grid padded by the stage's geometry; every layer of a stage must agree on it.
+    ``grids`` are checked here unless they already are :class:`~winsp.geometry.layout.Grids`; a later stage's model
+    grids follow from them (merged or split), and the laid-out grids, which the geometry computes, are checked once,
+    here.
     """
     grids = check_grids(grids)
-    model: list[tuple[Grid, ...]] = []
-    laid: list[tuple[Grid, ...]] = []
+    model: list[Grids] = []
+    laid: list[Grids] = []
     for i, st in enumerate(stages):
+        cur: Grids
         if i == 0:
             cur = grids
         elif st.merge != (1, 1, 1):
-            cur = tuple(tuple(-(-g // f) for g, f in zip(grid, st.merge)) for grid in model[-1])
+            cur = Grids(_merged(grid, st.merge) for grid in model[-1])
         elif st.split != (1, 1, 1):
-            cur = tuple(tuple(g * f for g, f in zip(grid, st.split)) for grid in model[-1])
+            cur = Grids(_split(grid, st.split) for grid in model[-1])
             if st.like is not None:
                 target = model[st.like]
-                for s, (big, want) in enumerate(zip(cur, target)):
-                    if any(w > b for w, b in zip(want, big)):
+                for s, (big, want) in enumerate(zip(cur, target, strict=True)):
+                    if any(w > b for w, b in zip(want, big, strict=True)):
                         raise ValueError(f"stage {i}: sample {s}'s split grid {big} is smaller than stage "
                                          f"{st.like}'s grid {want}, which it is cropped to")
                 cur = target
@@ -124,8 +148,8 @@ def stage_grids(stages: Sequence[Stage], grids: Sequence[Sequence[int]]) -> tupl
             if other != padded:
                 raise ValueError(f"stage {i}: layer {j}'s geometry pads the grids to {other}, layer 0's to "
                                  f"{padded}; the layers of one stage must share one laid-out grid")
-        model.append(tuple(cur))
-        laid.append(padded)
+        model.append(cur)
+        laid.append(cur if padded == cur else check_grids(padded))  # a geometry's padding, checked once
     return tuple(model), tuple(laid)
 
 

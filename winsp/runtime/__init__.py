@@ -11,9 +11,10 @@ from winsp.runtime.context import active_request, current_request
 from winsp.runtime.drop_path import RowDropout, SampleDropPath, row_dropout
 from winsp.runtime.gradients import sync_gradients
 from winsp.runtime.nn import WindowParallel
+from winsp.runtime.request import CheckedRequest
 from winsp.runtime.runtime import StagedRequest, StagedRuntime, WindowRequest, WindowRuntime
 from winsp.runtime.store import RuntimeStore
 
-__all__ = ["DiffusionParallelConfig", "WindowRuntime", "WindowRequest", "StagedRuntime", "StagedRequest",
-           "RuntimeStore", "WindowParallel", "current_request", "active_request", "sync_gradients", "RowDropout",
-           "SampleDropPath", "row_dropout"]
+__all__ = ["DiffusionParallelConfig", "WindowRuntime", "WindowRequest", "CheckedRequest", "StagedRuntime",
+           "StagedRequest", "RuntimeStore", "WindowParallel", "current_request", "active_request", "sync_gradients",
+           "RowDropout", "SampleDropPath", "row_dropout"]

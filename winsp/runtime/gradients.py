@@ -19,7 +19,7 @@ bucket is summed with one all-reduce and divided by the group size.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ def attached_runtime(module: nn.Module):
     if own is not None:
         return own
     found = {id(r): r for m in module.modules() if (r := getattr(m, "_winsp_runtime", None)) is not None}
-    by_group = {}
+    by_group: dict[tuple[int, ...], Any] = {}
     for runtime in found.values():
         by_group.setdefault(_group_ranks(runtime.group), runtime)
     if len(by_group) > 1:
@@ -102,8 +102,9 @@ def sync_gradients(
     Args:
         params: a module (its parameters) or tensors (parameters, or inputs that required grad).
         group: None (the runtime attached to ``params`` when it is a module: ``sync_gradients(model)``), a module
-            whose runtime to use (``sync_gradients([vid, txt], model)``), a :class:`~winsp.runtime.runtime.WindowRuntime`, an
-            :class:`~winsp.comm.group.SPGroup` or a ``torch.distributed`` process group. One rank: nothing to do.
+            whose runtime to use (``sync_gradients([vid, txt], model)``), a
+            :class:`~winsp.runtime.runtime.WindowRuntime`, an :class:`~winsp.comm.group.SPGroup` or a
+            ``torch.distributed`` process group. One rank: nothing to do.
         bucket_bytes: the most bytes one all-reduce carries (one tensor larger than that goes alone).
 
     Afterwards every rank holds the one-rank gradient of the loss every rank computed (the module docstring says
@@ -126,7 +127,7 @@ def sync_gradients(
     # rank's contribution is zero. One small all-reduce of "has a gradient" flags keeps every rank's buckets identical.
     present = torch.tensor([t.grad is not None for t in tensors], dtype=torch.int32, device=tensors[0].device)
     sp.all_reduce_sum_(present)
-    for t, count in zip(tensors, present.tolist()):
+    for t, count in zip(tensors, present.tolist(), strict=True):
         if count and t.grad is None:
             t.grad = torch.zeros_like(t)
     grads = [t.grad for t in tensors if t.grad is not None]

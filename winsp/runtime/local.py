@@ -21,7 +21,8 @@ class LocalWindows:
     """One rank's share of one plan, on the CPU: its windows, rows, positions and attention segments.
 
     ``windows``, ``segments`` and ``text`` describe the windows this rank holds whole; the rows of split windows'
-    pieces (a plan with split windows) are in ``positions`` too, and :mod:`winsp.attention.split` computes their attention.
+    pieces (a plan with split windows) are in ``positions`` too, and :mod:`winsp.attention.split` computes their
+    attention.
     """
 
     def __init__(self, plan: Plan, rank: int, text_lengths: tuple[int, ...]) -> None:

@@ -1,8 +1,8 @@
 """``nn.Module`` pieces for composing window parallelism into a DiT.
 
 :class:`WindowParallel` is the one way a model holds its runtime (SeedVR2, the toy model and the guide all use it).
-The step modules take the current :class:`~winsp.runtime.runtime.WindowRequest` as an argument, so one instance serves every
-request and holds no per-request state.
+The step modules take the current :class:`~winsp.runtime.runtime.WindowRequest` as an argument, so one instance serves
+every request and holds no per-request state.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class WindowParallel:
             raise RuntimeError(
                 f"{type(self).__name__}: torch.distributed runs {world} ranks but build_runtime() was never called, "
                 f"so every rank would run the whole model unsharded; call "
-                f"model.build_runtime(DiffusionParallelConfig(ulysses_degree={world})) for window parallelism, or "
-                f"model.build_runtime(DiffusionParallelConfig(ulysses_degree=1), group=None) to run each rank alone"
+                f"model.build_runtime(DiffusionParallelConfig(sp_degree={world})) for window parallelism, or "
+                f"model.build_runtime(DiffusionParallelConfig(sp_degree=1), group=None) to run each rank alone"
             )
         return self.build_runtime(None)
 

@@ -11,7 +11,7 @@ exact adjoint, which is what :func:`winsp.sync_gradients`' convention rests on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -24,16 +24,55 @@ from winsp.attention.split import join_local_rows, refuse_score_mods, split_atte
 from winsp.attention.windows import _scale, attend
 from winsp.comm.redistribute import gather_rows, redistribute_rows
 from winsp.comm.text import finish_text_reduction, reduce_window_text, sum_window_text
+from winsp.geometry.layout import Grids, check_grids
 from winsp.geometry.neighborhood import is_neighborhood
 from winsp.geometry.windows import WindowGeometry
 from winsp.planning.grid_step import GridStep, StageRows
 from winsp.planning.plan import Plan
 from winsp.runtime.local import LayoutTensors, LocalWindows
+from winsp.utils.checks import count_tuple
 
 if TYPE_CHECKING:
     from winsp.runtime.runtime import WindowRuntime
 
-__all__ = ["WindowRequest", "PreparedRequest"]
+__all__ = ["CheckedRequest", "WindowRequest", "PreparedRequest"]
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request's inputs, checked once where they enter (:meth:`CheckedRequest.check`, which
+    :meth:`winsp.WindowRuntime.request` calls): the code further in takes this and checks nothing again.
+
+    ``grids``: the stage-0 model grids, one per sample (:class:`~winsp.geometry.layout.Grids`); ``text_lengths``:
+    one per sample (zeros for a model without text); ``device``: where the prepared tensors live; ``dtype``: the
+    attention inputs' dtype (None: the backend is chosen at the first attention call); ``score_mods``: whether
+    attention calls pass a ``score_mod`` / ``mask_mod`` (None: as the runtime's earlier requests did).
+    """
+
+    grids: Grids
+    text_lengths: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype | None = None
+    score_mods: bool | None = None
+
+    @classmethod
+    def check(cls, grids: Sequence[Sequence[int]], text_lengths: Sequence[int] | None = None, *,
+              device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+              score_mods: bool | None = None) -> "CheckedRequest":
+        """The checked inputs; a ValueError naming the first one that is wrong."""
+        checked = check_grids(grids)
+        if text_lengths is None:
+            lengths = (0,) * len(checked)
+        else:
+            lengths = count_tuple("text_lengths", text_lengths)
+            if len(lengths) != len(checked):
+                raise ValueError(f"text_lengths has {len(lengths)} entries but there are {len(checked)} samples")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if score_mods is not None and not isinstance(score_mods, bool):
+            raise ValueError(f"score_mods must be True, False or None, got {score_mods!r}")
+        return cls(checked, lengths, torch.device(device) if device is not None else torch.device("cpu"), dtype,
+                   score_mods)
 
 
 @dataclass(eq=False)
@@ -50,8 +89,8 @@ class PreparedRequest:
     slot_of_layer: tuple[int, ...]
     layouts: tuple[LayoutTensors, ...]
     stage_rows: tuple[StageRows, ...]
-    stage_model_grids: tuple
-    stage_laid_grids: tuple
+    stage_model_grids: tuple[Grids, ...]
+    stage_laid_grids: tuple[Grids, ...]
     steps: dict
     runners: dict
     hook_data: dict
@@ -61,19 +100,20 @@ class PreparedRequest:
 class WindowRequest:
     """One forward's window-parallel state: which layout the local rows are in, and the steps between layouts.
 
-    Cheap to make: a view of the runtime store's :class:`PreparedRequest` plus the current layer. ``grids`` are the
-    batch's stage-0 model grids; ``stage_model_grids`` / ``stage_laid_grids`` those of every stage.
+    Cheap to make: a view of the runtime store's :class:`PreparedRequest` plus the current layer. ``inputs`` are the
+    request's checked inputs; ``grids`` the batch's stage-0 model grids; ``stage_model_grids`` /
+    ``stage_laid_grids`` those of every stage.
     """
 
-    def __init__(self, runtime: "WindowRuntime", prepared: PreparedRequest, grids, text_lengths,
-                 device: torch.device) -> None:
+    def __init__(self, runtime: "WindowRuntime", prepared: PreparedRequest, inputs: CheckedRequest) -> None:
         self.runtime = runtime
         self.prepared = prepared
-        self.grids = self.model_grids = grids
+        self.inputs = inputs
+        self.grids = self.model_grids = inputs.grids
         self.stage_model_grids, self.stage_laid_grids = prepared.stage_model_grids, prepared.stage_laid_grids
-        self.text_lengths = text_lengths
-        self.num_text_rows = sum(text_lengths)
-        self.device = device
+        self.text_lengths = inputs.text_lengths
+        self.num_text_rows = sum(inputs.text_lengths)
+        self.device = inputs.device
         self.group = runtime.group
         self.layer: int | None = None
         self.transitions_done = 0
@@ -101,6 +141,11 @@ class WindowRequest:
             raise RuntimeError("call scatter() first: the request has no local rows yet")
         return self._now
 
+    def _current_slot(self) -> int:
+        if self._slot is None:
+            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        return self._slot
+
     def _enter(self, layer: int) -> int:
         """Make ``layer`` current; returns its layout slot."""
         slot = self.prepared.slot_of_layer[layer]
@@ -112,10 +157,10 @@ class WindowRequest:
         layer = self._check_layer(layer)
         now = self._current_layout()
         if self.prepared.slot_of_layer[layer] != self._slot:
-            schedule = self.runtime.schedule
+            schedule, here = self.runtime.schedule, self._current()
             raise ValueError(
                 f"rank {self.group.rank}: layer {layer} attends in the windows of {schedule[layer]!r}, but the rows "
-                f"are in layer {self.layer}'s layout ({schedule[self.layer]!r}); call request.to_layer(x, {layer}) "
+                f"are in layer {here}'s layout ({schedule[here]!r}); call request.to_layer(x, {layer}) "
                 f"before layer {layer}'s attention"
             )
         return now
@@ -144,9 +189,7 @@ class WindowRequest:
         return self.runtime.schedule[self._current() if layer is None else self._check_layer(layer)]
 
     def _rows(self, layer: int | None = None) -> StageRows:
-        slot = self._slot if layer is None else self.prepared.slot_of_layer[self._check_layer(layer)]
-        if slot is None:
-            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        slot = self._current_slot() if layer is None else self.prepared.slot_of_layer[self._check_layer(layer)]
         return self.prepared.stage_rows[slot]
 
     @property
@@ -218,9 +261,9 @@ class WindowRequest:
         if spatial_dims not in (None, 1, 2, 3):
             raise ValueError(f"grid_rows: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}")
         grids = sorted(set(self.stage_model_grids[self.stage]))
-        if spatial_dims is None and len(grids) == 1:
+        if spatial_dims is None:
             spatial_dims = next((d for d in (3, 2, 1) if all(g == 1 for g in grids[0][:3 - d])
-                                 and tuple(x.shape[:d]) == grids[0][3 - d:]), 3)
+                                 and tuple(x.shape[:d]) == grids[0][3 - d:]), 3) if len(grids) == 1 else 3
         if len(grids) != 1:
             raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a tensor "
                              f"per grid position shared by every sample cannot describe them (give canonical rows "
@@ -251,9 +294,7 @@ class WindowRequest:
     def layout_data(self, name: str, layer: int | None = None) -> Any:
         """What layout hook ``name`` (:meth:`WindowRuntime.register_layout_hook`) built for the current layer's layout
         (or ``layer``'s)."""
-        slot = self._slot if layer is None else self.prepared.slot_of_layer[self._check_layer(layer)]
-        if slot is None:
-            raise RuntimeError("call scatter() first: the request has no local rows yet")
+        slot = self._current_slot() if layer is None else self.prepared.slot_of_layer[self._check_layer(layer)]
         if (slot, name) not in self.prepared.hook_data:
             raise ValueError(f"no layout hook named {name!r} was registered before this request was made; "
                              f"registered: {sorted(self.runtime.layout_hooks)}")
@@ -304,7 +345,7 @@ class WindowRequest:
         rows = self._rows(layer)
         self._enter(layer)
         if not rows.padded:
-            return x.index_select(0, self._now.token_ids)
+            return x.index_select(0, self._current_layout().token_ids)
         return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, rows.scatter_index)
 
     def to_layer(self, x: Tensor, layer: int, *, source: int | None = None) -> Tensor:
@@ -323,7 +364,7 @@ class WindowRequest:
             return redistribute_rows(x, self._transition(src, dst), self.group)
         here = self._current()
         self._check_same_grid(here, layer, "to_layer")
-        src = self._slot
+        src = self._current_slot()
         dst = self._enter(layer)
         if src == dst:
             return x
@@ -355,7 +396,7 @@ class WindowRequest:
         Only rows whose output row lives on another rank move (one all-to-all, none if no row does).
         """
         self._check_grid_change(stage)
-        out = self.runtime._grid_step(self, self._slot, stage)(x, self.group)
+        out = self.runtime._grid_step(self, self._current_slot(), stage)(x, self.group)
         self._enter(self.runtime.landing_layer(stage))
         self.transitions_done += 1
         return out
@@ -373,7 +414,7 @@ class WindowRequest:
     def grid_step(self, stage: int) -> GridStep:
         """The prepared step :meth:`to_grid` takes from the current layout into ``stage`` (``rows_moved`` etc.)."""
         self._check_grid_change(stage)
-        return self.runtime._grid_step(self, self._slot, stage)
+        return self.runtime._grid_step(self, self._current_slot(), stage)
 
     def gather(self, x: Tensor) -> Tensor:
         """Exit: the canonical tensor [N, ...] of the current stage's model grids from every rank's local rows,
@@ -383,7 +424,7 @@ class WindowRequest:
         of them (each rank's copy is its own contribution; :func:`winsp.sync_gradients` averages afterwards).
         """
         lay = self._current_layout()
-        rows = self.prepared.stage_rows[self._slot]
+        rows = self._rows()
         out = gather_rows(x, lay.plan, self.group, lay.gather_order)
         return out.index_select(0, rows.crop_index) if rows.padded else out
 
@@ -418,9 +459,9 @@ class WindowRequest:
         (or None). Returns (video output [L_local, heads, head_dim], text output [L_txt, heads, head_dim] or None).
         The rows must be in ``layer``'s layout (``to_layer(x, layer)`` first), else a ValueError names both layouts.
         ``score_mod(score, head, q_row, k_row)`` / ``mask_mod(head, q_row, k_row)`` modify video x video scores, rows
-        being local row indices (:mod:`winsp.attention.score_mods`). ``text_output=False`` (a layer whose text output is never
-        read, e.g. a model's last block) skips the text reduction and its all-reduce; every rank must pass the same
-        value.
+        being local row indices (:mod:`winsp.attention.score_mods`). ``text_output=False`` (a layer whose text output is
+        never read, e.g. a model's last block) skips the text reduction and its all-reduce; every rank must pass the
+        same value.
         """
         lay = self._layer_layout(layer)
         if q_vid.shape[0] != lay.num_rows:
@@ -446,9 +487,10 @@ class WindowRequest:
                                       softmax_scale, has_text and text_output)
         if lay.plan.has_split_windows:
             refuse_score_mods(lay.plan, score_mod, mask_mod)
-            return self._attention_split(lay, self._runner(self._slot, q_vid.dtype, False)[1], (q_vid, k_vid, v_vid),
-                                         (q_txt, k_txt, v_txt), softmax_scale, has_text and text_output)
-        runner = self._runner(self._slot, q_vid.dtype, bool(mods))[1]
+            return self._attention_split(lay, self._runner(self._current_slot(), q_vid.dtype, False)[1],
+                                         (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), softmax_scale,
+                                         has_text and text_output)
+        runner = self._runner(self._current_slot(), q_vid.dtype, bool(mods))[1]
         vid_out, window_text = attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, lay.segments, lay.index, runner,
                                       softmax_scale=softmax_scale, mods=mods)
         if not (has_text and text_output):
@@ -459,15 +501,19 @@ class WindowRequest:
                          softmax_scale: float | None, text_output: bool) -> tuple[Tensor, Tensor | None]:
         """:meth:`attention` on a layout with split windows: whole windows as usual, split ones head-parallel."""
         q = qkv[0]
-        split = self.prepared.splits.get((self._slot, q.shape[1]))
+        key = (self._current_slot(), q.shape[1])
+        split = self.prepared.splits.get(key)
         if split is None:  # first call at this head count: prepared once, then a plain look-up like the runners
-            split = self.prepared.splits[(self._slot, q.shape[1])] = self.runtime._split(
-                lay.plan, self.text_lengths, q.shape[1], self.device)
-        parts = [split_local_rows(t, split) for t in qkv]  # slices where the local rows allow (no copy)
-        vid_whole, window_text = attend(*(w for w, _ in parts), *qkv_txt,
+            split = self.prepared.splits[key] = self.runtime._split(lay.plan, self.text_lengths, q.shape[1],
+                                                                     self.device)
+        # slices where the local rows allow (no copy)
+        (q_whole, q_split), (k_whole, k_split), (v_whole, v_split) = (split_local_rows(t, split) for t in qkv)
+        q_txt, k_txt, v_txt = qkv_txt
+        vid_whole, window_text = attend(q_whole, k_whole, v_whole, q_txt, k_txt, v_txt,
                                         lay.segments, lay.index, runner, softmax_scale=softmax_scale)
-        txt = tuple(t if t is not None else q.new_zeros((0,) + tuple(q.shape[1:])) for t in qkv_txt)
-        vid_split, txt_split = split_attention(*(p for _, p in parts), *txt, split, self.group,
+        no_text = q.new_zeros((0,) + tuple(q.shape[1:]))
+        qt, kt, vt = (no_text if t is None else t for t in qkv_txt)
+        vid_split, txt_split = split_attention(q_split, k_split, v_split, qt, kt, vt, split, self.group,
                                                _scale(q, softmax_scale))
         vid_out = join_local_rows(vid_whole, vid_split, split)
         if not text_output:

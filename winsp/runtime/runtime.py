@@ -3,11 +3,11 @@ and makes the requests that execute the plans.
 
 A model builds one :class:`WindowRuntime` (its window geometries, one per layer, flat or in
 :class:`~winsp.planning.stages.Stage` s, and the SP group), then for each forward asks it for a
-:class:`~winsp.runtime.request.WindowRequest` over that batch's grids. Making the request is the *planning* phase: plans come
-from pure functions (:func:`winsp.plan_schedule` for one stage, :func:`winsp.planning.hierarchy.staged_plans` over stages),
-and they, the transitions, each rank's windows and every device index tensor are kept in the runtime's store (built
-on a miss, numpy on the CPU). It is marked for torch.compile to leave alone. The request's steps are the *per-layer*
-phase (:mod:`winsp.runtime.request`). Model code calls only these; it never sees a collective.
+:class:`~winsp.runtime.request.WindowRequest` over that batch's grids. Making the request is the *planning* phase: plans
+come from pure functions (:func:`winsp.plan_schedule` for one stage, :func:`winsp.planning.hierarchy.staged_plans` over
+stages), and they, the transitions, each rank's windows and every device index tensor are kept in the runtime's store
+(built on a miss, numpy on the CPU). It is marked for torch.compile to leave alone. The request's steps are the
+*per-layer* phase (:mod:`winsp.runtime.request`). Model code calls only these; it never sees a collective.
 
 Gradient convention: every rank computes the same loss from replicated values, each rank's copy of a replicated value
 is its own contribution, and after ``backward`` :func:`winsp.sync_gradients` averages the gradients over the SP group
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from functools import cached_property
+from itertools import pairwise
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ from winsp.attention.halo.backends import check_neighborhood_backend, explain_ne
 from winsp.attention.split import SplitAttention, SplitAttentionTensors
 from winsp.comm.group import SPGroup
 from winsp.comm.redistribute import RankTransitionTensors, Transition
-from winsp.geometry.layout import check_grids
+from winsp.geometry.layout import Grids, check_grids
 from winsp.geometry.neighborhood import is_neighborhood
 from winsp.geometry.windows import WindowGeometry
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
@@ -41,23 +42,23 @@ from winsp.planning.schedule import _check_schedule, check_planner
 from winsp.planning.stages import Stage, check_stages, grid_sources, stage_grids
 from winsp.runtime.config import DiffusionParallelConfig
 from winsp.runtime.local import LayoutTensors, LocalWindows, layout_tensors
-from winsp.runtime.request import PreparedRequest, WindowRequest
+from winsp.runtime.request import CheckedRequest, PreparedRequest, WindowRequest
 from winsp.runtime.store import CacheInfo, RuntimeStore
-from winsp.utils.checks import count_tuple
 from winsp.utils.compile import planning
 
-__all__ = ["WindowRuntime", "WindowRequest", "StagedRuntime", "StagedRequest", "LocalWindows", "LayoutTensors",
-           "PreparedRequest", "as_stages"]
+__all__ = ["WindowRuntime", "WindowRequest", "CheckedRequest", "StagedRuntime", "StagedRequest", "LocalWindows",
+           "LayoutTensors", "PreparedRequest", "as_stages"]
 
 _log = logging.getLogger("winsp")
 
 
 def as_stages(schedule: Sequence[WindowGeometry] | Sequence[Stage]) -> tuple[Stage, ...]:
     """A runtime's stages: a list of :class:`Stage` as given (checked), or a flat schedule as one stage."""
-    items = tuple(schedule) if not isinstance(schedule, (str, bytes)) else (schedule,)
-    if items and all(isinstance(s, Stage) for s in items):
-        return check_stages(items)
-    if any(isinstance(s, Stage) for s in items):
+    items: tuple = tuple(schedule) if not isinstance(schedule, (str, bytes)) else (schedule,)
+    stages = [s for s in items if isinstance(s, Stage)]
+    if items and len(stages) == len(items):
+        return check_stages(stages)
+    if stages:
         raise ValueError("give a runtime either one WindowGeometry per layer or a list of winsp.Stage, not a mix")
     return (Stage(_check_schedule(items)),)
 
@@ -125,8 +126,8 @@ class WindowRuntime:
         """Build the runtime a :class:`DiffusionParallelConfig` asks for (``options``: other keyword arguments of
         the constructor, e.g. ``split_windows``).
 
-        ``ulysses_degree`` N = 1 needs no process group. For N > 1 torch.distributed must be initialised; ``group``
-        defaults to the world, and its size must equal N.
+        The SP degree N (``sp_degree``, ``ulysses_degree`` in the vLLM-Omni lineage) = 1 needs no process group. For
+        N > 1 torch.distributed must be initialised; ``group`` defaults to the world, and its size must equal N.
         """
         config = config if config is not None else DiffusionParallelConfig()
         if not isinstance(config, DiffusionParallelConfig):
@@ -206,7 +207,12 @@ class WindowRuntime:
     def describe(self, device: torch.device | str = "cpu", backend: str | None = None) -> str:
         """A report of the execution path: one line (``window-aligned SP, Plan A (auto), 4 ranks, grouped SDPA``),
         then, for a schedule with more than one kind of layer or with layers named by :func:`winsp.parallelize`, a line
-        per kind (:meth:`layer_kinds`) with its backend and its layers' module paths (or numbers)."""
+        per kind (:meth:`layer_kinds`) with its backend and its layers' module paths (or numbers).
+
+        "Plan A" names how rows move between layouts: every layout change re-shards the activation with one
+        all-to-all (:mod:`winsp.comm.redistribute`), as opposed to exchanging only halos (neighborhood layers,
+        :mod:`winsp.planning.halo`); the planner follows in parentheses.
+        """
         backend = (backend or self.backend_for(device)).replace("_", " ").replace("sdpa", "SDPA")
         if self.world_size == 1:
             head = f"window attention, single rank (no communication), {backend}"
@@ -265,9 +271,12 @@ class WindowRuntime:
             return self.first_layer[st.like] + len(self.stages[st.like].layers) - 1
         return self.first_layer[stage]
 
-    def stage_grids(self, grids: Sequence[Sequence[int]]) -> tuple[tuple, tuple]:
-        """(model grids, laid-out grids) of each stage for these stage-0 grids (:func:`winsp.planning.stages.stage_grids`)."""
-        grids = check_grids(grids)
+    def stage_grids(self, grids: Sequence[Sequence[int]]) -> tuple[tuple[Grids, ...], tuple[Grids, ...]]:
+        """(model grids, laid-out grids) of each stage for these stage-0 grids
+        (:func:`winsp.planning.stages.stage_grids`)."""
+        return self._stage_grids(check_grids(grids))
+
+    def _stage_grids(self, grids: Grids) -> tuple[tuple[Grids, ...], tuple[Grids, ...]]:
         return self.store.get(("stage-grids", grids), lambda: stage_grids(self.stages, grids))
 
     def plans(self, grids: Sequence[Sequence[int]], *, split_windows: bool | None = None) -> tuple[Plan, ...]:
@@ -276,10 +285,12 @@ class WindowRuntime:
 
         ``split_windows`` (default: the runtime's) False keeps every window whole (attention with score mods).
         """
-        grids = check_grids(grids)
         split = self.split_windows if split_windows is None else bool(split_windows)
-        return self.store.get(("plans", grids, split), lambda: staged_plans(
-            self.stages, grids, self.world_size, self.planner, split_windows=split, costs=self.costs))
+        return self._plans(check_grids(grids), split)
+
+    def _plans(self, grids: Grids, split_windows: bool) -> tuple[Plan, ...]:
+        return self.store.get(("plans", grids, split_windows), lambda: staged_plans(
+            self.stages, grids, self.world_size, self.planner, split_windows=split_windows, costs=self.costs))
 
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
@@ -294,9 +305,9 @@ class WindowRuntime:
         return self.store.get(("layout", plan.key or id(plan), self.rank, text_lengths, str(device)),
                               lambda: layout_tensors(plan, self.rank, text_lengths, device))
 
-    def _stage_rows(self, layout: LayoutTensors, stage: int, grids, device: torch.device) -> StageRows:
+    def _stage_rows(self, layout: LayoutTensors, stage: int, grids: Grids, device: torch.device) -> StageRows:
         def build() -> StageRows:
-            model, laid = self.stage_grids(grids)
+            model, laid = self._stage_grids(grids)
             local = layout.local
             return StageRows.build(layout.plan, self.rank, local.row_sample, local.token_ids, model[stage],
                                    laid[stage], device)
@@ -304,14 +315,14 @@ class WindowRuntime:
         key = ("stage-rows", layout.plan.key or id(layout.plan), stage, grids, self.rank, str(device))
         return self.store.get(key, build)
 
-    def _sources(self, stage: int, grids) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    def _sources(self, stage: int, grids: Grids) -> tuple[np.ndarray, Optional[np.ndarray]]:
         def build():
-            model, laid = self.stage_grids(grids)
+            model, laid = self._stage_grids(grids)
             st = self.stages[stage]
             sources, chunk = grid_sources(st, model[stage - 1], laid[stage - 1], model[stage], laid[stage])
             return sources, (chunk if st.split != (1, 1, 1) else None)
 
-        return self.store.get(("grid-sources", check_grids(grids), stage), build)
+        return self.store.get(("grid-sources", grids, stage), build)
 
     def _grid_step(self, request: WindowRequest, src_slot: int, stage: int) -> GridStep:
         src = request.prepared.layouts[src_slot].plan
@@ -321,15 +332,16 @@ class WindowRuntime:
 
         def build() -> GridStep:
             sources, chunk = self._sources(stage, request.model_grids)
-            parts = 1 if chunk is None else len(self.stages[stage].order)
+            parts = 1 if chunk is None else self.stages[stage].children
             return GridStep.build(src, dst, sources, chunk, parts, self.rank, request.device)
 
         return self.store.get(key, build)
 
-    def _prepare(self, grids, text_lengths: tuple[int, ...], device: torch.device,
-                 split_windows: bool) -> PreparedRequest:
+    def _prepare(self, inputs: CheckedRequest, split_windows: bool) -> PreparedRequest:
+        grids, text_lengths, device = inputs.grids, inputs.text_lengths, inputs.device
+
         def build() -> PreparedRequest:
-            plans = self.plans(grids, split_windows=split_windows)
+            plans = self._plans(grids, split_windows)
             distinct: list[Plan] = []
             slot_of_layer = []
             for plan in plans:
@@ -340,10 +352,10 @@ class WindowRuntime:
             stage_of_slot = {slot: self.stage_of_layer[layer] for layer, slot in enumerate(slot_of_layer)}
             rows = tuple(self._stage_rows(lay, stage_of_slot[s], grids, device) for s, lay in enumerate(layouts))
             steps = {}
-            for a, b in zip(slot_of_layer, slot_of_layer[1:]):
+            for a, b in pairwise(slot_of_layer):
                 if a != b and (a, b) not in steps and distinct[a].layout.grids == distinct[b].layout.grids:
                     steps[(a, b)] = self._step(distinct[a], distinct[b], device)
-            model, laid = self.stage_grids(grids)
+            model, laid = self._stage_grids(grids)
             return PreparedRequest(plans=plans, slot_of_layer=tuple(slot_of_layer), layouts=layouts, stage_rows=rows,
                                    stage_model_grids=model, stage_laid_grids=laid, steps=steps, runners={},
                                    hook_data={})
@@ -369,34 +381,26 @@ class WindowRuntime:
         ``score_mods`` says whether attention calls will pass a ``score_mod`` / ``mask_mod`` (their backend is then
         chosen here as well, and the default planner keeps every window whole, since a split window has no
         per-local-row tensors for them); None: as this runtime's earlier requests did.
+
+        The inputs are checked here, once, into a :class:`~winsp.runtime.request.CheckedRequest`; planning and
+        preparing take that and check nothing again.
         """
-        grids = check_grids(grids)
-        text_lengths = _check_text_lengths(text_lengths, len(grids))
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if score_mods is not None and not isinstance(score_mods, bool):
-            raise ValueError(f"score_mods must be True, False or None, got {score_mods!r}")
-        modded = self._modded_seen if score_mods is None else score_mods
-        prepared = self._prepare(grids, text_lengths, device, self.split_windows and not modded)
+        return self._request(CheckedRequest.check(grids, text_lengths, device=device, dtype=dtype,
+                                                  score_mods=score_mods))
+
+    def _request(self, inputs: CheckedRequest) -> WindowRequest:
+        """Plan (or find in the store) and prepare a request whose inputs are checked: this checks nothing again."""
+        modded = self._modded_seen if inputs.score_mods is None else inputs.score_mods
+        prepared = self._prepare(inputs, self.split_windows and not modded)
         for name in self.layout_hooks:
             for slot, layout in enumerate(prepared.layouts):
-                prepared.hook_data[(slot, name)] = self._hook_data(name, layout, text_lengths, device)
-        request = WindowRequest(self, prepared, grids, text_lengths, device)
-        if dtype is not None:
+                prepared.hook_data[(slot, name)] = self._hook_data(name, layout, inputs.text_lengths, inputs.device)
+        request = WindowRequest(self, prepared, inputs)
+        if inputs.dtype is not None:
             for slot in range(len(prepared.layouts)):
-                request._runner(slot, dtype, modded)
-        self._last = (device, dtype, request.backend(dtype, modded=modded))
+                request._runner(slot, inputs.dtype, modded)
+        self._last = (inputs.device, inputs.dtype, request.backend(inputs.dtype, modded=modded))
         return request
-
-
-def _check_text_lengths(text_lengths, num_samples: int) -> tuple[int, ...]:
-    if text_lengths is None:
-        return (0,) * num_samples
-    out = count_tuple("text_lengths", text_lengths)
-    if len(out) != num_samples:
-        raise ValueError(f"text_lengths has {len(out)} entries but there are {num_samples} samples")
-    return out
 
 
 class StagedRuntime(WindowRuntime):

@@ -1,8 +1,8 @@
 """The runtime's one store: an LRU-bounded map from request shapes to everything prepared for them.
 
-A :class:`~winsp.runtime.runtime.WindowRuntime` keeps plans, transitions, each rank's local windows and their device index
-tensors here, under tagged keys, with a single bound and a single :meth:`RuntimeStore.cache_info`. Nothing in winsp
-caches at module level or stashes state on other objects; dropping the runtime drops all of it.
+A :class:`~winsp.runtime.runtime.WindowRuntime` keeps plans, transitions, each rank's local windows and their device
+index tensors here, under tagged keys, with a single bound and a single :meth:`RuntimeStore.cache_info`. Nothing in
+winsp caches at module level or stashes state on other objects; dropping the runtime drops all of it.
 """
 
 from __future__ import annotations

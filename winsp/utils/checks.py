@@ -18,7 +18,7 @@ def count_tuple(name: str, values: object) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ValueError(f"{name} must be a sequence of integers, got {type(values).__name__}")
     out = []
-    for position, value in enumerate(values):  # type: ignore[union-attr]
+    for position, value in enumerate(values):
         if isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{name}[{position}] must be an integer, got a bool")
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from functools import partial
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -70,7 +71,7 @@ class ForwardContext:
             if key_vid not in tables:
                 layout = request.layout(i)
                 tables[key_vid] = rope.video_tables(
-                    layout.window_coords, lambda: text_offset.index_select(0, layout.row_sample),
+                    layout.window_coords, partial(text_offset.index_select, 0, layout.row_sample),
                     layout.window_shape, width)
             if rope.rotates_text and key_txt not in tables:
                 tables[key_txt] = rope.tables(txt_positions, width)
@@ -162,7 +163,7 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
         The runtime is attached the winsp way (:class:`winsp.WindowParallel`):
         ``model.build_runtime(parallel_config=DiffusionParallelConfig(ulysses_degree=N), group=...)`` returns it.
         """
-        return [winsp.make_geometry(m, w) for m, w in zip(self.config.window_method, self.config.window)]
+        return [winsp.make_geometry(m, w) for m, w in zip(self.config.window_method, self.config.window, strict=True)]
 
     def compile_blocks(self, **compile_kwargs) -> "SeedVR2NaDiT":
         """Regional compilation: ``torch.compile`` each block in place (``fullgraph=True`` unless told otherwise).

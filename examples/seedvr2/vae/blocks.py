@@ -128,7 +128,7 @@ class MidBlock3D(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         x = self.resnets[0](x, ctx)
-        for attention, resnet in zip(self.attentions, self.resnets[1:]):
+        for attention, resnet in zip(self.attentions, self.resnets[1:], strict=True):
             x = resnet(attention(x, ctx), ctx)
         return x
 

@@ -56,8 +56,8 @@ def load_vae_checkpoint(
     """Load ``source`` (a file path or a state dict) into ``vae`` strictly and return ``vae``.
 
     Floating tensors are first cast to the module's dtypes (fp16/bf16 repacks; fp8 with or without per-tensor scales;
-    GGUF types decoded, see :mod:`..checkpoint_dtypes`), and ``report`` receives one line saying what was cast (default: the
-    ``examples.seedvr2`` logger at INFO). A module built on the meta device (``with torch.device("meta"):``) then
+    GGUF types decoded, see :mod:`..checkpoint_dtypes`), and ``report`` receives one line saying what was cast (default:
+    the ``examples.seedvr2`` logger at INFO). A module built on the meta device (``with torch.device("meta"):``) then
     takes the tensors themselves (``assign=True``: no second copy); a materialised module copies the values.
     """
     if isinstance(source, Mapping):

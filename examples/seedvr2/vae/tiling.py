@@ -81,7 +81,7 @@ def check_tiling(vae: CausalVideoVAE, tile_size, overlap) -> tuple[tuple[int, in
     0 <= overlap < tile."""
     factor = vae.config.spatial_downsample_factor
     tile, over = _pair(tile_size, "tile_size"), _pair(overlap, "overlap")
-    for t, o in zip(tile, over):
+    for t, o in zip(tile, over, strict=True):
         if t < factor or t % factor:
             raise ValueError(f"tile_size {tile_size!r} must be a positive multiple of {factor} pixels")
         if o < 0 or o % factor or o >= t:

@@ -12,7 +12,8 @@ run's, so the result equals it bit for bit.
 It combines with height sharding (:mod:`.sharding`): a :class:`VAESplit` of ``T x H = P`` ranks puts rank
 ``t * H + h`` on band ``h`` of time rank ``t``'s chunks; the ``H`` ranks of one time rank form a height group
 (halos, norm statistics), and each rank relays its band's cache to band ``h`` of the next time rank.
-:func:`choose_split` picks the split for a clip from a small cost model. A rank that gets no chunk (``T`` larger
+:func:`choose_split` picks the split for a clip from a cost model fitted on measured wall time
+(:func:`split_cost`). A rank that gets no chunk (``T`` larger
 than the chunk count) only takes part in the final gather.
 
 Nothing here calls ``torch.distributed``: communication goes through :class:`winsp.comm.group.SPGroup`.
@@ -35,13 +36,20 @@ from .context import CausalCache, RunContext
 from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent
 from .sharding import RowBands
 
-__all__ = ["VAESplit", "RelayCache", "WaveStats", "choose_split", "split_for_clip", "encode_wavefront",
-           "decode_wavefront"]
+__all__ = ["VAESplit", "RelayCache", "WaveStats", "HEIGHT_COMM", "TIME_COMM", "split_cost", "choose_split",
+           "clip_splits", "split_for_clip", "describe_splits", "encode_wavefront", "decode_wavefront"]
 
 _ROWS = 3  # the height dim of [b, c, t, h, w]
-#: relative cost of one extra height rank (halo exchanges and norm statistics every layer), against one
-#: chunk's compute; it makes the cost model prefer time ranks where both split the work as evenly
-_HEIGHT_COMM = 0.02
+#: Run time added by each extra height rank (halo exchanges and norm statistics every layer) and by each extra time
+#: rank (the wavefront's fill: a time rank waits for the previous chunk's first layers, and the relayed caches), as
+#: fractions of one rank's run. Fitted (``benchmarks/cost_model.py --fit-vae``) on the wall-time speed-ups that
+#: ``benchmarks/bench_vae.py --scaling`` measured at P = 2 on the quiet 2-core machine (released VAE widths,
+#: ``benchmarks/vae_split_walls.json``, 8 points): height bands ran 0.5-4 % over an even split, the time-only
+#: wavefront of a 33-frame clip 2-2.8 % over its busiest rank's share of the frames. Refit on a new machine with
+#: ``python benchmarks/bench_vae.py --scaling --json F`` then ``python benchmarks/cost_model.py --fit-vae F``.
+HEIGHT_COMM = 0.015
+TIME_COMM = 0.024
+_HEIGHT_COMM = HEIGHT_COMM  # the name before the fit
 
 
 @dataclass(frozen=True)
@@ -127,32 +135,38 @@ class RelayCache(CausalCache):
         self._pending.clear()
 
 
-def choose_split(
-    world: int, chunk_frames: list[int], latent_rows: int, *, layers: int = 30, height_comm: float = _HEIGHT_COMM
-) -> VAESplit:
-    """The ``time x height`` split of ``world`` ranks with the lowest modelled run time for a clip.
+def split_cost(split: VAESplit, chunk_frames: list[int], latent_rows: int, *, height_comm: float = HEIGHT_COMM,
+               time_comm: float = TIME_COMM) -> float:
+    """The modelled run time of ``split`` relative to one rank: the busiest time rank's share of the video frames
+    (``chunk_frames``: each causal chunk's frames, round-robin over the time ranks) times the largest band's share of
+    the ``latent_rows``, plus ``height_comm`` per extra height rank and ``time_comm`` per extra time rank."""
+    total = float(sum(chunk_frames)) or 1.0
+    busiest = max(sum(chunk_frames[c::split.time]) for c in range(split.time))
+    band = math.ceil(latent_rows / split.height) / latent_rows
+    return busiest / total * band + height_comm * (split.height - 1) + time_comm * (split.time - 1)
 
-    ``chunk_frames`` are the causal chunks' lengths (the first one longer), ``latent_rows`` the latent height, and
-    ``layers`` the convolutions a chunk goes through one after another. Modelled, relative to one rank: the busiest
-    time rank's frames, plus the wavefront's fill (``T - 1`` layers of a chunk), times the busiest band's share of
-    the rows, plus ``height_comm`` for each extra height rank. Ties go to more time ranks (no per-layer
-    collectives, and the pipeline's sends are the only communication).
+
+def choose_split(
+    world: int, chunk_frames: list[int], latent_rows: int, *, height_comm: float = HEIGHT_COMM,
+    time_comm: float = TIME_COMM,
+) -> VAESplit:
+    """The ``time x height`` split of ``world`` ranks with the lowest :func:`split_cost` for a clip.
+
+    ``chunk_frames`` are the causal chunks' video frames (encode: each chunk's input frames, the first one longer;
+    decode: each latent chunk's output frames, the first one shorter), ``latent_rows`` the latent height. A single
+    image (one chunk) or a short clip gets height bands; a long clip whose rows split badly over the ranks gets time
+    ranks. Ties go to more time ranks (no per-layer collectives).
     """
     if world < 1:
         raise ValueError(f"choose_split: world must be >= 1, got {world}")
-    total = float(sum(chunk_frames)) or 1.0
-    mean_chunk = total / max(1, len(chunk_frames))
     best, best_cost = None, math.inf
     for height in range(1, world + 1):
         if world % height or height > latent_rows:
             continue
-        times = world // height
-        busiest = max(sum(chunk_frames[c::times]) for c in range(times))
-        fill = (times - 1) * mean_chunk / max(1, layers)
-        band = math.ceil(latent_rows / height) / latent_rows
-        cost = (busiest + fill) / total * band + height_comm * (height - 1)
+        split = VAESplit(world // height, height)
+        cost = split_cost(split, chunk_frames, latent_rows, height_comm=height_comm, time_comm=time_comm)
         if cost < best_cost - 1e-12:
-            best, best_cost = VAESplit(times, height), cost
+            best, best_cost = split, cost
     if best is None:
         raise ValueError(f"choose_split: no split of {world} ranks fits a latent height of {latent_rows} rows")
     return best
@@ -221,7 +235,7 @@ def _run(
             previous.finish()
     rows = [s * out_scale for s in plan.latent_bands]
     b = x.shape[0]
-    for c, out in zip(plan.owners[t_rank], outputs):
+    for c, out in zip(plan.owners[t_rank], outputs, strict=True):
         if out.shape[2] != plan.out_frames[c]:
             raise AssertionError(f"chunk {c} gave {out.shape[2]} frames, expected {plan.out_frames[c]}")
     local = torch.cat(outputs, dim=2) if outputs else band.new_zeros((b, out_channels, 0, rows[h_rank], out_width))
@@ -250,12 +264,12 @@ def _run(
 
 
 def _plan(group: SPGroup, frames: int, chunk: int | None, latent_rows: int, split: VAESplit | None,
-          out_frames: Callable[[int, int], int]) -> _Plan:
+          out_frames: Callable[[int, int], int], video_side: str) -> _Plan:
     bounds = _chunk_bounds(frames, chunk)
     lengths = [stop - start for start, stop in bounds]
-    split = _check_split(split, group, lengths, latent_rows)
-    return _Plan(bounds, split, group.rank, band_sizes(latent_rows, split.height),
-                 [out_frames(c, n) for c, n in enumerate(lengths)])
+    outputs = [out_frames(c, n) for c, n in enumerate(lengths)]
+    split = _check_split(split, group, lengths if video_side == "input" else outputs, latent_rows)
+    return _Plan(bounds, split, group.rank, band_sizes(latent_rows, split.height), outputs)
 
 
 def encode_wavefront(
@@ -270,7 +284,7 @@ def encode_wavefront(
     vae.validate_video(video)
     factor, tf = vae.config.spatial_downsample_factor, vae.config.temporal_downsample_factor
     plan = _plan(group, video.shape[2], vae.temporal_chunk, video.shape[_ROWS] // factor, split,
-                 lambda c, n: 1 + (n - 1) // tf if c == 0 else n // tf)
+                 lambda c, n: 1 + (n - 1) // tf if c == 0 else n // tf, "input")
     with torch.no_grad():
         moments = _run(vae, video, group, plan, vae._encode_step, in_scale=factor, out_scale=1,
                        out_channels=2 * vae.config.latent_channels, out_width=video.shape[4] // factor,
@@ -287,20 +301,39 @@ def decode_wavefront(
     factor, tf = vae.config.spatial_downsample_factor, vae.config.temporal_downsample_factor
     chunk = None if vae.temporal_chunk is None else vae.temporal_chunk // tf
     plan = _plan(group, latent.shape[2], chunk, latent.shape[_ROWS], split,
-                 lambda c, n: 1 + tf * (n - 1) if c == 0 else tf * n)
+                 lambda c, n: 1 + tf * (n - 1) if c == 0 else tf * n, "output")
     with torch.no_grad():
         return _run(vae, latent, group, plan, vae._decode_step, in_scale=1, out_scale=factor,
                     out_channels=vae.config.out_channels, out_width=latent.shape[4] * factor,
                     gather=gather, stats=stats)
 
 
-def split_for_clip(world: int, frames: int, latent_rows: int, *, temporal_chunk: int | None = 4,
-                   temporal_factor: int = 4) -> VAESplit:
-    """The split the wavefront mode uses for a clip of ``frames`` video frames (1 + 4k), encode and decode
-    alike; of the two choices the one with fewer height ranks (the larger band, for a memory estimate)."""
+def clip_splits(world: int, frames: int, latent_rows: int, *, temporal_chunk: int | None = 4,
+                temporal_factor: int = 4) -> tuple[VAESplit, VAESplit]:
+    """The (encode, decode) splits the wavefront mode uses for a clip of ``frames`` video frames (1 + 4k)."""
     video = [b - a for a, b in _chunk_bounds(frames, temporal_chunk)]
     latent_frames = 1 + (frames - 1) // temporal_factor
     latent_chunk = None if temporal_chunk is None else temporal_chunk // temporal_factor
-    latent = [b - a for a, b in _chunk_bounds(latent_frames, latent_chunk)]
-    splits = [choose_split(world, video, latent_rows), choose_split(world, latent, latent_rows)]
+    decoded = [1 + temporal_factor * (b - a - 1) if a == 0 else temporal_factor * (b - a)
+               for a, b in _chunk_bounds(latent_frames, latent_chunk)]
+    return choose_split(world, video, latent_rows), choose_split(world, decoded, latent_rows)
+
+
+def split_for_clip(world: int, frames: int, latent_rows: int, *, temporal_chunk: int | None = 4,
+                   temporal_factor: int = 4) -> VAESplit:
+    """Of the two splits of :func:`clip_splits`, the one with fewer height ranks (the larger band, for a memory
+    estimate)."""
+    splits = clip_splits(world, frames, latent_rows, temporal_chunk=temporal_chunk, temporal_factor=temporal_factor)
     return min(splits, key=lambda s: s.height)
+
+
+def describe_splits(encode: VAESplit, decode: VAESplit) -> str:
+    """``height bands x2`` / ``time x2`` / ``encode 1x2 (height), decode 2x1 (time)``, for a summary line."""
+    def name(split: VAESplit) -> str:
+        if split.time == 1:
+            return f"height bands x{split.height}"
+        return f"time x{split.time}" if split.height == 1 else f"time x height {split.time}x{split.height}"
+
+    if encode == decode:
+        return name(encode)
+    return f"encode {name(encode)}, decode {name(decode)}"

@@ -76,7 +76,7 @@ def explain_backend(
         if reason is not None:
             raise ValueError(f"attention backend {requested!r} cannot run: {reason}")
         return requested, ()
-    skipped = []
+    skipped: list[str] = []
     for name, backend in REGISTRY.items():
         reason = backend.auto_rule(device, modded) or backend.unavailable_reason(device, segments, dtype)
         if reason is None:

@@ -1,8 +1,8 @@
 """What a backend is, and the packing helpers the backends share.
 
 A runner takes ``(q, k, v)`` of the local video rows, ``(q, k, v)`` of the packed replicated text, the segments, their
-index tensors on the inputs' device, the softmax scale and the call's :class:`~winsp.attention.score_mods.ScoreMods` (or None),
-and returns ``(vid_out, window-major txt_out)``.
+index tensors on the inputs' device, the softmax scale and the call's :class:`~winsp.attention.score_mods.ScoreMods` (or
+None), and returns ``(vid_out, window-major txt_out)``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class Backend:
     ``dtype`` None skip those checks). ``load()`` returns its runner, importing any kernel it needs; ``prepare(segments,
     index)`` returns the runner bound to one rank's segments (a backend with per-layout state, such as FlexAttention's
     block mask, builds it there, once per request shape). ``takes_score_mods`` says whether it can apply a
-    ``score_mod`` / ``mask_mod``; ``auto_rule(device, modded)`` says why ``"auto"`` passes it over (None: it may pick it).
+    ``score_mod`` / ``mask_mod``; ``auto_rule(device, modded)`` says why ``"auto"`` passes it over (None: it may pick
+    it).
     """
 
     name: str
@@ -72,18 +73,21 @@ def sdpa_segments(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 def attend_groups(q: Tensor, k: Tensor, v: Tensor, rows: Optional[tuple[Tensor, Tensor]], segments: WindowSegments,
                   scale: float, mods: Optional[ScoreMods]) -> Tensor:
     """Attention over ``[G, S, heads, head_dim]`` windows of one length whose concat rows and video rows
-    (:attr:`~winsp.attention.segments.WindowSegments.pack_vid_row`) are ``rows`` (two ``[G, S]`` tensors; None without mods).
+    (:attr:`~winsp.attention.segments.WindowSegments.pack_vid_row`) are ``rows`` (two ``[G, S]`` tensors; None without
+    mods).
 
     Plain SDPA without mods; with only a ``mask_mod``, SDPA with a boolean mask; with a ``score_mod``, explicit
     scores (the score must be materialised to be modified).
     """
     if not mods:
         return sdpa_segments(q, k, v, scale)
+    assert rows is not None, "score mods are evaluated at the packed rows, which the caller passes with them"
+    concat_rows, vid_rows = rows
     if mods.score_mod is None:
-        groups, length = rows[0].shape
+        groups, length = concat_rows.shape
         zeros = q.new_zeros((groups, q.shape[2], length, length), dtype=torch.float32)
-        allowed = modified_scores(zeros, *rows, segments.total_vid, mods) == 0
+        allowed = modified_scores(zeros, concat_rows, vid_rows, segments.total_vid, mods) == 0
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=allowed, scale=scale)
         return out.transpose(1, 2)
-    return attention_with_mods(q, k, v, *rows, segments.total_vid, scale, mods)
+    return attention_with_mods(q, k, v, concat_rows, vid_rows, segments.total_vid, scale, mods)

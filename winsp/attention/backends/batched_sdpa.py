@@ -32,7 +32,7 @@ def _run(qkv_vid, qkv_txt, segments, idx, scale, mods=None):
         txt = txt.index_select(0, idx.uniform_txt_index).view(count, txt_len, *heads_dim)
         return torch.cat([vid, txt], dim=1)
 
-    q, k, v = (window_batch(vid, txt) for vid, txt in zip(qkv_vid, qkv_txt))
+    q, k, v = (window_batch(vid, txt) for vid, txt in zip(qkv_vid, qkv_txt, strict=True))
     out = sdpa_segments(q, k, v, scale)
     vid_out = out[:, :vid_len].reshape(count * vid_len, *heads_dim)
     txt_out = out[:, vid_len:].reshape(count * txt_len, *heads_dim)

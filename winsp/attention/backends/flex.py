@@ -103,7 +103,7 @@ def _prepare(segments, idx) -> Runner:
             raise ValueError("the flex backend on CPU is inference-only (torch has no CPU backward for "
                              "FlexAttention); use attention_backend='grouped_sdpa' to train on CPU")
         q, k, v = (pack(vid, txt, idx.pack_index, segments).transpose(0, 1).unsqueeze(0).contiguous()
-                   for vid, txt in zip(qkv_vid, qkv_txt))
+                   for vid, txt in zip(qkv_vid, qkv_txt, strict=True))
         score_mod = _flex_score_mod(idx.pack_index, idx.pack_vid_row, segment_of_row, segments.total_vid, mods)
         out = _kernel(device)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
         return unpack(out.squeeze(0).transpose(0, 1), idx.unpack_index, segments)

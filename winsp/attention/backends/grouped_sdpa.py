@@ -12,7 +12,7 @@ from winsp.attention.backends.base import Backend, attend_groups, pack, unpack
 
 
 def _run(qkv_vid, qkv_txt, segments, idx, scale, mods=None):
-    q, k, v = (pack(vid, txt, idx.pack_index, segments) for vid, txt in zip(qkv_vid, qkv_txt))
+    q, k, v = (pack(vid, txt, idx.pack_index, segments) for vid, txt in zip(qkv_vid, qkv_txt, strict=True))
     heads_dim = q.shape[1:]
     outs = []
     for start, count, length in segments.group_slices:

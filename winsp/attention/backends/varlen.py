@@ -46,11 +46,20 @@ def varlen_runner(call: Callable) -> Runner:
     def run(qkv_vid, qkv_txt, segments, idx, scale, mods=None):
         if mods:
             raise ValueError("a packed varlen kernel cannot take a score_mod or mask_mod; use another backend")
-        q, k, v = (pack(vid, txt, idx.pack_index, segments).contiguous() for vid, txt in zip(qkv_vid, qkv_txt))
+        q, k, v = (pack(vid, txt, idx.pack_index, segments).contiguous()
+                   for vid, txt in zip(qkv_vid, qkv_txt, strict=True))
         packed_out = call(q, k, v, idx.packed_cu_seqlens, segments.max_seqlen, scale)
         return unpack(packed_out, idx.unpack_index, segments)
 
     return run
+
+
+def _imported(importer: Callable[[], Optional[Callable]], where: str) -> Callable:
+    """The kernel ``importer()`` finds; a ValueError naming ``where`` when it is absent."""
+    kernel = importer()
+    if kernel is None:
+        raise ValueError(f"{where} is not importable")
+    return kernel
 
 
 def varlen_backend(name: str, importer: Callable[[], Optional[Callable]], where: str,
@@ -64,7 +73,7 @@ def varlen_backend(name: str, importer: Callable[[], Optional[Callable]], where:
         name=name,
         unavailable_reason=lambda device, segments, dtype: varlen_unavailable_reason(
             device, segments, dtype, importer, where),
-        load=lambda: varlen_runner(call(importer())),
+        load=lambda: varlen_runner(call(_imported(importer, where))),
         takes_score_mods=False,
         auto_rule=lambda device, modded: "it cannot take a score_mod or mask_mod" if modded else None,
     )

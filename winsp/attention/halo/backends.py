@@ -4,8 +4,8 @@
   score mods and text rows. Always runs.
 - ``flex``: FlexAttention under a block mask (:mod:`winsp.attention.halo.flex`): compiled on CUDA; on the CPU eager and
   forward only (a call that needs gradients there is refused).
-- ``natten``: NATTEN's kernels on each rank's extended box (:mod:`winsp.attention.halo.natten`), where that box is exact and
-  the call has no score_mod / mask_mod. Without libnatten, natten runs its own FlexAttention path (float32, forward
+- ``natten``: NATTEN's kernels on each rank's extended box (:mod:`winsp.attention.halo.natten`), where that box is exact
+  and the call has no score_mod / mask_mod. Without libnatten, natten runs its own FlexAttention path (float32, forward
   only on the CPU).
 
 ``"auto"`` (the default of :class:`winsp.WindowRuntime`'s ``neighborhood_backend``): natten when libnatten is
@@ -110,7 +110,7 @@ def explain_neighborhood_backend(
         if reason is not None:
             raise ValueError(f"neighborhood backend {requested!r} cannot run: {reason}")
         return requested, ()
-    skipped = []
+    skipped: list[str] = []
     for name in NEIGHBORHOOD_BACKENDS:
         reason = reasons[name](True)
         if reason is None:

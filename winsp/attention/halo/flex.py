@@ -2,11 +2,12 @@
 
 The rank's local queries (in query-tile order, so a block of 128 queries is spatially compact) attend to its key
 rows (local, then received halo rows, reordered tile-major) followed by all text rows. The mask_mod is exactly NATTEN's
-neighbourhood, from the per-axis tables of :mod:`winsp.geometry.neighborhood`: along each axis a query at ``i`` reaches the
-keys ``p`` with ``p = i (mod dilation)`` and ``lo[i] <= p <= hi[i]`` (its clamped or causal window), within its own
+neighbourhood, from the per-axis tables of :mod:`winsp.geometry.neighborhood`: along each axis a query at ``i`` reaches
+the keys ``p`` with ``p = i (mod dilation)`` and ``lo[i] <= p <= hi[i]`` (its clamped or causal window), within its own
 sample; every video query also reaches its sample's text rows. The block mask is built from the query tiles of
-:class:`winsp.planning.halo.HaloExchange` (a tile's queries against the box its queries reach), not by evaluating the mask
-densely, so it costs no ``queries x keys`` memory; it is built once per request shape and kept in the runtime's store.
+:class:`winsp.planning.halo.HaloExchange` (a tile's queries against the box its queries reach), not by evaluating the
+mask densely, so it costs no ``queries x keys`` memory; it is built once per request shape and kept in the runtime's
+store.
 
 A call's ``score_mod`` / ``mask_mod`` apply to video x video pairs at *local* query rows and *key* rows, as in the
 tiled path (text pairs are evaluated at the query's own row, then left unmodified). The kernel is the window flex
@@ -63,7 +64,7 @@ def _axis_windows(grids, geometry: Neighborhood, coords: np.ndarray, sample: np.
     hi = np.zeros_like(coords)
     for s, grid in enumerate(grids):
         rows = np.nonzero(sample == s)[0]
-        for a, (n, k, d, c) in enumerate(zip(grid, geometry.kernel, geometry.dilation, geometry.causal)):
+        for a, (n, k, d, c) in enumerate(zip(grid, geometry.kernel, geometry.dilation, geometry.causal, strict=True)):
             keys, valid = axis_neighbours(int(n), int(k), int(d), bool(c))
             pos = coords[rows, a]
             lo[rows, a] = np.where(valid[pos], keys[pos], np.iinfo(np.int64).max).min(axis=1)
@@ -73,7 +74,7 @@ def _axis_windows(grids, geometry: Neighborhood, coords: np.ndarray, sample: np.
 
 def _key_order(coords: np.ndarray, sample: np.ndarray, geometry: Neighborhood) -> np.ndarray:
     """Key rows sorted tile-major (sample, then tiles of ``kernel * dilation`` per axis, then row-major)."""
-    tile = np.asarray([k * d for k, d in zip(geometry.kernel, geometry.dilation)])
+    tile = np.asarray([k * d for k, d in zip(geometry.kernel, geometry.dilation, strict=True)])
     t = coords // tile
     return np.lexsort((coords[:, 2], coords[:, 1], coords[:, 0], t[:, 2], t[:, 1], t[:, 0], sample))
 
@@ -87,8 +88,8 @@ def _block_lists(halo: HaloTensors, q_pos_of_row: np.ndarray, k_pos_of_row: np.n
     """
     qb, kb = -(-q_len // FLEX_BLOCK), -(-kv_len // FLEX_BLOCK)
     reach = np.zeros((qb, kb), dtype=np.float32)
-    for query, key, _, _ in halo.tiles:
-        query, key = query.cpu().numpy(), key.cpu().numpy()
+    for query_rows, key_rows, _, _ in halo.tiles:
+        query, key = query_rows.cpu().numpy(), key_rows.cpu().numpy()
         g = query.shape[0]
         q_hit = np.zeros((g, qb), dtype=np.float32)
         k_hit = np.zeros((g, kb), dtype=np.float32)

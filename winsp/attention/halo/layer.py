@@ -1,12 +1,13 @@
 """Neighborhood attention on local rows: exchange the halos, then attend to each query's gathered neighbourhood.
 
-The exact path (every device, every dtype, with backward) is tiled masked SDPA: :class:`winsp.planning.halo.HaloExchange`
-cuts the rank's block into query tiles of ``kernel * dilation`` per axis, once per request shape; each tile attends
-densely to the box of rows its queries reach (local and received halo rows) plus its sample's text keys, under a
-boolean mask that keeps each query's neighbourhood, in chunks of tiles within a memory budget. Dense tiles trade
-some masked work for GEMM speed (about (2k - 1) / k per axis of extra pairs). Only k and v travel (one variable-split
-all-to-all of both); its backward is the reverse exchange, so halo gradients return to the rows' owners. In inference
-the exchange runs in the background while the *interior* tiles (those that reach local rows only) are computed.
+The exact path (every device, every dtype, with backward) is tiled masked SDPA:
+:class:`winsp.planning.halo.HaloExchange` cuts the rank's block into query tiles of ``kernel * dilation`` per axis, once
+per request shape; each tile attends densely to the box of rows its queries reach (local and received halo rows) plus
+its sample's text keys, under a boolean mask that keeps each query's neighbourhood, in chunks of tiles within a memory
+budget. Dense tiles trade some masked work for GEMM speed (about (2k - 1) / k per axis of extra pairs). Only k and v
+travel (one variable-split all-to-all of both); its backward is the reverse exchange, so halo gradients return to the
+rows' owners. In inference the exchange runs in the background while the *interior* tiles (those that reach local rows
+only) are computed.
 
 Text rows follow window attention's rule taken to a window that covers the grid: every video query attends to its
 sample's text keys besides its neighbourhood, and a text query attends to *all* of its sample's video rows and text
@@ -268,21 +269,24 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
     """One neighborhood layer on local rows ``[L, H, D]``: halo exchange, then attention (and text queries' output).
 
     ``txt_sample`` [L_txt] is each text row's sample. ``video_attention``: the video queries' kernel
-    ``(q, k_all, v_all, txt, halo, scale, mods) -> [L, H, D]`` (:mod:`winsp.attention.halo.backends`; None: the tiled path).
-    ``txt_index``: each sample's text rows padded to the longest (``[B, T_max]`` index and validity), when the caller
-    has it (the runtime keeps it per request: no data-dependent size under torch.compile); else computed here.
+    ``(q, k_all, v_all, txt, halo, scale, mods) -> [L, H, D]`` (:mod:`winsp.attention.halo.backends`; None: the tiled
+    path). ``txt_index``: each sample's text rows padded to the longest (``[B, T_max]`` index and validity), when the
+    caller has it (the runtime keeps it per request: no data-dependent size under torch.compile); else computed here.
     Returns (video output, text output or None).
     """
     if q.shape[0] != halo.num_rows:
         raise ValueError(f"rank {group.rank}: neighborhood attention got {q.shape[0]} rows, the plan gives this rank "
                          f"{halo.num_rows}")
-    has_text = k_txt is not None and k_txt.shape[0] > 0
-    if has_text and txt_index is None:
-        txt_index = _text_index(txt_sample, halo.num_samples)
-    txt = (k_txt, v_txt, txt_index) if has_text else None
+    if (q_txt is not None or k_txt is not None) and (k_txt is None or v_txt is None or txt_sample is None):
+        raise ValueError("neighborhood attention with text needs k_txt, v_txt and txt_sample (each text row's sample)")
+    txt = None
+    if k_txt is not None and k_txt.shape[0] > 0:
+        assert txt_sample is not None  # checked above
+        txt = (k_txt, v_txt, _text_index(txt_sample, halo.num_samples) if txt_index is None else txt_index)
     vid = _exchanged_video_queries(q, k, v, txt, halo, group, scale, mods, video_attention)
     if q_txt is None or not text_output:
         return vid, None
+    assert k_txt is not None and v_txt is not None and txt_sample is not None  # checked above
     return vid, _text_queries(q_txt, k_txt, v_txt, txt_sample, k, v, halo, group, scale)
 
 
@@ -348,8 +352,9 @@ def neighborhood_layer(request, layer: int, qkv: tuple, qkv_txt: tuple, mods: Op
     from winsp.attention.windows import _scale
 
     halo = halo_tensors(request, layer)
+    q, k, v = qkv
     q_txt, k_txt, v_txt = qkv_txt
-    return neighborhood_attention(*qkv, halo, request.group, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt,
+    return neighborhood_attention(q, k, v, halo, request.group, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt,
                                   txt_sample=_text_samples(request) if k_txt is not None else None,
                                   scale=_scale(qkv[0], softmax_scale), mods=mods, text_output=text_output,
                                   video_attention=neighborhood_runner(request, layer, qkv[0], mods),

@@ -6,9 +6,9 @@ has; ``natten.na1d/na2d/na3d`` over the box then gives the block's queries their
 the box give each of them the neighbourhood it has in the whole grid. That holds where the box's border is the grid's
 border, or far enough from every block query that clamping never reaches it; and where the box's dilation groups give
 every block query the same group members as the grid's. :func:`box_is_exact` checks exactly that, per axis, from the
-per-axis tables of :mod:`winsp.geometry.neighborhood` (global against box-local, every block position, causal slots included);
-:func:`natten_plan_reason` names the rank and axis where it fails (a ragged dilated halo), the same answer on every
-rank; ``"auto"`` then takes another backend. A causal axis shorter than NATTEN's ``kernel * dilation`` is padded
+per-axis tables of :mod:`winsp.geometry.neighborhood` (global against box-local, every block position, causal slots
+included); :func:`natten_plan_reason` names the rank and axis where it fails (a ragged dilated halo), the same answer on
+every rank; ``"auto"`` then takes another backend. A causal axis shorter than NATTEN's ``kernel * dilation`` is padded
 after the block (no block query attends there).
 
 Axes of kernel 1 become batch (a query reaches only its own position there); samples with the same box and text
@@ -18,6 +18,7 @@ length run as one batch, text rows as NATTEN's ``additional_keys`` / ``additiona
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -57,7 +58,7 @@ def extended_run(reach: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
     return a, b
 
 
-def extended_box(grid, geometry: Neighborhood, block) -> tuple[Optional[list], Optional[str]]:
+def extended_box(grid, geometry: Neighborhood, block) -> tuple[list, None] | tuple[None, str]:
     """The extended box ``[(a, b, b_pad)] * 3`` of a block ``[(lo, hi)] * 3`` of ``grid``, or ``(None, why it is not
     exact)``.
 
@@ -65,7 +66,8 @@ def extended_box(grid, geometry: Neighborhood, block) -> tuple[Optional[list], O
     ``b_pad``: positions after every block query are never attended by them, so the padding may hold any row.
     """
     box = []
-    for a, (n, k, d, c, (lo, hi)) in enumerate(zip(grid, geometry.kernel, geometry.dilation, geometry.causal, block)):
+    axes = zip(grid, geometry.kernel, geometry.dilation, geometry.causal, block, strict=True)
+    for a, (n, k, d, c, (lo, hi)) in enumerate(axes):
         start, stop = extended_run(axis_reach(n, k, d, c, lo, hi), lo, hi)
         pad = max(stop, start + k * d) if c else stop
         if not box_is_exact(n, k, d, c, lo, hi, start, pad):
@@ -83,7 +85,7 @@ def natten_plan_reason(plan, geometry: Neighborhood) -> Optional[str]:
 
     if all(k == 1 for k in geometry.kernel):
         return "the kernel is 1 on every axis (nothing for NATTEN to run)"
-    for s, (grid, boxes) in enumerate(zip(plan.layout.grids, _rank_boxes(plan))):
+    for s, (grid, boxes) in enumerate(zip(plan.layout.grids, _rank_boxes(plan), strict=True)):
         for rank, block in sorted(boxes.items()):
             _, why = extended_box(grid, geometry, [(b.start, b.stop) for b in block])
             if why is not None:
@@ -126,7 +128,7 @@ def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
         keys = np.nonzero(key_sample == s)[0]
         block = [(int(q_coords[own, a].min()), int(q_coords[own, a].max()) + 1) for a in range(3)]
         box, why = extended_box(grid, geometry, block)
-        if why is not None:
+        if box is None:
             return None, f"sample {s}, {why}"
         shape = tuple(pad - a for a, _, pad in box)
         sets = [np.arange(a, pad) for a, _, pad in box]
@@ -162,6 +164,13 @@ def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
                        pick(geometry.dilation), pick(geometry.causal), na_axes), None
 
 
+def _to_natten(x: Tensor, index: Tensor, *, boxes: int, shape: tuple, na_shape: tuple, heads: int,
+               perm: tuple) -> Tensor:
+    """Rows ``index [boxes, volume]`` of ``x [L, heads, D]`` as NATTEN's ``[boxes * folded, *na_shape, heads, D]``."""
+    x = x.index_select(0, index.reshape(-1)).view(boxes, *shape, heads, -1).permute(perm)
+    return x.reshape(-1, *na_shape, heads, x.shape[-1]).contiguous()
+
+
 def natten_video_queries(boxes: NattenBoxes, q: Tensor, k_all: Tensor, v_all: Tensor, txt: Optional[tuple],
                          scale: float, *, natten_backend: Optional[str] = None) -> Tensor:
     """Video queries' output [L, H, D] (local row order): ``natten.na{1,2,3}d`` over each extended box.
@@ -181,14 +190,12 @@ def natten_video_queries(boxes: NattenBoxes, q: Tensor, k_all: Tensor, v_all: Te
     for key, query, text, shape, own in boxes.groups:
         b = key.shape[0]
         na_shape = tuple(shape[a] for a in boxes.na_axes)
-
-        def to_natten(x: Tensor, index: Tensor) -> Tensor:
-            x = x.index_select(0, index.reshape(-1)).view(b, *shape, heads, -1).permute(perm)
-            return x.reshape(-1, *na_shape, heads, x.shape[-1]).contiguous()
-
+        to_natten = functools.partial(_to_natten, boxes=b, shape=shape, na_shape=na_shape, heads=heads,
+                                      perm=perm)
         folded = math.prod(shape[a] for a in batch_axes)
         kwargs = {}
         if text is not None:
+            assert txt is not None, "boxes with text need the text keys and values"
             kt, vt = (x.index_select(0, text.reshape(-1)).view(b, 1, -1, heads, x.shape[-1])
                       .expand(b, folded, -1, -1, -1).reshape(b * folded, -1, heads, x.shape[-1]).to(q.dtype)
                       for x in (txt[0], txt[1]))
