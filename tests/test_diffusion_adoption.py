@@ -340,17 +340,30 @@ def test_a_region_between_two_sibling_levels_equals_the_original():
     assert report.ok and report.max_error("param") > 0
 
 
-def test_a_region_between_sibling_levels_out_of_order_is_refused_by_the_models_forward_on_meta_tensors():
+def test_a_region_between_sibling_levels_in_registration_order_gets_its_order_recorded():
+    torch.manual_seed(0)
+    stated, recorded = make_siblings(), make_siblings()
+    recorded.load_state_dict(stated.state_dict())
+    winsp.parallelize(stated, sibling_plan(stated))
+    winsp.parallelize(recorded, sibling_plan(recorded, ordered=False))
+    inputs = make_inputs()
+    assert torch.equal(recorded(*inputs), stated(*inputs))
+    assert recorded._winsp_runtime.layer_names == ("fine.0.attn", "fine.1.attn", "coarse.0.attn")
+
+
+def test_a_region_between_sibling_levels_in_a_wrong_stated_order_is_refused_by_the_forward_on_meta_tensors():
     torch.manual_seed(0)
     model = make_siblings()
-    winsp.parallelize(model, sibling_plan(model, ordered=False))
+    plan = sibling_plan(model)
+    winsp.parallelize(model, winsp.ParallelPlan(**{**plan.__dict__, "forward_order": ("coarse", "merge", "fine")}))
     scatters = []
     original_scatter = winsp.runtime.WindowRequest.scatter
     try:
-        winsp.runtime.WindowRequest.scatter = lambda self, *a, **k: scatters.append(1) or original_scatter(self, *a, **k)
+        winsp.runtime.WindowRequest.scatter = lambda self, *a, **k: (scatters.append(1)
+                                                                     or original_scatter(self, *a, **k))
         for _ in range(2):  # refused again on the next call, not only once
-            with pytest.raises(ValueError, match=r"the forward runs 'fine\.0' \(window layer 1\) where the plan expects "
-                                                 r"'coarse\.0' \(window layer 0\).*Found by a forward on meta tensors"):
+            with pytest.raises(ValueError, match=r"the forward runs 'fine\.0' \(window layer 1\) where the plan "
+                                                 r"expects 'coarse\.0' \(window layer 0\).*Found by a forward on meta"):
                 model(*make_inputs())
     finally:
         winsp.runtime.WindowRequest.scatter = original_scatter

@@ -18,6 +18,7 @@ from torch import nn
 import winsp
 from examples.hourglass import HourglassNet, hourglass_plan, parallelize
 from examples.hourglass.model import Level
+from winsp.geometry import GlobalWindow
 from winsp.testing import check_parallel, run_ranks
 
 GRID = (2, 8, 6)  # levels: (2, 8, 6) -> (2, 4, 3) -> middle (2, 2, 2); the way up crops (2, 4, 4) to (2, 4, 3)
@@ -49,9 +50,24 @@ def test_the_plan_is_at_most_15_lines():
     assert len([line for line in lines if line.strip() and not line.strip().startswith("#")]) <= 15
 
 
+def _plain_plan(model: HourglassNet, forward_order=None) -> winsp.ParallelPlan:
+    """The hourglass plan written out by hand: stages, grid changes, (optionally) a stated forward order."""
+    from examples.hourglass.adapter import attend, resize
+
+    level = [winsp.FixedWindows(b.attn.window, b.attn.shift) for b in model.body.down[0].blocks]
+    return winsp.ParallelPlan(
+        region=winsp.Region("body", "body"), attention="body.**.attn", make_attention=winsp.swapped(attend),
+        stages=[winsp.Stage(level), winsp.Stage(level, merge=(1, 2, 2)),
+                winsp.Stage([GlobalWindow()], merge=(1, 2, 2), split_windows=True),
+                winsp.Stage(level, split=(1, 2, 2), like=1), winsp.Stage(level, split=(1, 2, 2), like=0)],
+        grid_changes=("body.merges.*", "body.splits.*"), make_grid_change=winsp.swapped(resize),
+        swaps=[("body.**.mlp.2", winsp.RowDropout.like)], forward_order=forward_order)
+
+
 def _one_region(rank: int, world_size: int) -> dict:
-    """One forward at SP = world_size: gathers, the middle level's plan, rows the grid changes move; then a plan in
-    registration order, refused on every rank before any rows move (no collective at all)."""
+    """One forward at SP = world_size: gathers, the middle level's plan, rows the grid changes move; a plan without a
+    forward order (recorded: the same output); then a stated order that is wrong, refused on every rank before any
+    rows move (no collective at all)."""
     torch.manual_seed(0)
     model = parallel_model(make_model().eval(), world_size)
     gathers, exchanges = [], []
@@ -75,8 +91,13 @@ def _one_region(rank: int, world_size: int) -> dict:
         mid = request.plan(runtime.first_layer[2])
         moved = [request.runtime._grid_step(request, request.prepared.slot_of_layer[runtime.first_layer[s] - 1], s)
                  .rows_moved for s in (1, 2)]
+        recorded = make_model().eval()  # a plain plan in registration order: the forward order is recorded
+        recorded.load_state_dict(model.state_dict())
+        winsp.parallelize(recorded, _plain_plan(recorded), winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+        same = torch.equal(recorded(x), model(x))
         wrong = make_model().eval()
-        winsp.parallelize(wrong, winsp.ParallelPlan(**{**hourglass_plan(wrong).__dict__, "forward_order": None}),
+        winsp.parallelize(wrong, _plain_plan(wrong, forward_order=("body.down", "body.up", "body.merges",
+                                                                   "body.splits", "body.mid")),
                           winsp.DiffusionParallelConfig(ulysses_degree=world_size))
         gathers_before, exchanges_before = len(gathers), len(exchanges)
         try:
@@ -93,7 +114,8 @@ def _one_region(rank: int, world_size: int) -> dict:
         groups_refusal = None
     except ValueError as err:
         groups_refusal = str(err)
-    return dict(gathers=gathers[:gathers_before], mid_split=mid.has_split_windows, groups_refusal=groups_refusal,
+    return dict(same=same, gathers=gathers[:gathers_before - 2], mid_split=mid.has_split_windows,
+                groups_refusal=groups_refusal,
                 mid_rows=mid.rank_token_counts, moved=moved, refusal=refusal,
                 moves_after_refusal=len(gathers) - gathers_before + len(exchanges) - exchanges_before)
 
@@ -101,6 +123,7 @@ def _one_region(rank: int, world_size: int) -> dict:
 def test_one_region_one_gather_a_split_global_level_and_an_order_refused_on_every_rank():
     for result in run_ranks(_one_region, 2, timeout=240):
         assert len(result["gathers"]) == 1  # only the region's end: no gather between levels
+        assert result["same"]  # the plan without a forward order, its order recorded, gives the same output
         assert result["mid_split"] and min(result["mid_rows"]) > 0  # the global window runs on both ranks
         assert all(0 <= m < 96 for m in result["moved"])  # merges move some rows, never all of them
         assert "does not follow the order the model runs its modules in" in result["refusal"]
@@ -112,25 +135,23 @@ def test_one_region_one_gather_a_split_global_level_and_an_order_refused_on_ever
 
 def test_a_forward_order_that_does_not_match_the_forward_is_refused_naming_both_steps():
     model = make_model().eval()
-    plan = hourglass_plan(model)
     order = ("body.down", "body.merges", "body.mid", "body.splits.0", "body.up.0", "body.splits.1", "body.up.1")
-    winsp.parallelize(model, winsp.ParallelPlan(**{**plan.__dict__, "forward_order": order}))
+    winsp.parallelize(model, _plain_plan(model, forward_order=order))
     with pytest.raises(ValueError, match=r"runs 'body.splits.1' \(the grid change into stage 4\) where the plan "
                                          r"expects 'body.splits.0' \(the grid change into stage 3\).*meta tensors"):
         model(clip())
     assert winsp.runtime.context.current_request_or_none() is None
-    model._winsp_parallel.order.dry_run_done = True  # as for a model that cannot run on meta tensors: checked as it runs
+    model._winsp_parallel.order.dry_run_done = True  # as for a model that runs on no meta tensors: checked as it runs
     with pytest.raises(ValueError, match=r"runs 'body.splits.1' .*Refused before 'body.splits.1' moved any rows"):
         model(clip())
     assert winsp.runtime.context.current_request_or_none() is None
     with pytest.raises(ValueError, match="'body.up.0.blocks.0.attn', which no glob of ParallelPlan.forward_order"):
-        winsp.parallelize(make_model(), winsp.ParallelPlan(**{**plan.__dict__, "forward_order": order[:2]}))
+        winsp.parallelize(make_model(), _plain_plan(make_model(), forward_order=order[:2]))
 
 
 def test_an_unswapped_dropout_is_refused_by_name_in_training():
     model = make_model()
-    plan = hourglass_plan(model)
-    winsp.parallelize(model, winsp.ParallelPlan(**{**plan.__dict__, "swaps": ()}))
+    winsp.parallelize(model, winsp.ParallelPlan(**{**hourglass_plan(model).__dict__, "dropout": "refuse"}))
     model.eval()
     model(clip())  # eval: dropout is the identity, nothing to refuse
     model.train()

@@ -38,6 +38,21 @@ def test_parallel_model_equals_natten_in_float32():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_without_meta_kernels_the_order_is_recorded_once_from_a_real_forward_said_in_one_line():
+    model = parallelize(random_model(CONFIG).eval())
+    with pytest.warns(UserWarning) as record, torch.no_grad():
+        model(_video())
+        model(_video())
+    said = [str(w.message) for w in record if "winsp.parallelize" in str(w.message)]
+    assert len(said) == 1 and "\n" not in said[0]
+    assert "NATVideo cannot run on meta tensors" in said[0] and "recorded once from a no-grad forward" in said[0]
+    stated = random_model(CONFIG).eval()
+    plan = model._winsp_parallel.plan
+    winsp.parallelize(stated, winsp.ParallelPlan(**{**plan.__dict__, "forward_order": ("blocks",)}))
+    with pytest.warns(UserWarning, match="NATVideo cannot run on meta tensors .*checked step by step"), torch.no_grad():
+        stated(_video())
+
+
 def _grads(model, x):
     out = model(x)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)

@@ -71,3 +71,59 @@ def test_row_dropout_reproduces_the_originals_draws_on_local_rows():
     assert torch.equal(got, want.reshape(-1, 6))
     with pytest.raises(ValueError, match="Dropout2d drops whole channels"):
         winsp.RowDropout.like(nn.Dropout2d(0.1))
+
+
+class _WithMethods(_Block):
+    @property
+    def doubled(self):
+        return 2 * self.scale
+
+    def mix(self, a, b):
+        return torch.lerp(a, b, self.scale)
+
+    @staticmethod
+    def offset():
+        return 1.0
+
+
+def test_the_swapped_module_keeps_the_originals_methods_bound_to_itself():
+    original = _WithMethods()
+    new = winsp.swapped(lambda m, a, b: m.mix(a, b) + m.offset())(original)
+    a, b = torch.zeros(3), torch.ones(3)
+    assert torch.equal(new(a, b), original.mix(a, b) + 1.0)
+    assert new.mix.__self__ is new and torch.equal(new.doubled, 2 * original.scale)
+    with pytest.raises(AttributeError):
+        new.missing  # noqa: B018
+
+
+def _checkpointed(checkpoint: bool):
+    """A window layer swapped with checkpoint=True: recomputed in backward with its request and layout."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).double()
+    calls = []
+
+    def attend(m, x):  # the rows are in the layer's layout already (the layer is its own entry)
+        calls.append(torch.is_grad_enabled())
+        out, _ = m.request.attention(x[:, None], x[:, None], x[:, None], layer=m.index)
+        return torch.nn.functional.linear(out[:, 0], m.weight, m.bias)
+
+    plan = winsp.ParallelPlan(region=winsp.Region("", ""), attention="*",
+                              make_attention=winsp.swapped(attend, checkpoint=checkpoint),
+                              stages=[winsp.Stage([winsp.FixedWindows((1, 2, 2)), winsp.FixedWindows((1, 2, 2),
+                                                                                                    (0, 1, 1))])])
+    return original, plan, calls
+
+
+def test_swapped_with_checkpoint_recomputes_with_the_forwards_request_and_equals_without():
+    results = []
+    for checkpoint in (False, True):
+        model, plan, calls = _checkpointed(checkpoint)
+        winsp.parallelize(model, winsp.ParallelPlan(**{**plan.__dict__, "layer_entry": "*"}))
+        x = torch.randn(1, 1, 4, 6, 4, dtype=torch.float64, requires_grad=True)
+        out = model.train()(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in model.parameters()], list(calls)))
+    (out0, gx0, gp0, calls0), (out1, gx1, gp1, calls1) = results
+    assert torch.equal(out0, out1) and torch.allclose(gx0, gx1, rtol=1e-13, atol=1e-13)
+    assert all(torch.allclose(a, b, rtol=1e-13, atol=1e-13) for a, b in zip(gp0, gp1, strict=True))
+    assert len(calls0) == 2 and len(calls1) == 4  # each layer ran again in backward, after the region had ended

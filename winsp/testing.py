@@ -281,7 +281,8 @@ def _match_name(name: str, reference: dict) -> str | None:
     if name in reference:
         return name
     tails = [r for r in reference if name.endswith("." + r)]
-    return tails[0] if len(tails) == 1 else None
+    longest = [r for r in tails if len(r) == max(map(len, tails))]  # 'w.mapping.norm.scale' is 'mapping.norm.scale'
+    return longest[0] if len(longest) == 1 else None
 
 
 def check_parallel(

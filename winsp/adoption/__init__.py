@@ -6,6 +6,7 @@ data about the model); :func:`~winsp.adoption.swapped.swapped` writes a module s
 dropout policy run inside a region.
 """
 
+from winsp.adoption.hourglass import Hourglass
 from winsp.adoption.parallelize import (
     ChannelsLast,
     ParallelPlan,
@@ -16,9 +17,10 @@ from winsp.adoption.parallelize import (
     parallelize,
     unparallelize,
 )
+from winsp.adoption.per_sample import PerSampleOnRows
 from winsp.adoption.sharding import shard_weights
 from winsp.adoption.swapped import Swapped, swapped
 from winsp.adoption.token_io import FlatTokens
 
 __all__ = ["parallelize", "unparallelize", "is_parallelized", "ParallelPlan", "Region", "ChannelsLast", "TokenIO",
-           "FlatTokens", "adopt", "swapped", "Swapped", "shard_weights"]
+           "FlatTokens", "adopt", "swapped", "Swapped", "shard_weights", "Hourglass", "PerSampleOnRows"]

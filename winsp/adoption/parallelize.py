@@ -19,6 +19,7 @@ The runtime is attached to the root module as ``model._winsp_runtime`` (not a pa
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 import winsp.adoption.region_dropout as region_dropout
 import winsp.runtime.context as context
+from winsp.adoption.hourglass import Hourglass
 from winsp.adoption.recompute import watch_recompute
 from winsp.adoption.region_checks import ForwardOrder, Step, watch_rows
 from winsp.geometry.windows import Grid
@@ -125,30 +127,41 @@ class Region:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """What :func:`parallelize` does to a model (module paths are ``named_modules`` names, matched by globs component
-    by component: ``*`` stays inside one path component, ``**`` spans any number, see :func:`path_matches`; where a
-    glob is taken, a tuple of globs matches a module matching any of them, still in ``named_modules`` order).
+    """What :func:`parallelize` does to a model.
+
+    Module paths are ``named_modules`` names matched by globs (the one rule, :func:`path_matches`): component by
+    component, ``*`` (and ``?``, ``[...]``) inside one component, never across a dot; ``**`` spans any number of
+    components, none included. Where a glob is taken, a tuple of globs matches a module matching any of them.
 
     Args:
-        region: the window-parallel region.
-        stages: the window geometry of every attention layer, per stage (one stage for a model on one grid).
-        attention: glob of the attention modules, matched in ``named_modules`` order, which must be forward order:
-            the i-th match is layer i.
+        region: the window-parallel region (with ``stages=Hourglass(...)`` it may be left out: from the first down
+            level's call to the first up level's return).
+        stages: the window geometry of every attention layer, per stage, in forward order (one stage for a model on
+            one grid); or a :class:`~winsp.adoption.hourglass.Hourglass`, which reads a U-net's stages, grid changes
+            and forward order from the model.
+        attention: glob of the attention modules: the i-th one the forward runs is layer i.
         make_attention: ``(original, layer) -> module`` reusing the original's parameters (see :func:`adopt`).
         layer_entry: ``"parent"`` (rows move into layer i's layout when the attention's parent module is called:
             the block, whose residual then moves too), or a glob matching one entry module per layer.
-        grid_changes: glob of the modules that change the grid (patch merging), in forward order: the i-th one leads
+        grid_changes: glob of the modules that change the grid (patch merging): the i-th one the forward runs leads
             into the i-th stage that merges or splits.
         make_grid_change: ``(original, stage) -> module`` (calls ``current_request().to_grid(x, stage)``).
         swaps: ``(glob, factory)`` pairs: every module matching the glob is replaced by ``factory(original)``
             (e.g. a drop path that must draw per sample: :class:`winsp.SampleDropPath`; an element-wise dropout:
             :meth:`winsp.RowDropout.like`).
-        forward_order: globs of the model's containers in the order its forward runs them, for a model whose
-            modules register in another order than they run (a U-net registering its up levels before the middle, or
-            in reverse): each attention (and grid-change, and entry) match is placed by the first glob matching it
-            or one of its parents, matches under one glob keep ``named_modules`` order, and a match under none is
-            refused. None: ``named_modules`` order. Either way the forward is checked against it: a module that runs
-            out of the plan's order is refused before its rows move.
+        per_sample: glob of modules that broadcast a per-sample tensor over the channels-last grid (AdaRMSNorm,
+            adaLN: ``cond[:, None, None, :]``): they run unchanged on local rows viewed as one-token grids, their
+            per-sample arguments taken per row (:class:`~winsp.adoption.per_sample.PerSampleOnRows`).
+        forward_order: by default (None) the order in which the forward runs the attention layers, entries and grid
+            changes is *recorded* before the first forward, by running the model's forward with the original
+            modules on meta tensors (the matches are then numbered in that order). A model that cannot run on meta
+            tensors (an op without a meta kernel, such as natten's) is said so in one warning line, and its order is
+            recorded once from a no-grad forward of the original modules on the real inputs (full size on every rank,
+            rows not moved). Given (globs of the model's containers in the order its forward runs them), the order is
+            stated, and the recording only checks it: each match is placed by the first glob matching it or one of
+            its parents, matches under one glob keep ``named_modules`` order, a match under none is refused, and a
+            model that cannot run on meta tensors is checked step by step as it runs (no extra forward). Either way a
+            module that runs out of order in a later forward is refused before its rows move.
         dropout: element-wise dropout on local rows in a training forward: ``"refuse"`` (an ``nn.Dropout`` module or
             an ``F.dropout`` / ``torch.dropout`` call is refused, naming the module) or ``"rows"`` (both draw exactly
             the original's mask, as :class:`winsp.RowDropout` does, for an original whose tensor there is
@@ -158,26 +171,39 @@ class ParallelPlan:
             forward), for a model known to call none on local rows; ``nn.Dropout`` modules are still refused.
     """
 
-    region: Region
-    stages: tuple[Stage, ...]
-    attention: Union[str, tuple[str, ...]]
-    make_attention: Callable[[nn.Module, int], nn.Module]
+    # region, stages, attention and make_attention are required (checked below); region may be left out with
+    # stages=Hourglass(...), and parallelize() fills both in before it reads them
+    region: Region = None  # type: ignore[assignment]
+    stages: tuple[Stage, ...] = None  # type: ignore[assignment]
+    attention: Union[str, tuple[str, ...]] = None  # type: ignore[assignment]
+    make_attention: Callable[[nn.Module, int], nn.Module] = None  # type: ignore[assignment]
     layer_entry: Union[str, tuple[str, ...]] = "parent"
     grid_changes: Union[str, tuple[str, ...], None] = None
     make_grid_change: Optional[Callable[[nn.Module, int], nn.Module]] = None
     swaps: tuple[tuple[str, Callable[[nn.Module], nn.Module]], ...] = ()
+    per_sample: Union[str, tuple[str, ...], None] = None
     forward_order: Optional[tuple[str, ...]] = None
     dropout: str = "refuse"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.region, Region):
-            raise ValueError(f"ParallelPlan.region must be a winsp.Region, got {type(self.region).__name__}")
+        hourglass = isinstance(self.stages, Hourglass)
+        if not isinstance(self.region, Region) and not (hourglass and self.region is None):
+            raise ValueError(f"ParallelPlan.region must be a winsp.Region (it may be left out with "
+                             f"stages=Hourglass(...)), got {type(self.region).__name__}")
+        for name in ("stages", "attention", "make_attention"):
+            if getattr(self, name) is None:
+                raise ValueError(f"ParallelPlan.{name} is required")
         if self.dropout not in region_dropout.DROPOUT_POLICIES:
             raise ValueError(f"ParallelPlan.dropout must be one of {region_dropout.DROPOUT_POLICIES}, got "
                              f"{self.dropout!r}")
-        object.__setattr__(self, "stages", check_stages(self.stages))
-        if (self.grid_changes is None) != (self.make_grid_change is None):
-            raise ValueError("ParallelPlan: give grid_changes and make_grid_change together")
+        if not hourglass:
+            object.__setattr__(self, "stages", check_stages(self.stages))
+        elif self.grid_changes is not None or self.forward_order is not None:
+            raise ValueError("ParallelPlan: stages=Hourglass(...) gives the grid changes and the forward order; leave "
+                             "grid_changes and forward_order out")
+        if (self.grid_changes is None and not hourglass) != (self.make_grid_change is None):
+            raise ValueError("ParallelPlan: give make_grid_change with stages=Hourglass(...)" if hourglass else
+                             "ParallelPlan: give grid_changes and make_grid_change together")
         object.__setattr__(self, "swaps", tuple(tuple(s) for s in self.swaps))
         if self.forward_order is not None:
             order = (self.forward_order,) if isinstance(self.forward_order, str) else tuple(self.forward_order)
@@ -188,6 +214,8 @@ class ParallelPlan:
 
     @property
     def num_layers(self) -> int:
+        if isinstance(self.stages, Hourglass):
+            raise ValueError("ParallelPlan.num_layers: the stages of an Hourglass are read from the model")
         return sum(len(st.layers) for st in self.stages)
 
 
@@ -213,11 +241,17 @@ def is_parallelized(model: nn.Module) -> bool:
 @dataclass(eq=False)
 class _Applied:
     plan: ParallelPlan
-    swapped: list  # (parent, name, original) in application order
-    handles: list
-    tokens: list  # ContextVar tokens of regions in progress
-    order: ForwardOrder
+    model: nn.Module
+    runtime: WindowRuntime
+    stated: bool  # the forward order was stated (ParallelPlan.forward_order or an Hourglass): recording only checks
+    swapped: list = field(default_factory=list)  # (parent, name, original) in application order
+    handles: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)  # ContextVar tokens of regions in progress
+    order: ForwardOrder = field(default_factory=lambda: ForwardOrder(()))  # replaced by _apply
     dropouts: list = field(default_factory=list)  # per region call in progress: its RegionDropout (None in eval)
+    depths: list = field(default_factory=list)  # per model call in progress: the region calls open when it began
+    numbering: tuple = ()  # (attention paths, entry paths, {stage: grid change path}) as layers are numbered now
+    step_paths: dict = field(default_factory=dict)  # (kind, index) -> the module path that step starts at
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -284,6 +318,21 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
     applied.swapped.append((parent, name, original))
 
 
+def _with_hourglass(model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+    """``plan`` with an :class:`Hourglass`'s stages, grid changes, forward order (and default region) filled in."""
+    if not isinstance(plan.stages, Hourglass):
+        return plan
+    hourglass = plan.stages
+
+    def attention(prefix: str) -> list[tuple[str, nn.Module]]:
+        return [(n, m) for n, m in _matches(model, plan.attention, "attention") if n.startswith(prefix + ".")]
+
+    fields = hourglass.resolve(model, attention, lambda globs, what: _matches(model, globs, what))
+    start, end = fields.pop("region_paths")
+    region = plan.region or Region(start, end, hourglass.tokens if hourglass.tokens is not None else ChannelsLast())
+    return ParallelPlan(**{**plan.__dict__, **fields, "region": region})
+
+
 def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[DiffusionParallelConfig] = None, *,
                 group=None) -> nn.Module:
     """Make ``model`` window-parallel in place as ``plan`` says, on the SP group ``config`` asks for; returns it.
@@ -294,6 +343,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     the group must call the model with identical inputs; the region's output is complete on every rank. Gradients
     follow winsp's convention: call ``winsp.sync_gradients(model)`` after ``backward`` (not needed when FSDP2 shards
     the weights over every rank: :mod:`winsp.adoption.sharding`). Shard after this call, never before.
+    Whatever a forward raises inside the region, winsp leaves nothing behind (no current request, no dropout mode
+    pushed): the next forward, and code outside the region, run as if it had not happened.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"parallelize: model must be an nn.Module, got {type(model).__name__}")
@@ -302,6 +353,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     if is_parallelized(model):
         raise ValueError("parallelize: this model is parallelized already; call winsp.unparallelize(model) first")
     _refuse_sharded(model)
+    stated = plan.forward_order is not None or isinstance(plan.stages, Hourglass)
+    plan = _with_hourglass(model, plan)
     modules = dict(model.named_modules())
     for end in ("start", "end"):
         path = getattr(plan.region, end)
@@ -329,44 +382,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     if len(grid_changes) != len(changing):
         raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
                          f"change the grid (stages {changing})")
-    swaps = [(path, factory) for pattern, factory in plan.swaps for path, _ in _matches(model, pattern, "swaps")]
-
+    if plan.per_sample is not None:
+        dims = getattr(plan.region.tokens, "spatial_dims", None)
+        if dims not in (1, 2, 3):
+            raise ValueError(f"ParallelPlan.per_sample needs the region's grid dimensions; "
+                             f"{type(plan.region.tokens).__name__} has no spatial_dims of 1, 2 or 3")
+        _matches(model, plan.per_sample, "per_sample")
     runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
-    order = ForwardOrder(_steps(plan, entry_paths, dict(zip(changing, (p for p, _ in grid_changes), strict=True))))
-    applied = _Applied(plan=plan, swapped=[], handles=[], tokens=[], order=order)
-    try:
-        for layer, (path, original) in enumerate(attention):
-            _swap(model, path, plan.make_attention(original, layer), applied, "make_attention")
-        if grid_changes:
-            make_grid_change = plan.make_grid_change
-            assert make_grid_change is not None  # ParallelPlan gives grid_changes and make_grid_change together
-            for stage, (path, original) in zip(changing, grid_changes, strict=True):
-                _swap(model, path, make_grid_change(original, stage), applied, "make_grid_change")
-        for path, factory in swaps:
-            _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
-        step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
-        step_paths.update({("grid", stage): path for stage, (path, _) in zip(changing, grid_changes, strict=True)})
-        if plan.region.start != plan.region.end:  # the forward between them is the model's own: dry-run the model
-            applied.handles.append(model.register_forward_pre_hook(_model_dry_run(applied, model, step_paths),
-                                                                   with_kwargs=True))
-        # before the entries' hooks: a region may start at its first block, which is also a layer entry
-        applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
-            _region_start(runtime, plan.region.tokens, applied, model, step_paths), with_kwargs=True))
-        for layer, path in enumerate(entry_paths):  # looked up after the swaps: an entry may have been swapped
-            entry = model.get_submodule(path) if path else model
-            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(layer, order)))
-        for stage, (path, _) in zip(changing, grid_changes, strict=True):
-            applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(stage, order)))
-        applied.handles += watch_rows(model, _inner_paths(model, plan.region, [p for p, _ in grid_changes]),
-                                      dropout=plan.dropout, modes=applied.dropouts)
-        applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []),  # activation checkpointing
-                                           modes=applied.dropouts)
-        io = plan.region.tokens
-        applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
-            _region_end(io, applied), with_kwargs=True, always_call=True))
-    except BaseException:
-        _undo(applied)
-        raise
+    applied = _Applied(plan=plan, model=model, runtime=runtime, stated=stated)
+    grid_paths = dict(zip(changing, (p for p, _ in grid_changes), strict=True))
+    _apply(applied, ([p for p, _ in attention], entry_paths, grid_paths))
     # torch's stubs type Module.__setattr__ for tensors and modules only; plain attributes are set the same way
     model._winsp_runtime = runtime  # type: ignore[assignment]
     model._winsp_parallel = applied  # type: ignore[assignment]
@@ -384,6 +409,54 @@ def _refuse_sharded(model: nn.Module) -> None:
             raise ValueError(f"parallelize: {where} is sharded already (FSDP2 fully_shard or DTensor parameters); "
                              f"call winsp.parallelize first and shard afterwards (fully_shard the blocks, then the "
                              f"root, or winsp.adoption.shard_weights(model, mesh))")
+
+
+def _apply(applied: _Applied, numbering: tuple) -> None:
+    """Swap the modules and hook the model for the layers numbered as ``numbering`` says; all or nothing."""
+    from winsp.adoption.per_sample import PerSampleOnRows  # it builds on adopt()
+
+    model, plan = applied.model, applied.plan
+    attention, entry_paths, grid_paths = numbering
+    applied.numbering = numbering
+    applied.runtime.layer_names = tuple(attention)
+    applied.order = ForwardOrder(_steps(plan, entry_paths, grid_paths))
+    per_sample = ([p for p, _ in _matches(model, plan.per_sample, "per_sample")]
+                  if plan.per_sample is not None else [])
+    swaps = [(path, factory) for pattern, factory in plan.swaps for path, _ in _matches(model, pattern, "swaps")]
+    try:
+        for layer, path in enumerate(attention):
+            _swap(model, path, plan.make_attention(model.get_submodule(path), layer), applied, "make_attention")
+        make_grid_change = plan.make_grid_change
+        for stage, path in grid_paths.items():
+            assert make_grid_change is not None  # checked by ParallelPlan: grid changes come with make_grid_change
+            _swap(model, path, make_grid_change(model.get_submodule(path), stage), applied, "make_grid_change")
+        dims = int(getattr(plan.region.tokens, "spatial_dims", 0))  # checked by parallelize() where per_sample is set
+        for path in per_sample:
+            _swap(model, path, PerSampleOnRows(model.get_submodule(path), dims, path), applied, "per_sample")
+        for path, factory in swaps:
+            _swap(model, path, factory(model.get_submodule(path)), applied, "swaps")
+        applied.step_paths = {("layer", layer): path for layer, path in enumerate(entry_paths)}
+        applied.step_paths.update({("grid", stage): path for stage, path in grid_paths.items()})
+        if plan.region.start != plan.region.end:  # the forward between them is the model's own: hook the model
+            applied.handles.append(model.register_forward_pre_hook(_model_call(applied), with_kwargs=True))
+            applied.handles.append(model.register_forward_hook(_model_return(applied), always_call=True))
+        # before the entries' hooks: a region may start at its first block, which is also a layer entry
+        applied.handles.append(model.get_submodule(plan.region.start).register_forward_pre_hook(
+            _region_start(applied), with_kwargs=True))
+        for path in entry_paths:  # looked up after the swaps: an entry may have been swapped
+            entry = model.get_submodule(path) if path else model
+            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(path, applied)))
+        for path in grid_paths.values():
+            applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(path, applied)))
+        applied.handles += watch_rows(model, _inner_paths(model, plan.region, list(grid_paths.values())),
+                                      dropout=plan.dropout, modes=applied.dropouts)
+        applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []),  # activation checkpointing
+                                           modes=applied.dropouts)
+        applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
+            _region_end(plan.region.tokens, applied), with_kwargs=True, always_call=True))
+    except BaseException:
+        _undo(applied)
+        raise
 
 
 def unparallelize(model: nn.Module) -> nn.Module:
@@ -439,8 +512,11 @@ def _inner_paths(model: nn.Module, region: Region, grid_paths: list[str]) -> lis
             if path and path not in skip and (not top or path.startswith(top + "."))]
 
 
-def _layer_entry(layer: int, order: ForwardOrder):
+def _layer_entry(path: str, applied: _Applied):
+    """Layer entry ``path``'s hook; its layer number is looked up when it runs (a hook that was already running when
+    the first forward renumbered the layers acts for the new numbering)."""
     def hook(module: nn.Module, args: tuple):
+        layer, order = applied.numbering[1].index(path), applied.order
         if not args or not isinstance(args[0], Tensor):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first positional argument")
@@ -450,62 +526,138 @@ def _layer_entry(layer: int, order: ForwardOrder):
     return hook
 
 
-def _grid_change(stage: int, order: ForwardOrder):
+def _grid_change(path: str, applied: _Applied):
     def hook(module: nn.Module, args: tuple):
-        order.arrive("grid", stage)
+        applied.order.arrive("grid", next(s for s, p in applied.numbering[2].items() if p == path))
 
     return hook
 
 
-def _arrive(order: ForwardOrder, kind: str, index: int):
-    """A pre-hook noting that step ``(kind, index)`` starts (the meta dry run records the order this way)."""
-    def hook(module: nn.Module, args: tuple):
-        order.arrive(kind, index)
-
-    return hook
-
-
-def _region_start(runtime: WindowRuntime, io: TokenIO, applied: _Applied, model: nn.Module, paths: dict):
+def _region_start(applied: _Applied):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        if applied.order.recording is not None:  # the dry forward below
+        if applied.order.recording is not None:  # a recording forward of the original modules
             return None
-        if applied.plan.region.start == applied.plan.region.end and not applied.order.dry_run_done:
-            applied.order.check_dry_run(lambda: _forward_on_meta(model, module, applied, paths, args, kwargs))
+        plan = applied.plan
+        if plan.region.start == plan.region.end and not applied.order.dry_run_done:
+            _dry_run(applied, module, args, kwargs, repeats=False)
+        io = plan.region.tokens
         rows, grids = io.read(args, kwargs)
-        request = runtime.request(grids, device=rows.device, dtype=rows.dtype)
+        request = applied.runtime.request(grids, device=rows.device, dtype=rows.dtype)
         local = request.scatter(rows)
-        applied.tokens.append(context._enter(request))
-        watched = module.training and applied.plan.dropout != "unchecked"
-        applied.dropouts.append(region_dropout.enter(applied.plan.dropout, applied.plan.region.start)
-                                if watched else None)
+        new_args, new_kwargs = io.with_rows(args, kwargs, local)
+        watched = module.training and plan.dropout != "unchecked"
+        dropout = region_dropout.enter(plan.dropout, plan.region.start) if watched else None
+        applied.tokens.append(context._enter(request))  # nothing can fail from here to the return
+        applied.dropouts.append(dropout)
         applied.order.begin()
-        return io.with_rows(args, kwargs, local)
+        return new_args, new_kwargs
 
     return hook
 
 
-def _model_dry_run(applied: _Applied, model: nn.Module, paths: dict):
-    """For a region whose start and end are different modules: before the model's first forward, the model's forward
-    on meta tensors, checked against the plan's steps (the region may run any number of times in it)."""
+def _model_call(applied: _Applied):
+    """For a region whose start and end are different modules: the model's call notes how many region calls are open
+    (its return closes what it opened, had the forward raised between them) and, before the first forward, records
+    the forward's steps (the region may run any number of times in it)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict):
+        applied.depths.append(len(applied.tokens))
         if applied.order.recording is None and not applied.order.dry_run_done and not applied.tokens:
-            if not applied.order.check_dry_run(lambda: _forward_on_meta(model, module, applied, paths, args, kwargs),
-                                               repeats=True):
-                applied.order.dry_run_done = True  # cannot run on meta tensors: checked step by step as it runs
+            _dry_run(applied, module, args, kwargs, repeats=True)
         return None
 
     return hook
+
+
+def _model_return(applied: _Applied):
+    def hook(module: nn.Module, args: tuple, output: Any):
+        depth = applied.depths.pop() if applied.depths else 0
+        while len(applied.tokens) > depth:  # the forward raised inside a region: close it
+            _close_region_call(applied)
+        return None
+
+    return hook
+
+
+def _close_region_call(applied: _Applied) -> None:
+    token, dropout = applied.tokens.pop(), applied.dropouts.pop()
+    if applied.order.progress:
+        applied.order.progress.pop()
+    try:
+        region_dropout.leave(dropout)
+    finally:
+        context._leave(token)
+
+
+def _dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, repeats: bool) -> None:
+    """Before the first forward: record the steps the forward takes with the original modules on meta tensors (or,
+    for a model that cannot run on them and an order not stated, once on the real inputs without grad); renumber
+    the layers in that order unless the plan stated it; raise if they do not fit the plan's stages."""
+    model, order = applied.model, applied.order
+    found = "a forward on meta tensors"
+    try:
+        recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=True))
+    except Exception as err:  # noqa: BLE001 - an op without a meta kernel, data-dependent code (.item(), nonzero)
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        if applied.stated:
+            warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}); the plan's "
+                          f"forward order is checked step by step as the forward runs", stacklevel=2)
+            order.dry_run_done = True
+            return
+        try:
+            recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=False))
+        except Exception as again:  # noqa: BLE001 - e.g. a module put in after parallelize that needs a request
+            again_why = (str(again).strip().splitlines() or [type(again).__name__])[0][:160]
+            warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}) nor as its "
+                          f"original modules ({again_why}); its layers keep named_modules order, checked step by step "
+                          f"as the forward runs (ParallelPlan.forward_order states another)", stacklevel=2)
+            order.dry_run_done = True
+            return
+        warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}); its forward "
+                      f"order is recorded once from a no-grad forward of the original modules on the real inputs "
+                      f"(ParallelPlan.forward_order states it instead)", stacklevel=2)
+        found = "a no-grad forward of the original modules"
+    if not applied.stated:
+        recorded = _renumber(applied, recorded)
+    applied.order.check(recorded, repeats=repeats, found=found)
+
+
+def _renumber(applied: _Applied, recorded: list) -> list:
+    """Number the layers and grid changes in the order ``recorded`` ran them (re-applying the plan if that is not how
+    they are numbered now); returns ``recorded`` in the new numbering."""
+    attention, entries, grids = applied.numbering
+    steps = applied.order.steps
+    first: dict = {}
+    for step in recorded:
+        first.setdefault(step, len(first))
+    missing = [s for s in steps if (s.kind, s.index) not in first]
+    if missing:
+        raise ValueError(f"winsp.parallelize: the forward never runs {missing[0]} (found by recording the forward "
+                         f"before any rows moved); ParallelPlan.attention / grid_changes match modules the forward "
+                         f"does not call")
+    layers = sorted(range(len(attention)), key=lambda i: first[("layer", i)])
+    changing = sorted(grids)
+    moves = sorted(changing, key=lambda s: first[("grid", s)])
+    new_layer = {old: new for new, old in enumerate(layers)}
+    new_stage = {old: new for old, new in zip(moves, changing, strict=True)}
+    relabeled = [(kind, new_layer[i] if kind == "layer" else new_stage[i]) for kind, i in recorded]
+    if layers != list(range(len(attention))) or moves != changing:
+        numbering = ([attention[i] for i in layers], [entries[i] for i in layers],
+                     {new_stage[s]: grids[s] for s in changing})
+        _undo(applied)
+        _apply(applied, numbering)
+    return relabeled
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called")
 
 
-def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, paths: dict, args: tuple,
-                     kwargs: dict) -> None:
-    """The region's forward with the original modules back in place, on meta tensors (parameters, buffers and inputs),
-    noting each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
+def _forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs: dict, *, meta: bool) -> None:
+    """``region``'s forward with the original modules back in place, on meta tensors (parameters, buffers and inputs)
+    or, ``meta`` False, on the real ones without grad (buffers copied, so running statistics stay as they are), noting
+    each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
     user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
+    model = applied.model
     current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
     stash: list = []
     try:
@@ -515,16 +667,23 @@ def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, pat
             stash.append((module, {d: getattr(module, d) for d in _HOOK_DICTS if hasattr(module, d)}))
             for d in stash[-1][1]:
                 object.__setattr__(module, d, OrderedDict())
-        for (kind, index), path in paths.items():
+        for (kind, index), path in applied.step_paths.items():
             target = model.get_submodule(path) if path else model
-            target.register_forward_pre_hook(_arrive(applied.order, kind, index))
-        # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
-        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
-                for name, t in list(region.named_parameters()) + list(region.named_buffers())}
-        to_meta = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.func.functional_call(region, meta, tuple(to_meta(a) for a in args),
-                                       {k: to_meta(v) for k, v in kwargs.items()})
+            target.register_forward_pre_hook(lambda module, a, kind=kind, index=index:
+                                             applied.order.arrive(kind, index))
+        if meta:
+            # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
+            tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                       for name, t in list(region.named_parameters()) + list(region.named_buffers())}
+            convert = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
+        else:
+            tensors = {name: t.clone() for name, t in region.named_buffers()}
+            convert = lambda v: v  # noqa: E731
+        devices = sorted({t.device.index or 0 for t in list(tensors.values()) + list(args) + list(kwargs.values())
+                          if isinstance(t, Tensor) and t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.func.functional_call(region, tensors, tuple(convert(a) for a in args),
+                                       {k: convert(v) for k, v in kwargs.items()})
     finally:
         for module, hooks in stash:
             for d, value in hooks.items():
@@ -535,8 +694,8 @@ def _forward_on_meta(model: nn.Module, region: nn.Module, applied: _Applied, pat
 
 def _region_end(io: TokenIO, applied: _Applied):
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if not applied.tokens:
-            return None
+        if not applied.tokens or len(applied.tokens) <= (applied.depths[-1] if applied.depths else 0):
+            return None  # no region call of this model call is open (a recording forward, or the end ran alone)
         token, dropout = applied.tokens.pop(), applied.dropouts.pop()
         try:
             applied.order.end(completed=output is not None)
@@ -546,7 +705,9 @@ def _region_end(io: TokenIO, applied: _Applied):
             rows = request.gather(io.output_rows(output))
             return io.with_output(output, rows, request.stage_model_grids[request.stage])
         finally:
-            region_dropout.leave(dropout)
-            context._leave(token)
+            try:
+                region_dropout.leave(dropout)
+            finally:
+                context._leave(token)
 
     return hook

@@ -17,7 +17,7 @@ hooks stay out of the graph).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 import winsp.adoption.region_dropout as region_dropout
 import winsp.runtime.context as context
 
-__all__ = ["watch_recompute"]
+__all__ = ["watch_recompute", "replaying"]
 
 NOTES_PER_MODULE = 64  # forward calls remembered per module (a few forwards' worth; older ones are dropped)
 
@@ -102,3 +102,30 @@ def _after(restored: list):
         return None
 
     return hook
+
+
+def replaying() -> Callable[..., Any]:
+    """Called in a forward inside a region: a runner ``run(fn, *args, **kwargs)`` that calls ``fn`` as is while the
+    same request is current in the same layout, and otherwise (a recomputation in backward, after the region ended)
+    with that request current in the layout noted now, and the region's dropout mode pushed again. For a checkpointed
+    function that is not a module call (:func:`winsp.swapped` with ``checkpoint=True``)."""
+    request = context.current_request_or_none()
+    state = _state(request) if request is not None else ()
+    mode = next((m for m in reversed(torch.overrides._get_current_function_mode_stack())
+                 if isinstance(m, region_dropout.RegionDropout)), None)
+    policy = mode.policy if mode is not None else None
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if request is None or context.current_request_or_none() is request:
+            return fn(*args, **kwargs)
+        before, token = _state(request), context._enter(request)
+        dropout = None if policy is None else region_dropout.enter(policy, "<recomputed>")
+        _set_state(request, state)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            region_dropout.leave(dropout)
+            _set_state(request, before)
+            context._leave(token)
+
+    return run

@@ -45,7 +45,7 @@ class Step:
 class ForwardOrder:
     """The plan's steps in forward order, and how far each region call in progress has come.
 
-    ``recording`` is set during :meth:`check_dry_run`'s forward on meta tensors: steps are then noted, not checked.
+    ``recording`` is set during :meth:`record`'s forward of the original modules: steps are then noted, not checked.
     """
 
     steps: tuple[Step, ...]
@@ -89,34 +89,30 @@ class ForwardOrder:
             raise ValueError(self._mismatch(pos, kind, index, f"Refused before {path!r} moved any rows"))
         self.progress[-1] = pos + 1
 
-    def check_dry_run(self, run: Callable[[], Any], *, repeats: bool = False) -> bool:
-        """Run ``run()`` (the region's forward on meta tensors) once, noting the steps it takes, and raise if they are
-        not the plan's. Returns False (nothing checked) if the model cannot run on meta tensors: the steps are then
-        checked as the real forward takes them. ``repeats``: ``run`` is a forward *around* the region (the model's,
-        for a region whose start and end are different modules), which may run the region any number of times."""
-        if self.dry_run_done:
-            return True
+    def record(self, run: Callable[[], Any]) -> list:
+        """Run ``run()`` (a forward of the original modules), noting the steps it takes instead of checking them;
+        returns them. Whatever ``run`` raises propagates."""
         self.recording = []
         try:
             run()
-        except Exception:  # noqa: BLE001 - data-dependent code (an .item(), a nonzero) cannot run on meta tensors
-            return False
         finally:
             recorded, self.recording = self.recording, None
-        self.dry_run_done = True
+        return recorded
+
+    def check(self, recorded: list, *, repeats: bool = False, found: str = "a forward on meta tensors") -> None:
+        """Raise if ``recorded`` (from :meth:`record`) is not the plan's steps; else note the dry run as done.
+        ``repeats``: the recording is of a forward *around* the region (the model's, for a region whose start and end
+        are different modules), which may run the region any number of times."""
         n = len(self.steps)
         for pos, (kind, index) in enumerate(recorded):
             at = pos % n if repeats else pos
             step = self.steps[at] if at < n else None
             if step is None or (step.kind, step.index) != (kind, index):
-                self.dry_run_done = False
-                raise ValueError(self._mismatch(at, kind, index, "Found by a forward on meta tensors before any "
-                                                                 "rows moved"))
+                raise ValueError(self._mismatch(at, kind, index, f"Found by {found} before any rows moved"))
         if (len(recorded) % n if repeats else len(recorded) < n):
-            self.dry_run_done = False
             raise ValueError(self._short(len(recorded) % n if repeats else len(recorded))
-                             + "; found by a forward on meta tensors before any rows moved")
-        return True
+                             + f"; found by {found} before any rows moved")
+        self.dry_run_done = True
 
 
 def watch_rows(model: nn.Module, paths: list[str], *, dropout: str = "refuse", modes: Optional[list] = None) -> list:

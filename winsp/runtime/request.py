@@ -250,16 +250,20 @@ class WindowRequest:
                              f"samples), got {list(x.shape)}")
         return x.index_select(0, self.row_sample)
 
-    def grid_rows(self, x: Tensor, *, spatial_dims: int = 3) -> Tensor:
+    def grid_rows(self, x: Tensor, *, spatial_dims: int | None = None) -> Tensor:
         """This rank's local rows (current layout) of a tensor given per position of the current stage's grid and
         shared by every sample: ``[T, H, W, ...]`` (``spatial_dims=3``), ``[H, W, ...]`` (2, a grid ``(1, H, W)``)
-        or ``[W, ...]`` (1). For positions (axial RoPE), per-token tables, masks. Padding rows get zeros.
+        or ``[W, ...]`` (1); None: the most grid dimensions whose sizes ``x`` starts with. For positions (axial
+        RoPE), per-token tables, masks. Padding rows get zeros.
 
         No collective; backward sums into the positions read.
         """
-        if spatial_dims not in (1, 2, 3):
+        if spatial_dims not in (None, 1, 2, 3):
             raise ValueError(f"grid_rows: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}")
         grids = sorted(set(self.stage_model_grids[self.stage]))
+        if spatial_dims is None:
+            spatial_dims = next((d for d in (3, 2, 1) if all(g == 1 for g in grids[0][:3 - d])
+                                 and tuple(x.shape[:d]) == grids[0][3 - d:]), 3) if len(grids) == 1 else 3
         if len(grids) != 1:
             raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a tensor "
                              f"per grid position shared by every sample cannot describe them (give canonical rows "

@@ -27,11 +27,12 @@ import numpy as np
 import torch
 
 from winsp.attention.backends import REGISTRY, available_backends, check_backend_name
-from winsp.attention.halo.backends import check_neighborhood_backend
+from winsp.attention.halo.backends import check_neighborhood_backend, explain_neighborhood_backend
 from winsp.attention.split import SplitAttention, SplitAttentionTensors
 from winsp.comm.group import SPGroup
 from winsp.comm.redistribute import RankTransitionTensors, Transition
 from winsp.geometry.layout import Grids, check_grids
+from winsp.geometry.neighborhood import is_neighborhood
 from winsp.geometry.windows import WindowGeometry
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 from winsp.planning.grid_step import GridStep, StageRows
@@ -112,6 +113,7 @@ class WindowRuntime:
         self.layout_hooks: dict[str, Callable[[LocalWindows, torch.device], Any]] = {}
         self._modded_seen = False  # an attention call passed a score_mod / mask_mod: prepare that backend too
         self._last: tuple[torch.device, torch.dtype | None, str] | None = None
+        self.layer_names: tuple[str, ...] | None = None  # module paths of the layers (winsp.parallelize names them)
 
     @classmethod
     def from_config(
@@ -200,8 +202,23 @@ class WindowRuntime:
                   if b != "batched_sdpa" and REGISTRY[b].auto_rule(device, False) is None]
         return usable[0] if usable else "grouped_sdpa"
 
+    def layer_kinds(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(kind, layers)`` per kind of layer in the schedule, in order of first appearance: ``"windows"`` (whole
+        windows per rank), ``"split windows"`` (a stage whose windows the planner may split across ranks, their heads
+        in parallel), ``"neighborhood halos"`` (:class:`~winsp.Neighborhood` layers: blocks of the grid per rank, halos
+        exchanged)."""
+        kinds: dict[str, list[int]] = {}
+        for layer, geometry in enumerate(self.schedule):
+            st = self.stages[self.stage_of_layer[layer]]
+            split = st.split_windows if st.split_windows is not None else self.split_windows
+            kind = "neighborhood halos" if is_neighborhood(geometry) else "split windows" if split else "windows"
+            kinds.setdefault(kind, []).append(layer)
+        return [(kind, tuple(layers)) for kind, layers in kinds.items()]
+
     def describe(self, device: torch.device | str = "cpu", backend: str | None = None) -> str:
-        """A one-line report of the execution path, e.g. ``window-aligned SP, Plan A (auto), 4 ranks, grouped SDPA``.
+        """A report of the execution path: one line (``window-aligned SP, Plan A (auto), 4 ranks, grouped SDPA``),
+        then, for a schedule with more than one kind of layer or with layers named by :func:`winsp.parallelize`, a line
+        per kind (:meth:`layer_kinds`) with its backend and its layers' module paths (or numbers).
 
         "Plan A" names how rows move between layouts: every layout change re-shards the activation with one
         all-to-all (:mod:`winsp.comm.redistribute`), as opposed to exchanging only halos (neighborhood layers,
@@ -209,8 +226,21 @@ class WindowRuntime:
         """
         backend = (backend or self.backend_for(device)).replace("_", " ").replace("sdpa", "SDPA")
         if self.world_size == 1:
-            return f"window attention, single rank (no communication), {backend}"
-        return f"window-aligned SP, Plan A ({self.planner}), {self.world_size} ranks, {backend}"
+            head = f"window attention, single rank (no communication), {backend}"
+        else:
+            head = f"window-aligned SP, Plan A ({self.planner}), {self.world_size} ranks, {backend}"
+        kinds = self.layer_kinds()
+        names = self.layer_names
+        if names is None and len(kinds) == 1:
+            return head
+        halo = explain_neighborhood_backend(self.neighborhood_backend, device)[0]
+        how = {"windows": backend, "split windows": f"heads across ranks, {backend}",
+               "neighborhood halos": f"{halo} kernel"}
+        lines = [head]
+        for kind, layers in kinds:
+            which = ", ".join(names[i] for i in layers) if names is not None else ", ".join(map(str, layers))
+            lines.append(f"  {kind} ({how[kind]}): {which}")
+        return "\n".join(lines)
 
     @property
     def execution_path(self) -> str:
