@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -118,17 +119,21 @@ def _torchrun_limited(limit_gib: int, *args) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.multirank
+@pytest.mark.timeout(3600)
 def test_7b_bf16_restores_sharded_on_two_ranks_within_11_gib_each(tmp_path):
     """The released 7B's keys and shapes in bf16 (random values, 16.5 GB streamed to disk): under torchrun with 2
     ranks and --shard-weights an image is restored with each rank's peak RSS at most 11 GiB (address space limited
     to 30 GiB a process); without it, under 14 GiB, the request is refused up front in one line naming
-    --shard-weights. Needs 18 GiB of available memory and 17 GB of disk."""
-    if _available_gib() < 18:
-        pytest.skip(f"needs 18 GiB of available memory, {_available_gib():.1f} GiB available")
+    --shard-weights. Needs 18 GiB of available memory (waits up to 20 minutes for it) and 17 GB of disk."""
     dit, vae = tmp_path / "dit7b_bf16.safetensors", tmp_path / "vae_bf16.safetensors"
     try:
         write_safetensors_streamed(dit, manifest("seedvr2_7b_dit"), seed=1)
         write_safetensors_streamed(vae, manifest("seedvr2_vae"), seed=2)
+        deadline = time.monotonic() + 1200
+        while _available_gib() < 18 and time.monotonic() < deadline:
+            time.sleep(30)  # the machine is shared: wait for the memory two 11 GiB ranks may need
+        if _available_gib() < 18:
+            pytest.skip(f"needs 18 GiB of available memory, {_available_gib():.1f} GiB available")
         src = make_png(tmp_path / "in.png", h=64, w=64)
         common = ["restore", src, "--model", "7b", "--dit-checkpoint", dit, "--vae-checkpoint", vae, "--dtype",
                   "bf16", "--quiet"]
