@@ -175,3 +175,12 @@ def test_a_mismatched_checkpoint_is_refused_before_anything_is_read(tmp_path):
     path = _save(tmp_path, "7b", ".safetensors", torch.float32)
     with pytest.raises(ValueError, match="missing keys: .*vid_out_norm|unexpected keys"):
         load_sharded_dit(_meta_model("3b"), path)
+
+
+def test_a_truncated_safetensors_file_is_refused_in_one_line(tmp_path):
+    path = _save(tmp_path, "3b", ".safetensors", torch.float32)
+    with open(path, "r+b") as f:
+        f.truncate(f.seek(0, 2) - 4096)
+    with pytest.raises(ValueError, match="not a readable safetensors file .*beyond the file's data") as err:
+        load_sharded_dit(_meta_model("3b"), path)
+    assert "\n" not in str(err.value)

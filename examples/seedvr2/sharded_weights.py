@@ -9,10 +9,11 @@ buffer (RoPE frequencies) stay whole on every rank.
 Two ways in:
 
 * :func:`load_sharded_dit`: from a checkpoint file into a model built on the meta device. Each rank reads only its
-  byte ranges of the block tensors (safetensors: ``safe_open`` slices; ``.pth``: ``torch.load(mmap=True,
-  weights_only=True)`` and slices of the mapped tensors), one block at a time with the file opened anew for each
-  block, so that the pages of the mapped file a rank touched are unmapped before the next block (peak RSS counts
-  them). No rank ever holds the whole state dict, and the key and shape checks run on the file's header first.
+  byte ranges of the block tensors, one block at a time (safetensors: plain reads at the header's offsets straight
+  into the rank's buffer, no memory map; ``.pth``: ``torch.load(mmap=True, weights_only=True)`` and slices of the
+  mapped tensors, the file mapped anew for each block so that the pages a rank touched are unmapped before the
+  next: peak RSS counts them). No rank ever holds the whole state dict, and the key and shape checks run on the
+  file's header first.
 * :func:`shard_loaded_dit`: a DiT already loaded in memory (the demo weights, tests) keeps its rank's chunk of each
   block and drops the rest.
 
@@ -76,44 +77,78 @@ def shard_loaded_dit(dit: nn.Module, group=None) -> GatheredModules:
 # ---- reading byte ranges of a checkpoint -----------------------------------------------------------------------
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class _RangeReader:
-    """Element ranges of a checkpoint's tensors, with the file open only inside ``with`` (its mapping is released
-    on leaving, so the pages read do not stay in this process's RSS)."""
+    """Element ranges of a checkpoint's tensors, read into a given buffer.
+
+    safetensors: plain reads at the offsets of the file's header (:func:`..checkpoint_file.safetensors_header`), into
+    the destination itself when the dtypes agree: no memory map (whose touched pages would count in this process's
+    RSS, and whose size would count against an address-space limit), no intermediate copy. ``.pth``: the tensors of
+    ``torch.load(mmap=True)`` sliced and copied, with the file mapped only inside ``with`` (leaving it unmaps the
+    pages read).
+    """
 
     def __init__(self, path: str) -> None:
+        from .checkpoint_file import safetensors_header
+
         self.path = path
         self.suffix = os.path.splitext(path)[1].lower()
+        self.header = safetensors_header(path) if self.suffix == ".safetensors" else None
         self._file = None
 
     def __enter__(self) -> "_RangeReader":
-        if self.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            self._file = safe_open(self.path, "pt")
+        if self.header is not None:
+            self._file = open(self.path, "rb", buffering=0)
         else:
             self._file = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         return self
 
     def __exit__(self, *exc) -> None:
         file, self._file = self._file, None
-        if hasattr(file, "__exit__"):
-            file.__exit__(None, None, None)
+        if hasattr(file, "close"):
+            file.close()
         del file
 
-    def read(self, key: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened tensor ``key`` (all of it by default), in the file's dtype."""
-        if self.suffix != ".safetensors":
-            flat = self._file[key].reshape(-1)
-            return flat if start is None else flat[start:stop]
-        part = self._file.get_slice(key)
-        shape = tuple(part.get_shape())
-        if start is None or len(shape) == 0:
-            flat = self._file.get_tensor(key).reshape(-1)
-            return flat if start is None else flat[start:stop]
-        inner = math.prod(shape[1:])
-        first, last = start // inner, -(-stop // inner)  # the rows that hold the range
-        rows = part[first:last].reshape(-1)
-        return rows[start - first * inner:stop - first * inner]
+    def read_into(self, out: torch.Tensor, key: str, start: int, stop: int) -> Optional[torch.dtype]:
+        """Copy elements ``[start, stop)`` of the flattened tensor ``key`` into the 1-D ``out`` (cast to its dtype);
+        returns the file's dtype."""
+        if self.header is None:
+            values = self._file[key].reshape(-1)[start:stop]
+            out.copy_(values)
+            return values.dtype
+        entry = self.header[key]
+        dtype = _SAFETENSORS_DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise ValueError(f"checkpoint {self.path!r}: tensor {key!r} has dtype {entry.dtype}, which a sharded "
+                             f"load does not read")
+        size = torch.empty((), dtype=dtype).element_size()
+        if entry.start + stop * size > entry.stop:
+            raise ValueError(f"checkpoint {self.path!r}: tensor {key!r} is shorter than its shape says")
+        target = out if dtype == out.dtype else torch.empty(stop - start, dtype=dtype)
+        view = memoryview(target.view(torch.uint8).numpy())
+        self._file.seek(entry.start + start * size)
+        done = 0
+        while done < len(view):
+            got = self._file.readinto(view[done:])
+            if not got:
+                raise ValueError(f"checkpoint {self.path!r} ends inside tensor {key!r} (truncated file)")
+            done += got
+        if target is not out:
+            out.copy_(target)
+        return dtype
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` (its shape, the file's dtype)."""
+        if self.header is None:
+            return self._file[key].clone()
+        entry = self.header[key]
+        out = torch.empty(math.prod(entry.shape), dtype=_SAFETENSORS_DTYPES.get(entry.dtype, torch.uint8))
+        self.read_into(out, key, 0, out.numel())
+        return out.reshape(entry.shape)
 
 
 def check_shardable_checkpoint(path: str, layout: Mapping[str, tuple], weights: str) -> None:
@@ -171,25 +206,25 @@ def load_sharded_dit(model: nn.Module, path: str, group=None, *, weights: str = 
     check_dit_keys({k: tuple(v.shape) for k, v in expected.items()}, {k: tuple(v.shape) for k, v in shapes.items()})
 
     layouts = block_layouts(model, group.size)
+    reader = _RangeReader(path)
     shards, cast = [], set()
     for i, block_layout in enumerate(layouts):
         chunk = torch.zeros(block_layout.chunk_bytes, dtype=torch.uint8)
         dtypes = {e.name: e.dtype for e in block_layout.entries}
-        with _RangeReader(path) as reader:
+        with reader:  # one block at a time: a mapped .pth is unmapped before the next
             for piece in block_layout.pieces(group.rank):
-                values = reader.read(file_key[f"blocks.{i}.{piece.name}"], piece.start, piece.stop)
                 target = dtypes[piece.name]
-                if values.dtype != target:
-                    cast.add((str(values.dtype).replace("torch.", ""), str(target).replace("torch.", "")))
                 size = torch.empty((), dtype=target).element_size()
-                chunk[piece.chunk_offset:piece.chunk_offset + values.numel() * size].view(target).copy_(values)
-                del values
+                out = chunk[piece.chunk_offset:piece.chunk_offset + (piece.stop - piece.start) * size].view(target)
+                stored = reader.read_into(out, file_key[f"blocks.{i}.{piece.name}"], piece.start, piece.stop)
+                if stored != target:
+                    cast.add((str(stored).replace("torch.", ""), str(target).replace("torch.", "")))
         shards.append(chunk.to(device))
     gathered = _attach(model, layouts, shards, group)
 
     sharded = {f"blocks.{i}.{e.name}" for i, block_layout in enumerate(layouts) for e in block_layout.entries}
-    with _RangeReader(path) as reader:
-        rest = {k: reader.read(file_key[k]).reshape(shapes[k].shape).clone() for k in expected if k not in sharded}
+    with reader:
+        rest = {k: reader.read(file_key[k]).reshape(shapes[k].shape) for k in expected if k not in sharded}
     exact = _restore_exact_rope(model, rest)
     rest, note = match_model_dtypes(rest, model, what="DiT checkpoint", weights="compute")
     notes = [n for n in (note, f"{len(cast)} block dtype cast(s) {sorted(cast)}" if cast else None,

@@ -35,14 +35,11 @@ def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     suffix = os.path.splitext(path)[1].lower()
     layout: dict[str, tuple[str, tuple[int, ...], int]] = {}
     if suffix == ".safetensors":
-        from safetensors import safe_open
+        from .checkpoint_file import safetensors_header
 
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                part = f.get_slice(key)
-                kind, shape = part.get_dtype(), tuple(part.get_shape())
-                layout[key] = (_SAFETENSORS_KIND.get(kind, kind), shape,
-                               math.prod(shape) * _SAFETENSORS_BYTES.get(kind, 4))
+        for key, entry in safetensors_header(path).items():
+            layout[key] = (_SAFETENSORS_KIND.get(entry.dtype, entry.dtype), entry.shape,
+                           math.prod(entry.shape) * _SAFETENSORS_BYTES.get(entry.dtype, 4))
     elif suffix == ".gguf":
         import gguf
 
