@@ -98,22 +98,31 @@ def _rank_memory(rank: int, world: int, path: str, layers: int, sharded: bool) -
     return {"rise": _status("VmRSS") - before, "peak": _status("VmHWM"), "held": held}
 
 
-def _rank_time(rank: int, world: int, path: str, mode: str, latents: list, repeats: int) -> dict:
+MODES = ("replicated", "sharded, prefetch", "sharded, no prefetch")
+
+
+def _rank_time(rank: int, world: int, path: str, latents: list, repeats: int) -> dict:
+    """Median forward seconds of each mode, the modes interleaved run by run so that the machine's noise falls on
+    all of them alike (a replicated and a sharded model live side by side; prefetch is switched on the latter)."""
     from examples.seedvr2.sharded_weights import sharded_weights_of
 
-    model, _ = _load(path, 2, mode != "replicated")
-    if mode == "sharded, no prefetch":
-        sharded_weights_of(model).prefetch = False
-    times = {}
+    whole, _ = _load(path, 2, False)
+    sharded, _ = _load(path, 2, True)
+    gatherer = sharded_weights_of(sharded)
+    times = {mode: {} for mode in MODES}
     for latent in latents:
-        inputs = _inputs(model.config, tuple(latent))
-        _forward(model, inputs)  # warm-up: plans, allocator
-        runs = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            _forward(model, inputs)
-            runs.append(time.perf_counter() - start)
-        times[tuple(latent)] = runs
+        inputs = _inputs(whole.config, tuple(latent))
+        runs = {mode: [] for mode in MODES}
+        for repeat in range(repeats + 1):  # the first round warms up (plans, allocator)
+            for mode in MODES:
+                gatherer.prefetch = mode != "sharded, no prefetch"
+                model = whole if mode == "replicated" else sharded
+                start = time.perf_counter()
+                _forward(model, inputs)
+                if repeat:
+                    runs[mode].append(time.perf_counter() - start)
+        for mode in MODES:
+            times[mode][tuple(latent)] = runs[mode]
     return times
 
 
@@ -147,17 +156,19 @@ def part_time(folder: Path, repeats: int) -> None:
     write_checkpoint(path, 2)
     latents = [(3, 32, 48), (3, 64, 96)]
     labels = {(3, 32, 48): "9x256x384", (3, 64, 96): "9x512x768"}
-    print(f"\n## forward time: 3B width, 2 blocks, bf16, SP 2 on gloo, median of {repeats} (seconds, rank 0)")
+    print(f"\n## forward time: 3B width, 2 blocks, bf16, SP 2 on gloo, median of {repeats} interleaved runs "
+          f"(seconds, rank 0; every run of each rank in brackets)")
     print("| input | replicated | sharded, prefetch | sharded, no prefetch | prefetch / replicated | "
           "no prefetch / replicated |")
     print("|---|---|---|---|---|---|")
-    medians = {}
-    for mode in ("replicated", "sharded, prefetch", "sharded, no prefetch"):
-        rows = run_ranks(_rank_time, 2, str(path), mode, latents, repeats, timeout=1800)
-        medians[mode] = {k: statistics.median(v) for k, v in rows[0].items()}
+    rows = run_ranks(_rank_time, 2, str(path), latents, repeats, timeout=3600)
+    medians = {mode: {k: statistics.median(v) for k, v in rows[0][mode].items()} for mode in MODES}
     for latent in latents:
-        r, p, n = (medians[m][latent] for m in ("replicated", "sharded, prefetch", "sharded, no prefetch"))
+        r, p, n = (medians[m][latent] for m in MODES)
         print(f"| {labels[latent]} | {r:.3f} | {p:.3f} | {n:.3f} | {p / r:.2f} | {n / r:.2f} |")
+    for mode in MODES:
+        print(f"{mode}: " + "; ".join(f"{labels[k]} " + " / ".join(
+            "[" + ", ".join(f"{t:.2f}" for t in row[mode][k]) + "]" for row in rows) for k in latents))
     path.unlink()
 
 

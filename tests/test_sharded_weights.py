@@ -184,3 +184,22 @@ def test_a_truncated_safetensors_file_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="not a readable safetensors file .*beyond the file's data") as err:
         load_sharded_dit(_meta_model("3b"), path)
     assert "\n" not in str(err.value)
+
+
+def _rank_pipeline(rank: int, world: int) -> dict:
+    from examples.seedvr2.pipeline import SeedVR2Pipeline
+    from tests.test_pipeline import build_golden_models, restore_small
+
+    dit, vae = build_golden_models()
+    whole = restore_small(SeedVR2Pipeline(dit, vae, "height", group=SPGroup.world()))
+    pipe = SeedVR2Pipeline(dit, vae, "height", group=SPGroup.world(), shard_weights=True)
+    return {"equal": torch.equal(restore_small(pipe), whole), "describe": pipe.describe(),
+            "empty": all(p.numel() == 0 for p in dit.blocks.parameters())}
+
+
+@pytest.mark.multirank
+def test_pipeline_shard_weights_restores_the_same_video_at_sp2():
+    """``SeedVR2Pipeline(..., shard_weights=True)`` on the golden restore models: the same video, bit for bit."""
+    for rank, res in enumerate(run_ranks(_rank_pipeline, 2, timeout=TIMEOUT)):
+        assert res["equal"] and res["empty"], (rank, res)
+        assert "DiT blocks sharded x2" in res["describe"], res["describe"]
