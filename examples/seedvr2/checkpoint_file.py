@@ -12,16 +12,18 @@ pass through.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import warnings
+from dataclasses import dataclass
 from typing import Mapping, Union
 
 import torch
 
 from .quantized_linear import PackedWeight
 
-__all__ = ["CHECKPOINT_SUFFIXES", "read_checkpoint_file", "tensor_state"]
+__all__ = ["CHECKPOINT_SUFFIXES", "read_checkpoint_file", "tensor_state", "SafetensorsEntry", "safetensors_header"]
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".gguf")
 StateValue = Union[torch.Tensor, PackedWeight]
@@ -98,3 +100,39 @@ def _torch_load_weights_only(path: str) -> dict:
     if not isinstance(state, Mapping):
         raise ValueError(f"checkpoint {path!r} holds a {type(state).__name__}, not a state dict")
     return dict(state)
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a safetensors file: its dtype name (``BF16``, ``F8_E4M3``, ...), shape, and where its bytes lie
+    in the file (``start`` to ``stop``, absolute offsets)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def safetensors_header(path: str) -> dict[str, SafetensorsEntry]:
+    """The tensors of a safetensors file from its header alone: two small reads, no memory map (so it works under an
+    address-space limit smaller than the file, and nothing of the data enters this process's memory)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= min(size - 8, 100 * 2**20):
+                raise ValueError(f"header length {length} does not fit a file of {size} bytes")
+            header = json.loads(f.read(length))
+        base = 8 + length
+        entries = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = (int(v) for v in info["data_offsets"])
+            if not 0 <= begin <= end <= size - base:
+                raise ValueError(f"tensor {key!r} lies at bytes {begin}..{end}, beyond the file's data")
+            entries[key] = SafetensorsEntry(str(info["dtype"]), tuple(int(d) for d in info["shape"]), base + begin,
+                                            base + end)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"checkpoint {path!r} is not a readable safetensors file ({_reason(err)})") from None
+    return entries

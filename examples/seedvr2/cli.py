@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--vae-tile", type=int, metavar="PIXELS",
                         help="tile size of --vae-parallel tiled (square, a multiple of 8; implies tiled) (default: the "
                              "largest that fits)")
+    memory.add_argument("--shard-weights", action="store_true",
+                        help="split the DiT's block weights over the ranks of the SP group: each rank reads and holds "
+                             "1/N of them (the 7B in bf16: 8.2 of 16.5 GB at N = 2) and gathers one block at a time, "
+                             "the next prefetched while one computes; the output is bitwise that of whole weights. For "
+                             "bf16/fp16/fp32 .safetensors and .pth checkpoints (fp8 and GGUF ones are refused: they "
+                             "are already packed small) (default: every rank holds every weight)")
     memory.add_argument("--batch-frames", type=int, metavar="N",
                         help=f"frames per temporal batch, 4n+1 (default {DEFAULT_BATCH_FRAMES}, or fewer to fit); "
                              f"memory depends on this, not on the clip's length")
@@ -333,6 +339,23 @@ def _check_output_path(path: str, num_frames_hint: Optional[int] = None) -> None
         )
 
 
+def _check_shardable(args: argparse.Namespace) -> None:
+    """Refuse, before anything is read, a ``--shard-weights`` run whose DiT checkpoint cannot be sharded."""
+    from .sharded_weights import check_shardable_checkpoint
+    from .weight_memory import checkpoint_layout
+
+    if not os.path.isfile(args.dit_checkpoint):
+        return  # the loader names the missing file
+    try:
+        layout = checkpoint_layout(args.dit_checkpoint)
+    except Exception:  # noqa: BLE001 - an unreadable header is reported by the loader, with its reason
+        return
+    try:
+        check_shardable_checkpoint(args.dit_checkpoint, layout, getattr(args, "weights", "stored"))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
 @dataclass
 class LoadedModels:
     dit: torch.nn.Module
@@ -367,10 +390,12 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
     return txt.float()
 
 
-def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, report=None) -> LoadedModels:
+def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, report=None,
+                group=None) -> LoadedModels:
     """The released models from the two checkpoints, or the embedded demo models when neither is given.
 
-    ``report`` receives the loaders' one-line notes (what a half-precision checkpoint was cast to)."""
+    ``report`` receives the loaders' one-line notes (what a half-precision checkpoint was cast to). With
+    ``--shard-weights`` each rank of the SP ``group`` reads only its chunk of the DiT's blocks."""
     if (args.dit_checkpoint is None) != (args.vae_checkpoint is None):
         given, missing = (("--dit-checkpoint", "--vae-checkpoint") if args.vae_checkpoint is None
                           else ("--vae-checkpoint", "--dit-checkpoint"))
@@ -393,8 +418,14 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
             raise InputError(f"{flag}: file not found: {path}")
     dit, vae = released_models_on_meta(args.model or "3b", dtype)
     weights = {"weights": getattr(args, "weights", "stored")}
+    dit_loader = load_dit_checkpoint
+    if getattr(args, "shard_weights", False):
+        from .sharded_weights import load_sharded_dit
+
+        weights["device"] = device
+        dit_loader = lambda model, path, **options: load_sharded_dit(model, path, group, **options)  # noqa: E731
     for flag, loader, model, path, options in (
-            (dit_flag, load_dit_checkpoint, dit, args.dit_checkpoint, weights),
+            (dit_flag, dit_loader, dit, args.dit_checkpoint, weights),
             (vae_flag, load_vae_checkpoint, vae, args.vae_checkpoint, {})):
         try:
             loader(model, path, report=report, **options)
@@ -455,8 +486,10 @@ class MemoryPlan:
         return f"memory: {self.reason}"
 
 
-def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
-    """(first VAE level channels, DiT width, resident weight bytes in ``dtype``) of the models a run will load."""
+def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torch.float32,
+                 shard_parts: Optional[int] = None) -> tuple[int, int, int]:
+    """(first VAE level channels, DiT width, resident weight bytes in ``dtype``) of the models a run will load; with
+    ``shard_parts``, the DiT's blocks sharded over that many ranks."""
     if demo:
         from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
 
@@ -466,7 +499,7 @@ def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torc
     from .weight_memory import run_weight_bytes
 
     weights = run_weight_bytes(args.model or "3b", args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
-                               weights=getattr(args, "weights", "stored"))
+                               weights=getattr(args, "weights", "stored"), shard_parts=shard_parts)
     return VideoVAEConfig.seedvr2().block_out_channels[0], NaDiTConfig.released(args.model or "3b").vid_dim, weights
 
 
@@ -516,7 +549,8 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
     from .memory_limits import usable_memory
     from .pipeline import estimate_restore_bytes
 
-    vae_channels, dit_width, weights = _model_sizes(args, demo, dtype)
+    sharded = getattr(args, "shard_weights", False)
+    vae_channels, dit_width, weights = _model_sizes(args, demo, dtype, sp_size if sharded else None)
     if weights_loaded:  # already held (an earlier file of a batch): the usable memory left them out
         weights = 0
     height, width = geometry.work
@@ -537,6 +571,8 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
     limit = usable_memory(device) if limit is None else limit
     fit = fit_settings(candidates, pinned, need, limit.usable)
     where = f"{num_frames} frame{'s' if num_frames != 1 else ''} at {width}x{height}"
+    if fit.chosen is None and not sharded and not demo and limit.usable is not None:
+        _suggest_sharding(args, dtype, sp_size, weights, fit, limit, where)
     if fit.chosen is None:
         if fit.suggestion is not None:
             raise OutOfMemory(
@@ -574,6 +610,23 @@ def _output_changes(first, chosen, first_need: int, limit) -> Optional[str]:
     return (f"WARNING: to fit the {limit.describe()} usable per rank this run uses {' and '.join(changes)}, which "
             f"CHANGES THE OUTPUT (the exact settings need about {_gib(first_need)} per rank); free memory, use more "
             f"ranks (--ranks N), or a smaller --resolution to avoid it")
+
+
+def _suggest_sharding(args: argparse.Namespace, dtype: torch.dtype, sp_size: int, weights: int, fit, limit,
+                      where: str) -> None:
+    """Raise :class:`OutOfMemory` recommending ``--shard-weights`` when whole weights are what does not fit: the
+    most frugal settings fit once the DiT's blocks are split over the SP group (over 2 ranks when it has one)."""
+    parts = max(sp_size, 2)
+    sharded = _model_sizes(args, False, dtype, parts)[2]
+    if fit.smallest_need - weights + sharded > limit.usable:
+        return
+    how = (f"add --shard-weights (the DiT's blocks split over the {sp_size} ranks of the SP group)" if sp_size > 1
+           else "run 2 or more ranks (torchrun --nproc-per-node 2) with --shard-weights")
+    raise OutOfMemory(
+        f"the weights do not fit: every rank holds all {_gib(weights)} of them and needs about "
+        f"{_gib(fit.smallest_need)} for {where} in the most frugal settings, but {limit.describe()} is usable; "
+        f"{how}: each rank then holds about {_gib(sharded)} of weights and needs about "
+        f"{_gib(fit.smallest_need - weights + sharded)}")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -650,6 +703,8 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     if weights_line is not None:
         notes.append(weights_line)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
+    if getattr(args, "shard_weights", False) and args.dit_checkpoint is not None:
+        _check_shardable(args)
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
     color_fix = args.color_fix or ("none" if demo else "wavelet")
 
@@ -746,8 +801,9 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     progress.start("load")
     state.lockstep = False
     fresh = state.models is None
-    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None) if fresh \
-        else state.models
+    mesh = build_temporal_mesh(sp_size)
+    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None,
+                         group=mesh.sp) if fresh else state.models
     state.models = models
     if models.demo and is_rank0 and fresh:
         progress.note(
@@ -755,10 +811,9 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             f"restoration. "
             + ("" if args.demo else f"No SeedVR2 weights were found; {how_to_get_weights(args.model)}.")
         )
-    mesh = build_temporal_mesh(sp_size)
     tile = settings.vae_tile if settings.vae_tile is not None else 256
     pipe = SeedVR2Pipeline(models.dit, models.vae, settings.vae_parallel, group=mesh.sp, vae_tile_size=tile,
-                           vae_tile_overlap=tile_overlap(tile))
+                           vae_tile_overlap=tile_overlap(tile), shard_weights=getattr(args, "shard_weights", False))
 
     progress.start("restore")
     started = time.perf_counter()

@@ -257,6 +257,10 @@ class SeedVR2Pipeline:
         vae_temporal_chunk: frames per causal VAE chunk (the reference's slicing, 4), or None for whole clips.
         vae_tile_size, vae_tile_overlap: tile and overlap in pixels for ``vae_parallel="tiled"`` (every rank runs
             all tiles; tiling bounds memory, it is approximate, see :mod:`examples.seedvr2.vae.tiling`).
+        shard_weights: hold 1/P of the DiT's block weights on each of the group's P ranks and gather each block
+            just before it runs, the next one prefetched (see :mod:`examples.seedvr2.sharded_weights`); the output is
+            bitwise that of replicated weights. A DiT loaded sharded (``from_checkpoints(..., shard_weights=True)``)
+            stays as it is; a whole one keeps this rank's chunk of each block and drops the rest.
 
     Every rank must pass the same inputs (and, when noise is drawn, identically seeded generators); every rank
     gets the full result.
@@ -275,6 +279,7 @@ class SeedVR2Pipeline:
         vae_temporal_chunk: Optional[int] = 4,
         vae_tile_size: int = 256,
         vae_tile_overlap: int = 64,
+        shard_weights: bool = False,
     ) -> None:
         import winsp
         from winsp.comm.group import SPGroup
@@ -285,6 +290,14 @@ class SeedVR2Pipeline:
         if group is None and getattr(parallel_config, "mesh", None) is not None:
             group = parallel_config.mesh
         self.group = group if isinstance(group, SPGroup) else SPGroup(group)
+        from .sharded_weights import shard_loaded_dit, sharded_weights_of
+
+        if shard_weights:
+            shard_loaded_dit(dit, self.group)
+        self.weight_shards = sharded_weights_of(dit)
+        if self.weight_shards is not None and self.weight_shards.group.size != self.group.size:
+            raise ValueError(f"the DiT's weights are sharded over {self.weight_shards.group.size} ranks but the "
+                             f"pipeline's group has {self.group.size}; shard them over the same group")
         if parallel_config is None:
             parallel_config = winsp.DiffusionParallelConfig(ulysses_degree=self.group.size)
         self.runtime = dit.build_runtime(parallel_config=parallel_config, group=self.group)
@@ -303,13 +316,14 @@ class SeedVR2Pipeline:
     def from_checkpoints(
         cls, dit_checkpoint=None, vae_checkpoint=None, *, model: str = "3b", device="cpu",
         dtype: torch.dtype = torch.float32, report: Optional[Callable[[str], None]] = None, weights: str = "stored",
-        **kwargs,
+        shard_weights: bool = False, **kwargs,
     ) -> "SeedVR2Pipeline":
         """The pipeline of the released ``model`` (``"3b"`` or ``"7b"``): its DiT and the VAE built on the meta device
         in ``dtype``, loaded strictly from the two checkpoints (``report`` gets the loaders' one-line cast notes), on
         ``device``; ``weights`` (``stored``, ``fp8``, ``compute``) says which DiT Linear weights stay packed (see
         :mod:`.checkpoint_dtypes`). With neither checkpoint: the tiny demo weights of that architecture
-        (:mod:`.demo`). ``kwargs`` go to the constructor (``vae_parallel``, ``group``, ...)."""
+        (:mod:`.demo`). ``shard_weights``: each rank of ``group`` reads only its chunk of the DiT's blocks from the
+        file (see :mod:`.sharded_weights`). ``kwargs`` go to the constructor (``vae_parallel``, ``group``, ...)."""
         from .dit import load_dit_checkpoint
         from .vae import load_vae_checkpoint
 
@@ -319,9 +333,14 @@ class SeedVR2Pipeline:
             from .demo import demo_models
 
             dit, vae = demo_models(device, dtype, model=model)
-            return cls(dit, vae, **kwargs)
+            return cls(dit, vae, shard_weights=shard_weights, **kwargs)
         dit, vae = released_models_on_meta(model, dtype)
-        load_dit_checkpoint(dit, dit_checkpoint, report=report, weights=weights)
+        if shard_weights:
+            from .sharded_weights import load_sharded_dit
+
+            load_sharded_dit(dit, dit_checkpoint, kwargs.get("group"), weights=weights, report=report, device=device)
+        else:
+            load_dit_checkpoint(dit, dit_checkpoint, report=report, weights=weights)
         load_vae_checkpoint(vae, vae_checkpoint, report=report)
         return cls(dit.to(device).eval(), vae.to(device).eval(), **kwargs)
 
@@ -354,7 +373,9 @@ class SeedVR2Pipeline:
 
             chosen = sorted({describe_splits(*splits) for splits in self.vae_splits})
             vae += f" ({'; '.join(chosen)})"
-        return f"{self.runtime.describe(self.device)}; {vae}"
+        weights = ("" if self.weight_shards is None else
+                   f"; DiT blocks sharded x{self.group.size} ({self.weight_shards.shard_bytes / 2**30:.2f} GiB a rank)")
+        return f"{self.runtime.describe(self.device)}; {vae}{weights}"
 
     def _note_vae_splits(self, frames: int, latent_rows: int) -> None:
         """Remember the wavefront's (encode, decode) splits for a padded clip of ``frames`` frames (for describe)."""

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Collection
+import re
+from typing import Collection, Optional
 
 import torch
 
 from .gguf_dequant import BLOCK_LAYOUTS, packed_nbytes
 from .quantized_linear import FP8_KINDS
 
-__all__ = ["checkpoint_layout", "resident_weight_bytes", "run_weight_bytes"]
+__all__ = ["checkpoint_layout", "resident_weight_bytes", "run_weight_bytes", "sharded_weight_bytes"]
+
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                       "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -32,14 +35,11 @@ def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     suffix = os.path.splitext(path)[1].lower()
     layout: dict[str, tuple[str, tuple[int, ...], int]] = {}
     if suffix == ".safetensors":
-        from safetensors import safe_open
+        from .checkpoint_file import safetensors_header
 
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                part = f.get_slice(key)
-                kind, shape = part.get_dtype(), tuple(part.get_shape())
-                layout[key] = (_SAFETENSORS_KIND.get(kind, kind), shape,
-                               math.prod(shape) * _SAFETENSORS_BYTES.get(kind, 4))
+        for key, entry in safetensors_header(path).items():
+            layout[key] = (_SAFETENSORS_KIND.get(entry.dtype, entry.dtype), entry.shape,
+                           math.prod(entry.shape) * _SAFETENSORS_BYTES.get(entry.dtype, 4))
     elif suffix == ".gguf":
         import gguf
 
@@ -67,25 +67,51 @@ def resident_weight_bytes(path: str, *, compute_dtype: torch.dtype, weights: str
     """Bytes the checkpoint at ``path`` takes loaded for ``compute_dtype`` with ``weights`` (``stored``, ``fp8``,
     ``compute``): keys in ``packable`` that stay packed count their stored size (fp8: one byte a value), the largest
     of them once more expanded (the per-call copy); every other floating tensor counts in ``compute_dtype``."""
+    by_key, largest_packed = _resident_bytes_by_key(path, compute_dtype, weights, packable)
+    return sum(by_key.values()) + largest_packed
+
+
+def _resident_bytes_by_key(path: str, compute_dtype: torch.dtype, weights: str,
+                           packable: Collection[str]) -> tuple[dict[str, int], int]:
+    """``({key: resident bytes}, bytes of the largest packed weight expanded)`` (see :func:`resident_weight_bytes`)."""
     element = torch.finfo(compute_dtype).bits // 8
-    total, largest_packed = 0, 0
+    by_key, largest_packed = {}, 0
     packable = set(packable)
     for key, (kind, shape, stored) in checkpoint_layout(path).items():
         numel = math.prod(shape)
         quantised = kind in FP8_KINDS or kind in BLOCK_LAYOUTS
         if weights != "compute" and key in packable and (quantised or (weights == "fp8" and kind in _FLOAT_NAMES)):
-            total += packed_nbytes(kind, numel) if kind in BLOCK_LAYOUTS else numel  # fp8: one byte a value
+            by_key[key] = packed_nbytes(kind, numel) if kind in BLOCK_LAYOUTS else numel  # fp8: one byte a value
             largest_packed = max(largest_packed, numel * element)
         elif quantised or kind in _FLOAT_NAMES:
-            total += numel * element
+            by_key[key] = numel * element
         else:
-            total += stored
-    return total + largest_packed
+            by_key[key] = stored
+    return by_key, largest_packed
+
+
+def sharded_weight_bytes(path: str, *, compute_dtype: torch.dtype, parts: int) -> int:
+    """Bytes one of ``parts`` ranks holds of the DiT checkpoint at ``path`` with its blocks sharded (see
+    :mod:`.sharded_weights`): its share of the blocks, everything else whole, and two blocks gathered at once (the
+    running one and the prefetched next one; none at one rank, whose chunk is the whole block)."""
+    by_key, _ = _resident_bytes_by_key(path, compute_dtype, "compute", ())
+    blocks: dict[str, int] = {}
+    rest = 0
+    for key, size in by_key.items():
+        match = _BLOCK_KEY.match(key)
+        if match:
+            blocks[match.group(1)] = blocks.get(match.group(1), 0) + size
+        else:
+            rest += size
+    if parts <= 1:
+        return rest + sum(blocks.values())
+    return rest + sum(-(-size // parts) for size in blocks.values()) + 2 * max(blocks.values(), default=0)
 
 
 def run_weight_bytes(model: str, dit_path: str, vae_path: str, *, compute_dtype: torch.dtype,
-                     weights: str = "stored") -> int:
-    """Resident bytes of a run's DiT (``model`` "3b"/"7b") and VAE checkpoints (see :func:`resident_weight_bytes`).
+                     weights: str = "stored", shard_parts: Optional[int] = None) -> int:
+    """Resident bytes of a run's DiT (``model`` "3b"/"7b") and VAE checkpoints (see :func:`resident_weight_bytes`);
+    with ``shard_parts``, the DiT's blocks sharded over that many ranks (see :func:`sharded_weight_bytes`).
 
     A file whose header cannot be read counts its size on disk (the loader then reports what is wrong with it)."""
     from .dit import NaDiTConfig, SeedVR2NaDiT, packable_dit_weights
@@ -97,7 +123,10 @@ def run_weight_bytes(model: str, dit_path: str, vae_path: str, *, compute_dtype:
         if not path or not os.path.isfile(path):
             continue  # the loader names the missing file
         try:
-            total += resident_weight_bytes(path, compute_dtype=compute_dtype, weights=mode, packable=keys)
+            if shard_parts is not None and path == dit_path:
+                total += sharded_weight_bytes(path, compute_dtype=compute_dtype, parts=shard_parts)
+            else:
+                total += resident_weight_bytes(path, compute_dtype=compute_dtype, weights=mode, packable=keys)
         except Exception:  # noqa: BLE001 - an unreadable file is reported by the loader, with its reason
             total += os.path.getsize(path)
     return total

@@ -243,6 +243,22 @@ class SPGroup:
         work = dist.all_to_all_single(out, send, outs, ins, group=self.group, async_op=True)
         return PendingRows(out, work, send)
 
+    def start_all_gather(self, chunk: torch.Tensor) -> "PendingRows":
+        """Start concatenating every rank's equal-sized 1-D ``chunk`` (rank order) in the background; ``wait()`` for
+        the ``[size * len(chunk)]`` result. Eager and not differentiable (for gathering sharded weights); every rank
+        must start it at the same point of its collective sequence. At one rank, the chunk itself."""
+        if chunk.dim() != 1:
+            raise ValueError(f"start_all_gather: the chunk must be 1-D, got shape {list(chunk.shape)}")
+        if self.is_single:
+            return PendingRows(chunk)
+        import torch.distributed as dist
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        send = chunk.contiguous()
+        out = send.new_empty(self.size * send.shape[0])
+        work = gather(out, send, group=self.group, async_op=True)
+        return PendingRows(out, work, send)
+
     def all_gather_rows(self, tensor: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along dim 0; rank r holds ``sizes[r]`` rows (may differ, may be 0).
 

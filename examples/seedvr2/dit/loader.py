@@ -28,7 +28,8 @@ from ..checkpoint_file import read_checkpoint_file, tensor_state
 from ..quantized_linear import PackedWeight, linear_weight_keys, pack_linear_layers
 from .rope import RotaryEmbedding3d
 
-__all__ = ["load_dit_checkpoint", "read_state_dict", "normalize_checkpoint_keys", "packable_dit_weights"]
+__all__ = ["load_dit_checkpoint", "check_dit_keys", "read_state_dict", "normalize_checkpoint_keys",
+           "packable_dit_weights"]
 
 _REFERENCE_ROPE_KEY = re.compile(r"^(blocks\.\d+\.attn\.rope)\.rope\.freqs$")
 _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
@@ -121,6 +122,27 @@ def _restore_exact_rope(model: nn.Module, state: dict[str, Tensor]) -> int:
     return restored
 
 
+def check_dit_keys(expected: Mapping[str, tuple], found: Mapping[str, tuple]) -> None:
+    """``ValueError`` naming the missing, unexpected and shape-mismatched keys of a checkpoint (``found``: key ->
+    shape, after the key rename) against the model's (``expected``); nothing when they agree."""
+    missing = set(expected) - set(found)
+    unexpected = set(found) - set(expected)
+    mismatched = [
+        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
+        for k in sorted(set(expected) & set(found))
+        if tuple(found[k]) != tuple(expected[k])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_short(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_short(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {'; '.join(mismatched[:8])}")
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+
+
 def load_dit_checkpoint(
     model: nn.Module, source: Source, *, allow_truncated: bool = False,
     report: Optional[Callable[[str], None]] = None, weights: str = "stored",
@@ -150,22 +172,7 @@ def load_dit_checkpoint(
         (report or _log.info)(cast)
 
     expected = model.state_dict()
-    missing = set(expected) - set(state)
-    unexpected = set(state) - set(expected)
-    mismatched = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in sorted(set(expected) & set(state))
-        if tuple(state[k].shape) != tuple(expected[k].shape)
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_short(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_short(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {'; '.join(mismatched[:8])}")
-    if problems:
-        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+    check_dit_keys({k: tuple(v.shape) for k, v in expected.items()}, {k: tuple(v.shape) for k, v in state.items()})
 
     on_meta = any(t.is_meta for t in expected.values())
     packed = {k: v for k, v in state.items() if isinstance(v, PackedWeight)}
