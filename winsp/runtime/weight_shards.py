@@ -179,7 +179,7 @@ class GatheredModules:
             self._handles.append(root.register_forward_pre_hook(lambda _m, _a: self._start_forward()))
 
     @staticmethod
-    def _empty_parameters(module: nn.Module, layout: FlatShardLayout, shard: torch.Tensor) -> dict[str, list]:
+    def _empty_parameters(module: nn.Module, layout: FlatShardLayout, shard: torch.Tensor) -> dict[str, nn.Parameter]:
         """Replace every parameter of ``module`` named in ``layout`` (under all its names) by an empty one on the
         shard's device; returns ``{layout name: [parameter]}``."""
         names = {e.name: e for e in layout.entries}
