@@ -56,6 +56,7 @@ from .media import (
     plan_geometry,
     same_file,
 )
+from .terminal_text import printable
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
@@ -181,7 +182,7 @@ class StageProgress:
     def note(self, message: str) -> None:
         """Print a message line (even when the bar is disabled) without tearing the bar."""
         self.break_line()
-        self.stream.write(f"{message}\n")
+        self.stream.write(f"{printable(message)}\n")  # loader notes name keys from the file
         self.stream.flush()
 
     def break_line(self) -> None:
@@ -317,7 +318,10 @@ class LoadedModels:
 
 
 def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
-    """``[L, txt_in_dim]`` prompt embedding from a safetensors file (key ``pos``, or its only tensor) or a .pt/.pth."""
+    """``[L, txt_in_dim]`` prompt embedding from a safetensors file (key ``pos``, or its only tensor) or a .pt/.pth:
+    string keys, a finite real floating-point tensor (else one line naming the file and what is wrong)."""
+    if os.path.isdir(path):
+        raise InputError(f"text embeddings {path} is a directory, not a file")
     if not os.path.isfile(path):
         raise InputError(f"text embeddings file not found: {path}")
     try:
@@ -330,6 +334,10 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
             tensors = loaded if isinstance(loaded, dict) else {"pos": loaded}
     except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault, reported in one line
         raise InputError(f"cannot read text embeddings {path}: {type(exc).__name__}: {exc}") from None
+    odd = [k for k in tensors if not isinstance(k, str)]
+    if odd:
+        raise InputError(f"text embeddings {path} has keys that are not strings ({', '.join(map(repr, odd[:3]))}); "
+                         f"it must map names to tensors (key 'pos')")
     if "pos" in tensors:
         txt = tensors["pos"]
     elif len(tensors) == 1:
@@ -339,6 +347,12 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
     if not isinstance(txt, torch.Tensor) or txt.dim() != 2 or txt.shape[1] != txt_in_dim or txt.shape[0] < 1:
         shape = list(txt.shape) if isinstance(txt, torch.Tensor) else type(txt).__name__
         raise InputError(f"text embeddings {path} must be [tokens, {txt_in_dim}] for this DiT, got {shape}")
+    if not txt.is_floating_point():
+        raise InputError(f"text embeddings {path} must be a real floating-point tensor, got {txt.dtype}")
+    finite = torch.isfinite(txt)
+    if not bool(finite.all()):
+        raise InputError(f"text embeddings {path} has {int((~finite).sum())} non-finite values (NaN or inf) of "
+                         f"{txt.numel()}")
     return txt.float()
 
 
@@ -362,6 +376,8 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     from .vae import load_vae_checkpoint
 
     for flag, path in (("--dit-checkpoint", args.dit_checkpoint), ("--vae-checkpoint", args.vae_checkpoint)):
+        if os.path.isdir(path):
+            raise InputError(f"{flag}: {path} is a directory, not a checkpoint file")
         if not os.path.isfile(path):
             raise InputError(f"{flag}: file not found: {path}")
     dit, vae = released_models_on_meta(args.model, dtype)
@@ -711,7 +727,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     if mesh.is_writer:
         use_pts = is_video_out and len(info.frame_pts) == info.num_frames
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
-                         audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf) as writer:
+                         audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf,
+                         overwrite=args.overwrite) as writer:
             blender = TemporalBlender()
             for index, frames in results:
                 for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
@@ -771,7 +788,8 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def _print_error(progress: StageProgress, message: str) -> None:
     progress.break_line()
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the exception carried
+    # one line, whatever the exception carried; names from files escaped (no terminal control sequences)
+    print(printable(f"{PROG}: error: {' '.join(message.split())}"), file=sys.stderr)
 
 
 def _stop_message(rank: int):
@@ -783,7 +801,7 @@ def _stop_message(rank: int):
 
         what = (f"removed the partial output {', '.join(os.path.basename(p) for p in removed)}" if removed
                 else "no partial output left")
-        return f"{PROG}: stopped by {signal.Signals(signum).name}: {what}"
+        return printable(f"{PROG}: stopped by {signal.Signals(signum).name}: {what}")
     return message
 
 
@@ -793,12 +811,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Bad input is found identically on every rank before any collective, so rank 0 reports it for all. A failure once
     ranks talk (an allocation that fails on one rank, or a bug) is reported by the rank it happened on; that rank
     leaves the process group at once (no meeting), its peers' pending collectives fail, and they exit too (with a
-    one-line note), so no rank waits on a failed one. SIGTERM / SIGINT stop the process at once (see
-    :mod:`.stop_signals`).
+    one-line note), so no rank waits on a failed one. SIGTERM, SIGINT, SIGHUP and the other stop signals end the
+    process at once (see :mod:`.stop_signals`); a Ctrl-C before their handling is in place is one line too.
     """
-    from .stop_signals import StopOnSignals
+    try:
+        from .stop_signals import StopOnSignals
 
-    args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
+        return 130
     with StopOnSignals(_stop_message(int(os.environ.get("RANK", "0")))):
         return _main(args)
 
@@ -809,9 +831,11 @@ def _main(args: argparse.Namespace) -> int:
     state = RunState()
     failed = False
     prefix = f"rank {launch.rank}: " if launch.world_size > 1 else ""
+    from .pipeline import NonFiniteOutput
+
     try:
         summary = run_restore(args, launch, progress, state)
-    except (MediaError, InputError) as exc:
+    except (MediaError, InputError, NonFiniteOutput) as exc:
         failed = not state.lockstep
         if launch.rank == state.reporter or failed:
             _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
@@ -826,11 +850,12 @@ def _main(args: argparse.Namespace) -> int:
         if launch.world_size > 1 and is_peer_failure(exc):
             progress.break_line()
             reason = " ".join(str(exc).split())[:200]
-            print(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})", file=sys.stderr)
+            print(printable(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})"),
+                  file=sys.stderr)
             return 2
         raise
     finally:
         launch.close(failed=failed)
     if launch.rank == 0:
-        print(summary, file=sys.stderr)
+        print(printable(summary), file=sys.stderr)
     return 0
