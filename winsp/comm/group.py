@@ -19,7 +19,10 @@ import torch
 from torch import Tensor
 
 __all__ = ["SPGroup", "PendingRows", "init_world_from_env", "shutdown_world", "abort_world", "world_rank_and_size",
-           "new_subgroup", "send_tensor", "recv_tensor"]
+           "new_subgroup", "send_tensor", "recv_tensor", "collective_timeout", "COLLECTIVE_TIMEOUT_ENV"]
+
+#: environment variable: seconds a collective (or point-to-point transfer) may wait for a peer before it fails
+COLLECTIVE_TIMEOUT_ENV = "WINSP_COLLECTIVE_TIMEOUT"
 
 
 def _process_group(name: str):
@@ -255,6 +258,15 @@ class SPGroup:
             return _all_gather_rows_eager(tensor, [int(s) for s in sizes], self.group)
         return torch.ops.winsp.all_gather_rows(tensor, [int(s) for s in sizes], self.name)
 
+    def all_gather_ints(self, values: Sequence[int], device: torch.device | str = "cpu") -> list[list[int]]:
+        """Every rank's ``values`` (the same count on every rank), one list per rank, in one eager collective (for
+        checks that every rank must reach the same verdict on, e.g. the dtypes of attention's inputs). ``device``:
+        where the backend takes tensors (CUDA for NCCL)."""
+        row = torch.tensor([list(values)], dtype=torch.int64, device=device)
+        if self.is_single:
+            return row.tolist()
+        return _all_gather_rows_eager(row, [1] * self.size, self.group).cpu().tolist()
+
     # ---- point-to-point and subgroups (eager; for pipelines such as the VAE's temporal wavefront) -------------
 
     def global_rank(self, rank: int) -> int:
@@ -388,13 +400,35 @@ def recv_tensor(src: int) -> torch.Tensor:
 
 # ---- launch -----------------------------------------------------------------------------------------------------
 
-def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
+def collective_timeout(default_s: float | None = None):
+    """How long a collective may wait for a peer: ``$WINSP_COLLECTIVE_TIMEOUT`` seconds when set, else ``default_s``
+    (None: torch's own default, 30 minutes on gloo) as a ``datetime.timedelta`` (or None). A value that is not a
+    positive number of seconds is a ``ValueError`` naming the variable."""
+    import datetime
+    import math
+    import os
+
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not text:
+        return None if default_s is None else datetime.timedelta(seconds=default_s)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_world_from_env(device_type: str = "cpu", *, timeout_s: float | None = None) -> tuple[int, int, bool]:
     """Join the world a launcher (``torchrun``) describes in ``WORLD_SIZE`` / ``RANK``; returns (rank, size, started).
 
     With ``WORLD_SIZE`` unset or 1 nothing is initialised. Otherwise the default process group is started unless it
     already is, on the backend ``device_type`` names (NCCL for ``"cuda"``, gloo for anything else; the machine is not
     inspected); ``started`` says whether this call started it (and so should
-    :func:`shutdown_world` it).
+    :func:`shutdown_world` it). Its collectives time out after :func:`collective_timeout` (``timeout_s``, unless
+    ``$WINSP_COLLECTIVE_TIMEOUT`` says otherwise): a peer that stops answering (stuck, or stopped) makes them fail
+    after that long instead of hanging.
     """
     import os
 
@@ -405,7 +439,9 @@ def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), False
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    timeout = collective_timeout(timeout_s)
+    options = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", **options)
     return dist.get_rank(), dist.get_world_size(), True
 
 
