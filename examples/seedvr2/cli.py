@@ -71,6 +71,9 @@ STAGES = ("read", "load", "restore")
 #: moments (they have just met: the summary's figures, or the agreement to start), so this bounds only how long a
 #: rank can be kept by a peer that died meanwhile; a failed rank does not meet at all (it aborts).
 EXIT_MEETING_S = 5.0
+#: how long a collective waits for a peer before it fails (the WINSP_COLLECTIVE_TIMEOUT environment variable
+#: overrides it): far below torch's 30 minutes, far above any step of a run, so a stuck rank is named in minutes
+COLLECTIVE_TIMEOUT_S = 600.0
 
 
 class InputError(ValueError):
@@ -252,7 +255,7 @@ class Launch:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        rank, world, started = init_world_from_env(device.type)
+        rank, world, started = init_world_from_env(device.type, timeout_s=COLLECTIVE_TIMEOUT_S)
         return cls(rank, world, device, initialised_here=started)
 
     def close(self, failed: bool = False) -> None:
@@ -786,6 +789,21 @@ def is_peer_failure(exc: BaseException) -> bool:
                                       "ProcessGroupGloo", "gloo", "NCCL"))
 
 
+def _peer_failure(exc: BaseException) -> str:
+    """What a rank whose collective failed says: the peers that no longer answer (a roll call through the group's
+    store) when the collective timed out, else that another rank failed."""
+    from winsp.comm.group import COLLECTIVE_TIMEOUT_ENV, unresponsive_ranks
+
+    reason = " ".join(str(exc).split())[:200]
+    if "timed out" in reason.lower() or "timeout" in reason.lower():
+        missing = unresponsive_ranks()
+        if missing:
+            ranks = ", ".join(map(str, missing))
+            return (f"rank{'s' if len(missing) > 1 else ''} {ranks} stopped answering (stuck, stopped or gone): a "
+                    f"collective timed out ({COLLECTIVE_TIMEOUT_ENV} sets how long to wait)")
+    return f"another rank failed ({type(exc).__name__}: {reason})"
+
+
 def _print_error(progress: StageProgress, message: str) -> None:
     progress.break_line()
     # one line, whatever the exception carried; names from files escaped (no terminal control sequences)
@@ -826,7 +844,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    launch = Launch.from_env()
+    try:
+        launch = Launch.from_env()
+    except ValueError as exc:  # a malformed WINSP_COLLECTIVE_TIMEOUT, say
+        print(printable(f"{PROG}: error: {exc}"), file=sys.stderr)
+        return 2
     progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
     state = RunState()
     failed = False
@@ -849,9 +871,7 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         if launch.world_size > 1 and is_peer_failure(exc):
             progress.break_line()
-            reason = " ".join(str(exc).split())[:200]
-            print(printable(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})"),
-                  file=sys.stderr)
+            print(printable(f"{PROG}: {prefix}stopped: {_peer_failure(exc)}"), file=sys.stderr)
             return 2
         raise
     finally:

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["SPGroup", "PendingRows", "init_world_from_env", "shutdown_world", "abort_world", "world_rank_and_size",
-           "new_subgroup", "send_tensor", "recv_tensor", "collective_timeout", "COLLECTIVE_TIMEOUT_ENV"]
+           "new_subgroup", "send_tensor", "recv_tensor", "collective_timeout", "COLLECTIVE_TIMEOUT_ENV",
+           "unresponsive_ranks"]
 
 #: environment variable: seconds a collective (or point-to-point transfer) may wait for a peer before it fails
 COLLECTIVE_TIMEOUT_ENV = "WINSP_COLLECTIVE_TIMEOUT"
@@ -484,6 +485,36 @@ def _meet_through_store(timeout_s: float) -> None:
     if store.add(key, 1) == dist.get_world_size():
         store.set(f"{key}/all", "1")
     store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+
+
+def unresponsive_ranks(wait_s: float = 3.0) -> list[int] | None:
+    """After a collective failed: the ranks of the default group that do not answer a roll call within ``wait_s``
+    (stuck, stopped or gone), or None when it cannot be held (no group, or its store does not answer).
+
+    Each rank that calls this checks in through the group's store and waits for the others; a rank stuck in a
+    computation, stopped (SIGSTOP) or dead never checks in, so the survivors can name it."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = _get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        rank, size = dist.get_rank(), dist.get_world_size()
+        store.set(f"winsp/roll_call/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        missing = list(range(size))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"winsp/roll_call/{r}"])]
+            if missing:
+                time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 - the store's host is the stuck one, or gone
+        return None
 
 
 def abort_world() -> None:
