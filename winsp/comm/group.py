@@ -280,17 +280,37 @@ class SPGroup:
 
     def isend(self, tensor: torch.Tensor, dst: int):
         """Start sending ``tensor`` (contiguous, its shape known to the receiver) to group rank ``dst``; returns
-        the work handle to ``wait()`` on (keep ``tensor`` alive until then)."""
+        the work handle to ``wait()`` on (keep ``tensor`` alive until then). On this group: send on
+        :meth:`point_to_point`'s group when this one also runs collectives."""
         import torch.distributed as dist
 
-        return dist.isend(tensor, self.global_rank(dst))
+        return dist.isend(tensor, self.global_rank(dst), group=self.group)
 
     def recv_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into ``tensor`` (contiguous, the sender's shape and dtype) from group rank ``src``; returns it."""
         import torch.distributed as dist
 
-        dist.recv(tensor, self.global_rank(src))
+        dist.recv(tensor, self.global_rank(src), group=self.group)
         return tensor
+
+    def point_to_point(self) -> "SPGroup":
+        """A twin of this group (the same ranks) for point-to-point messages, made at the first call and kept.
+
+        Collective: every member calls it, at the same point of the program, the first time. Sends and receives on
+        a group that also runs collectives make the ranks' operation counts on it differ (a rank that sends nothing
+        counts fewer), and PyTorch's collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) then reports the
+        group's next collective as a mismatch between ranks; on the twin only messages travel."""
+        if self.is_single:
+            return self
+        key = ("point-to-point", self.name)
+        cached = _SUBGROUPS.get(key)
+        if cached is None:
+            import torch.distributed as dist
+
+            members = [self.global_rank(r) for r in range(self.size)]
+            whole_world = self.size == dist.get_world_size()
+            cached = _SUBGROUPS[key] = SPGroup(dist.new_group(members, use_local_synchronization=not whole_world))
+        return cached
 
     def subgroup(self, ranks: Sequence[int]) -> "SPGroup":
         """The group of this group's ``ranks`` (which must include this rank), created once and cached.
