@@ -12,14 +12,17 @@ With --dit-checkpoint and --vae-checkpoint it is the SeedVR2 3B restorer (--mode
 runs embedded tiny demo weights of that architecture (examples/seedvr2/demo.py) so that the command works anywhere
 in seconds; it says so, since that restores nothing.
 
-Exit codes: 0 success; 2 bad input, usage, or not enough memory (one "error:" line on stderr, no output file);
-143 / 130 stopped by SIGTERM / SIGINT (Ctrl-C): the partial output is removed and one line says so; anything else
-is a bug. Under torchrun a rank that fails once the run has started reports it and leaves at once; the others then
-stop too, within seconds ("rank N: stopped: another rank failed").
+Exit codes: 0 success; 2 bad input, usage, not enough memory, or a failed write (one "error:" line on stderr, no
+output file); 128 + N stopped by signal N (143 SIGTERM, 130 SIGINT, 129 SIGHUP; also SIGQUIT, SIGUSR1/2, SIGALRM):
+the partial output is removed and one line says so; anything else is a bug (docs/failures.md has the details).
+Under torchrun a rank that fails once the run has started reports it and leaves at once; the others then stop too,
+within seconds ("rank N: stopped: another rank failed"); a rank that stops answering is named after the collective
+timeout (600 s, WINSP_COLLECTIVE_TIMEOUT seconds when set).
 
 The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is
-refused, an existing output is only replaced with --overwrite, an output directory that cannot take a new file is
-refused before anything is read, a video that decodes fewer frames than its container declares is refused unless
+refused, an existing output is only replaced with --overwrite (nor one that appears during the run: the output is
+published without replacing anything), an output directory that cannot take a new file is refused before anything
+is read, a video that decodes fewer frames than its container declares is refused unless
 --allow-partial-input, and a request that fits the usable memory in no setting is refused before anything is
 allocated (settings left out are chosen to fit; see the memory options below). Without -o the output goes beside
 the input as <input>_restored.<ext>.
