@@ -109,3 +109,17 @@ def test_no_watchdog_is_left_behind_after_a_normal_exit(tmp_path):
         os.kill(child, 0)  # alive while the context is
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)  # reaped
+
+
+@pytest.mark.slow
+def test_a_killed_watchdog_leaves_the_python_handler_to_stop_the_run(tmp_path):
+    """If the watchdog child is killed, the signal's byte has no reader; the Python-level handler then stops the
+    run itself (on the main thread, when it gets to run) instead of ignoring the signal for ever."""
+    proc = _start(tmp_path, "wait")
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        (watchdog,) = [int(pid) for pid in f.read().split()]
+    os.kill(watchdog, signal.SIGKILL)
+    time.sleep(0.5)
+    took, err = _stop(proc, signal.SIGTERM)
+    assert proc.returncode == 143 and err.strip() == f"stopped by {int(signal.SIGTERM)}: removed 1", (took, err)
+    assert os.listdir(tmp_path) == []

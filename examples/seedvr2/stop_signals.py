@@ -65,13 +65,13 @@ class StopOnSignals:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self._child = self._fork_watchdog(wake_read, wake_write) if self.watchdog else None
-            if self._child is not None:
-                os.close(wake_read)
-                self._read = self._child[1]
-            else:
-                self._read = wake_read
+            # the parent keeps its read end of the wakeup pipe open (unread while the child reads), so that the
+            # signal handler's write never meets a closed pipe, even if the child is gone
+            self._wake_read = wake_read
+            self._read = self._child[1] if self._child is not None else wake_read
             self._write = wake_write
-            self._previous = {s: signal.signal(s, _ignore) for s in STOP_SIGNALS}
+            self._watching = True
+            self._previous = {s: signal.signal(s, self._python_handler) for s in STOP_SIGNALS}
             self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
             self._watcher = threading.Thread(target=self._watch, name="stop-on-signals", daemon=True)
             self._watcher.start()
@@ -94,6 +94,8 @@ class StopOnSignals:
             os.waitpid(self._child[0], 0)
         self._watcher.join(timeout=5)
         os.close(self._read)
+        if self._read != self._wake_read:
+            os.close(self._wake_read)
 
     def _fork_watchdog(self, wake_read: int, wake_write: int) -> Optional[tuple[int, int]]:
         """Fork the watchdog child (see the module docstring): ``(pid, read end of its forward pipe)``, or None
@@ -122,16 +124,23 @@ class StopOnSignals:
         return pid, forward_read
 
     def _watch(self) -> None:
-        while True:
-            try:
+        try:
+            while True:
                 data = os.read(self._read, 1)
-            except OSError:
-                return
-            if not data or data == _QUIT:
-                return
-            signum = data[0]
-            if signum in STOP_SIGNALS:
-                self._stop(signum)
+                if not data or data == _QUIT:
+                    return
+                signum = data[0]
+                if signum in STOP_SIGNALS:
+                    self._stop(signum)
+        finally:
+            self._watching = False
+
+    def _python_handler(self, signum, frame) -> None:
+        """Python-level handler, run on the main thread whenever it gets to it: nothing to do while the watcher
+        thread is there (it acts at once); if the watcher is gone (its watchdog child was killed, say), the stop
+        happens here rather than never."""
+        if not self._watching and self._active:
+            self._stop(signum)
 
     def _stop(self, signum: int) -> None:
         try:
@@ -159,7 +168,11 @@ def _keep_only(*fds: int) -> None:
     for fd in sorted(fds):
         os.closerange(low, fd)
         low = fd + 1
-    os.closerange(top + 1, 1 << 16)
+    try:
+        limit = os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        limit = 1 << 16
+    os.closerange(top + 1, max(1 << 16, min(limit, 1 << 20)))
 
 
 def _watchdog(wake_read: int, forward_write: int, parent: int, grace_s: float) -> None:
@@ -176,6 +189,3 @@ def _watchdog(wake_read: int, forward_write: int, parent: int, grace_s: float) -
     if os.getppid() == parent:
         os.kill(parent, signal.SIGKILL)
 
-
-def _ignore(signum, frame) -> None:
-    """Python-level handler: the watcher thread does the work (this one may run late, or never)."""
