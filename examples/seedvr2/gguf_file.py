@@ -189,8 +189,10 @@ def strip_prefix(names: list[str]) -> str:
 
 
 def _parse(path: str, data) -> GGUFHeader:
-    if len(data) < 24 or bytes(data[:4]) != b"GGUF":
+    if bytes(data[:4]) != b"GGUF":
         raise ValueError(f"it does not start with the GGUF magic (first bytes {bytes(data[:4])!r})")
+    if len(data) < 24:
+        raise ValueError(f"it ends after {len(data)} bytes, inside the 24-byte header")
     version = struct.unpack_from("<I", data, 4)[0]
     big = version & 0xFFFF == 0 and version != 0  # a big-endian file's small version number, read little-endian
     cur = _Bytes(data, ">" if big else "<")
@@ -270,6 +272,7 @@ def _tensor(name: str, dims: list[int], type_id: int, offset: int, data_start: i
 
 
 _CACHE: dict[tuple, GGUFHeader] = {}
+_CACHE_SIZE = 4
 
 
 def gguf_header(path: str) -> GGUFHeader:
@@ -290,7 +293,8 @@ def gguf_header(path: str) -> GGUFHeader:
         raise ValueError(f"checkpoint {path!r} is not a readable GGUF file: {err}") from None
     except (OSError, struct.error, OverflowError, MemoryError) as err:
         raise ValueError(f"checkpoint {path!r} is not a readable GGUF file ({type(err).__name__}: {err})") from None
-    _CACHE.clear()  # keep one file's header: the DiT's is asked twice, then the VAE's
+    while len(_CACHE) >= _CACHE_SIZE:  # a run asks for the DiT's and the VAE's, each twice (plan, then load)
+        del _CACHE[next(iter(_CACHE))]
     _CACHE[identity] = header
     return header
 

@@ -389,9 +389,10 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+def send_tensor(tensor: torch.Tensor, dst: int, group=None) -> None:
     """Send ``tensor`` (any shape up to 8 dims, a common dtype) to world rank ``dst``; it receives it with
-    :func:`recv_tensor` without knowing its shape (a small header goes first)."""
+    :func:`recv_tensor` without knowing its shape (a small header goes first). ``group``: the process group to send
+    on (a point-to-point twin, see :meth:`SPGroup.point_to_point`; default: the world)."""
     import torch.distributed as dist
 
     if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
@@ -401,21 +402,21 @@ def send_tensor(tensor: torch.Tensor, dst: int) -> None:
     header[0] = tensor.dim()
     header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     header[-1] = _DTYPES.index(tensor.dtype)
-    dist.send(header.to(device), dst)
-    dist.send(tensor.contiguous().to(device), dst)
+    dist.send(header.to(device), dst, group=group)
+    dist.send(tensor.contiguous().to(device), dst, group=group)
 
 
-def recv_tensor(src: int) -> torch.Tensor:
-    """The tensor world rank ``src`` sent with :func:`send_tensor` (on the backend's device)."""
+def recv_tensor(src: int, group=None) -> torch.Tensor:
+    """The tensor world rank ``src`` sent with :func:`send_tensor` (on the backend's device), on ``group``."""
     import torch.distributed as dist
 
     device = _comm_device()
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src)
+    dist.recv(header, src, group=group)
     header = header.cpu()
     ndim = int(header[0])
     out = torch.empty(tuple(int(v) for v in header[1:1 + ndim]), dtype=_DTYPES[int(header[-1])], device=device)
-    dist.recv(out, src)
+    dist.recv(out, src, group=group)
     return out
 
 
