@@ -85,7 +85,7 @@ class WindowRequest:
         self._dtypes_checked = False  # attention's input dtypes, checked across ranks at the first attention
         # the last to_layer that moved rows: (layer, from slot, to slot, weak refs to its input and output), so that
         # a second to_layer into the same layer with another tensor is never a silent no-op (see to_layer)
-        self._last_move: tuple | None = None
+        self._last_move: tuple[int, int, int, Any, Any] | None = None
 
     # ---- plans and layouts -------------------------------------------------------------------------------
 
@@ -347,6 +347,8 @@ class WindowRequest:
 
     def _repeated_move(self, x: Tensor, layer: int) -> Tensor:
         """``to_layer(x, layer)`` that finds the rows already in ``layer``'s layout (see :meth:`to_layer`)."""
+        if self._last_move is None:
+            return x
         moved_layer, src, dst, moved_in, moved_out = self._last_move
         if moved_layer != layer or dst != self._slot:
             self._last_move = None  # another layer: the caller moves on from that move
