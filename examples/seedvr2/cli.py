@@ -789,7 +789,8 @@ def is_peer_failure(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
         marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                      "ProcessGroupGloo", "gloo", "NCCL"))
+                                      "ProcessGroupGloo", "gloo", "NCCL",
+                                      "monitoredBarrier"))  # TORCH_DISTRIBUTED_DEBUG=DETAIL's checker names the rank
 
 
 def _peer_failure(exc: BaseException) -> str:
