@@ -70,7 +70,7 @@ def one_run(pipe: SeedVR2Pipeline, src: str, dst: str, rank: int) -> Clock:
     fixed = clock.run("colour fix", lambda: wavelet_color_fix(out.transpose(0, 1), video.transpose(0, 1)))
     frames = model_to_frames(fixed.transpose(0, 1), geometry)
     if rank == 0:
-        clock.run("write", lambda: write_media(dst, frames, media.fps))
+        clock.run("write", lambda: write_media(dst, frames, media.fps, overwrite=True))  # the same file each run
     else:
         clock.cpu["write"] = clock.wall["write"] = 0.0
     return clock

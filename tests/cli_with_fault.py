@@ -1,8 +1,9 @@
 """``python -m tests.cli_with_fault FAULT RANK restore ...``: the CLI with one failure injected on world rank RANK.
 
-For tests/test_cli_stop.py. FAULT is ``disk_full`` (the writer's encoder raises "No space left on device" as the
-first frame is written), ``oom`` (the batch's restore raises MemoryError) or ``bug`` (it raises RuntimeError).
-The failing rank prints ``injected FAULT at <unix time>`` on stderr just before it raises, so the test can measure
+For tests/test_cli_stop.py. FAULT is ``disk_full`` (the writer's encoder raises PyAV's kind of error, an
+``OSError`` ENOSPC "No space left on device", as the first frame is written), ``oom`` (the batch's restore raises
+MemoryError), ``bug`` (it raises RuntimeError) or ``hang`` (the rank stops itself with SIGSTOP, a stuck rank). The
+failing rank prints ``injected FAULT at <unix time>`` on stderr just before it raises, so the test can measure
 how long every rank takes to exit after it.
 """
 
@@ -24,13 +25,19 @@ def main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == rank:
         if fault == "disk_full":
             def write(self, frame, pts=None):
-                _announce(fault)
-                raise media.MediaError(f"cannot write {self.path}: No space left on device (injected)")
+                import errno
 
-            media.MediaWriter.write = write
+                _announce(fault)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+
+            media.MediaWriter._write = write
         else:
             def restore_batch(self, *args, **kwargs):
                 _announce(fault)
+                if fault == "hang":
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 raise MemoryError("injected") if fault == "oom" else RuntimeError("injected bug")
 
             pipeline.SeedVR2Pipeline.restore_batch = restore_batch

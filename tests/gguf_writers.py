@@ -124,3 +124,36 @@ def write_gguf(path, state: Mapping[str, torch.Tensor], kind_of: Callable[[str, 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def gguf_bytes(metadata: list[bytes] = (), tensors: list[bytes] = (), *, data: bytes = b"", order: str = "<",
+               version: int = 3, tensor_count: int | None = None, metadata_count: int | None = None) -> bytes:
+    """A GGUF file assembled by hand from already-encoded metadata entries and tensor-table entries (see
+    :func:`gguf_entry` and :func:`gguf_tensor_entry`); the counts may lie (hostile files), the data is aligned to 32."""
+    import struct
+
+    head = b"GGUF" + struct.pack(order + "IQQ", version, len(tensors) if tensor_count is None else tensor_count,
+                                 len(metadata) if metadata_count is None else metadata_count)
+    body = head + b"".join(metadata) + b"".join(tensors)
+    return body + b"\0" * (-len(body) % 32) + data
+
+
+def gguf_string(text: bytes | str, order: str = "<") -> bytes:
+    import struct
+
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack(order + "Q", len(raw)) + raw
+
+
+def gguf_entry(key: str, value_type: int, payload: bytes, order: str = "<") -> bytes:
+    """One metadata entry: key, value type id (4 u32, 8 string, 9 array, ...), the value's encoded bytes."""
+    import struct
+
+    return gguf_string(key, order) + struct.pack(order + "I", value_type) + payload
+
+
+def gguf_tensor_entry(name: bytes | str, dims: list[int], type_id: int, offset: int, order: str = "<") -> bytes:
+    import struct
+
+    return (gguf_string(name, order) + struct.pack(order + "I", len(dims)) + struct.pack(order + f"{len(dims)}Q", *dims)
+            + struct.pack(order + "IQ", type_id, offset))

@@ -133,6 +133,49 @@ def test_every_rank_exits_soon_after_one_fails(tmp_path, fault, rank):
         assert "Traceback" not in errs[rank]
 
 
+@pytest.mark.multirank
+def test_a_stuck_rank_is_named_after_the_collective_timeout(tmp_path):
+    """Rank 1 stops (SIGSTOP) mid-run: with WINSP_COLLECTIVE_TIMEOUT=3 rank 0's collective fails after 3 s (instead
+    of gloo's 30 minutes), a roll call through the group's store finds rank 1 silent, and rank 0 says so in one line,
+    exit 2, its partial output removed."""
+    src = make_mp4(tmp_path / "in.mp4", t=9, h=32, w=48, fps=Fraction(12))
+    out = tmp_path / "out.mp4"
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.cli_with_fault", "hang", "1", "restore", src, "-o", str(out),
+                          "--quiet", "--batch-frames", "5", "--overlap", "0"], cwd=REPO,
+                         env=_env(WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WINSP_COLLECTIVE_TIMEOUT="3"),
+                         stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        _, err = procs[0].communicate(timeout=TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        procs[1].communicate()
+    lines = [line for line in err.splitlines() if line.startswith("python -m examples.seedvr2:")
+             and "WARNING" not in line]
+    assert procs[0].returncode == 2, err
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL":  # the checker's barrier fails first, naming the rank
+        assert len(lines) == 1 and "rank 0: stopped: another rank failed" in lines[0], err
+        assert "Ranks 1 failed to pass monitoredBarrier" in lines[0], err
+    else:
+        assert lines == ["python -m examples.seedvr2: rank 0: stopped: rank 1 stopped answering (stuck, stopped or "
+                         "gone): a collective timed out (WINSP_COLLECTIVE_TIMEOUT sets how long to wait)"], err
+    assert "Traceback" not in err
+    assert leftovers(tmp_path, {"in.mp4"}) == []
+
+
+def test_a_malformed_collective_timeout_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WINSP_COLLECTIVE_TIMEOUT", "soon")
+    _expect_error(capsys, ["restore", make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png"],
+                  "WINSP_COLLECTIVE_TIMEOUT='soon' must be a positive number of seconds", tmp_path, keep={"in.png"})
+
+
 # ---- an output directory that takes no files ----------------------------------------------------------------------
 
 

@@ -2,6 +2,8 @@
 
 With ``--ranks N`` this process is the launcher (:mod:`examples.seedvr2.launcher`): it starts the N ranks before
 anything imports torch here, so torch is imported once per rank and never in the launcher.
+Importing torch takes seconds; a Ctrl-C in that time (before the CLI installs its signal handling) is one line and
+exit 130 like any other stop, not a ``KeyboardInterrupt`` traceback. Nothing has been written yet then.
 """
 
 import sys
@@ -12,8 +14,11 @@ def _run() -> int:
 
     if wants_launcher(sys.argv[1:]):
         return launch(sys.argv[1:])
-    from .cli import main
-
+    try:
+        from .cli import main
+    except KeyboardInterrupt:
+        print("python -m examples.seedvr2: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
+        return 130
     return main()
 
 

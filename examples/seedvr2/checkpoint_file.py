@@ -3,11 +3,13 @@
 Shared by the DiT and VAE loaders. ``.gguf`` files are read by :mod:`.gguf_file` (their quantised tensors come back as
 :class:`~.quantized_linear.PackedWeight`, still packed). ``.safetensors`` files hold only tensors; ``.pth``/``.pt``
 files are pickles and go through ``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and
-refuses anything else (memory-mapped when the file's format allows it). Every failure is a ``ValueError`` naming the
-file: a damaged file (random bytes, a truncated zip, a wrong magic number, a pickle that breaks anywhere) makes
-``torch.load`` raise almost any exception type (``IndexError``, ``KeyError``, ``struct.error``, ``AssertionError``,
-...), so every ``Exception`` from the readers is translated; only interrupts (``KeyboardInterrupt``, ``SystemExit``)
-pass through.
+refuses anything else. A zip-format file is memory-mapped when its records are stored as they are (what
+``torch.save`` writes); a re-zipped file whose records are compressed (DEFLATE) is read without ``mmap``, which
+decompresses them: memory-mapped, the compressed bytes would be taken for the values. Every failure is a
+``ValueError`` naming the file: a damaged file (random bytes, a truncated zip, a wrong magic number, a pickle that
+breaks anywhere) makes ``torch.load`` raise almost any exception type (``IndexError``, ``KeyError``,
+``struct.error``, ``AssertionError``, ...), so every ``Exception`` from the readers is translated; only interrupts
+(``KeyboardInterrupt``, ``SystemExit``) pass through.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import pickle
 import warnings
+import zipfile
 from dataclasses import dataclass
 from typing import Mapping, Union
 
@@ -23,7 +26,8 @@ import torch
 
 from .quantized_linear import PackedWeight
 
-__all__ = ["CHECKPOINT_SUFFIXES", "read_checkpoint_file", "tensor_state", "SafetensorsEntry", "safetensors_header"]
+__all__ = ["CHECKPOINT_SUFFIXES", "read_checkpoint_file", "tensor_state", "SafetensorsEntry", "safetensors_header",
+           "compressed_zip_records"]
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".gguf")
 StateValue = Union[torch.Tensor, PackedWeight]
@@ -32,6 +36,8 @@ StateValue = Union[torch.Tensor, PackedWeight]
 def read_checkpoint_file(path: str | os.PathLike) -> dict[str, StateValue]:
     """The tensors of a ``.safetensors`` / ``.pth`` / ``.pt`` / ``.gguf`` checkpoint, on the CPU."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"checkpoint {path!r} is a directory, not a file")
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path!r} does not exist or is not a file")
     suffix = os.path.splitext(path)[1].lower()
@@ -80,12 +86,25 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
+def compressed_zip_records(path: str) -> list[str]:
+    """The names of the compressed records of a zip-format checkpoint ([] when none is, or the file is no readable
+    zip: ``torch.load`` then says what is wrong)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return []
+        with zipfile.ZipFile(path) as archive:
+            return [r.filename for r in archive.infolist() if r.compress_type != zipfile.ZIP_STORED]
+    except Exception:  # noqa: BLE001 - a damaged zip directory; torch.load reports the file
+        return []
+
+
 def _torch_load_weights_only(path: str) -> dict:
+    mmap = not compressed_zip_records(path)  # memory-mapped compressed records would be read as raw values
     try:
         with warnings.catch_warnings():  # a damaged pickle also warns (odd protocol numbers); the error says it all
             warnings.simplefilter("ignore")
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as err:
                 if "mmap" not in str(err):
                     raise

@@ -16,14 +16,17 @@ looks for downloaded weights in ./ckpts/, $SEEDVR2_HOME and the Hugging Face cac
 it uses; only when nothing is found (or with --demo) it runs embedded tiny demo weights of that architecture
 (examples/seedvr2/demo.py) so that the command works anywhere in seconds, and says so, since that restores nothing.
 
-Exit codes: 0 success; 2 bad input, usage, or not enough memory (one "error:" line on stderr, no output file);
-143 / 130 stopped by SIGTERM / SIGINT (Ctrl-C): the partial output is removed and one line says so; anything else
-is a bug. A rank that fails once the run has started reports it and leaves at once; the others then stop too,
-within seconds (under torchrun with a line "rank N: stopped: another rank failed"; under --ranks silently).
+Exit codes: 0 success; 2 bad input, usage, not enough memory, or a failed write (one "error:" line on stderr, no
+output file); 128 + N stopped by signal N (143 SIGTERM, 130 SIGINT, 129 SIGHUP; also SIGQUIT, SIGUSR1/2, SIGALRM):
+the partial output is removed and one line says so; anything else is a bug (docs/failures.md has the details).
+A rank that fails once the run has started reports it and leaves at once; the others then stop too, within seconds
+(under torchrun with a line "rank N: stopped: another rank failed"; under --ranks silently); a rank that stops
+answering is named after the collective timeout (600 s, WINSP_COLLECTIVE_TIMEOUT seconds when set).
 
 The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is
-refused, an existing output is only replaced with --overwrite, an output directory that cannot take a new file is
-refused before anything is read, a video that decodes fewer frames than its container declares is refused unless
+refused, an existing output is only replaced with --overwrite (nor one that appears during the run: the output is
+published without replacing anything), an output directory that cannot take a new file is refused before anything
+is read, a video that decodes fewer frames than its container declares is refused unless
 --allow-partial-input, and a request that fits the usable memory in no setting is refused before anything is
 allocated (settings left out are chosen to fit; see the memory options below). Without -o the output goes beside
 the input as <input>_restored.<ext>.
@@ -61,6 +64,7 @@ from .media import (
     plan_geometry,
     same_file,
 )
+from .terminal_text import printable
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
@@ -81,6 +85,9 @@ EXIT_MEETING_S = 5.0
 LONG_RUN_S = 600.0
 #: outputs larger than 8K UHD (7680 x 4320 pixels) are announced before the run
 LARGE_OUTPUT_PIXELS = 7680 * 4320
+#: how long a collective waits for a peer before it fails (the WINSP_COLLECTIVE_TIMEOUT environment variable
+#: overrides it): far below torch's 30 minutes, far above any step of a run, so a stuck rank is named in minutes
+COLLECTIVE_TIMEOUT_S = 600.0
 
 
 class InputError(ValueError):
@@ -212,7 +219,7 @@ class StageProgress:
     def note(self, message: str) -> None:
         """Print a message line (even when the bar is disabled) without tearing the bar."""
         self.break_line()
-        self.stream.write(f"{message}\n")
+        self.stream.write(f"{printable(message)}\n")  # loader notes name keys from the file
         self.stream.flush()
 
     def break_line(self) -> None:
@@ -282,7 +289,7 @@ class Launch:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        rank, world, started = init_world_from_env(device.type)
+        rank, world, started = init_world_from_env(device.type, timeout_s=COLLECTIVE_TIMEOUT_S)
         return cls(rank, world, device, initialised_here=started)
 
     def close(self, failed: bool = False) -> None:
@@ -365,7 +372,10 @@ class LoadedModels:
 
 
 def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
-    """``[L, txt_in_dim]`` prompt embedding from a safetensors file (key ``pos``, or its only tensor) or a .pt/.pth."""
+    """``[L, txt_in_dim]`` prompt embedding from a safetensors file (key ``pos``, or its only tensor) or a .pt/.pth:
+    string keys, a finite real floating-point tensor (else one line naming the file and what is wrong)."""
+    if os.path.isdir(path):
+        raise InputError(f"text embeddings {path} is a directory, not a file")
     if not os.path.isfile(path):
         raise InputError(f"text embeddings file not found: {path}")
     try:
@@ -378,6 +388,10 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
             tensors = loaded if isinstance(loaded, dict) else {"pos": loaded}
     except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault, reported in one line
         raise InputError(f"cannot read text embeddings {path}: {type(exc).__name__}: {exc}") from None
+    odd = [k for k in tensors if not isinstance(k, str)]
+    if odd:
+        raise InputError(f"text embeddings {path} has keys that are not strings ({', '.join(map(repr, odd[:3]))}); "
+                         f"it must map names to tensors (key 'pos')")
     if "pos" in tensors:
         txt = tensors["pos"]
     elif len(tensors) == 1:
@@ -387,6 +401,12 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
     if not isinstance(txt, torch.Tensor) or txt.dim() != 2 or txt.shape[1] != txt_in_dim or txt.shape[0] < 1:
         shape = list(txt.shape) if isinstance(txt, torch.Tensor) else type(txt).__name__
         raise InputError(f"text embeddings {path} must be [tokens, {txt_in_dim}] for this DiT, got {shape}")
+    if not txt.is_floating_point():
+        raise InputError(f"text embeddings {path} must be a real floating-point tensor, got {txt.dtype}")
+    finite = torch.isfinite(txt)
+    if not bool(finite.all()):
+        raise InputError(f"text embeddings {path} has {int((~finite).sum())} non-finite values (NaN or inf) of "
+                         f"{txt.numel()}")
     return txt.float()
 
 
@@ -414,6 +434,8 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     found = getattr(args, "found_weights", False)  # discovered, not given: name the files, not the flags
     dit_flag, vae_flag = ("the DiT weights", "the VAE weights") if found else ("--dit-checkpoint", "--vae-checkpoint")
     for flag, path in ((dit_flag, args.dit_checkpoint), (vae_flag, args.vae_checkpoint)):
+        if os.path.isdir(path):
+            raise InputError(f"{flag}: {path} is a directory, not a checkpoint file")
         if not os.path.isfile(path):
             raise InputError(f"{flag}: file not found: {path}")
     dit, vae = released_models_on_meta(args.model or "3b", dtype)
@@ -865,7 +887,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     if mesh.is_writer:
         use_pts = is_video_out and len(info.frame_pts) == info.num_frames
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
-                         audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf) as writer:
+                         audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf,
+                         overwrite=args.overwrite) as writer:
             blender = TemporalBlender()
 
             def write_batch(item: tuple[int, torch.Tensor]) -> None:
@@ -934,12 +957,29 @@ def is_peer_failure(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
         marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                      "ProcessGroupGloo", "gloo", "NCCL"))
+                                      "ProcessGroupGloo", "gloo", "NCCL",
+                                      "monitoredBarrier"))  # TORCH_DISTRIBUTED_DEBUG=DETAIL's checker names the rank
+
+
+def _peer_failure(exc: BaseException) -> str:
+    """What a rank whose collective failed says: the peers that no longer answer (a roll call through the group's
+    store) when the collective timed out, else that another rank failed."""
+    from winsp.comm.group import COLLECTIVE_TIMEOUT_ENV, unresponsive_ranks
+
+    reason = " ".join(str(exc).split())[:200]
+    if "timed out" in reason.lower() or "timeout" in reason.lower():
+        missing = unresponsive_ranks()
+        if missing:
+            ranks = ", ".join(map(str, missing))
+            return (f"rank{'s' if len(missing) > 1 else ''} {ranks} stopped answering (stuck, stopped or gone): a "
+                    f"collective timed out ({COLLECTIVE_TIMEOUT_ENV} sets how long to wait)")
+    return f"another rank failed ({type(exc).__name__}: {reason})"
 
 
 def _print_error(progress: StageProgress, message: str) -> None:
     progress.break_line()
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the exception carried
+    # one line, whatever the exception carried; names from files escaped (no terminal control sequences)
+    print(printable(f"{PROG}: error: {' '.join(message.split())}"), file=sys.stderr)
 
 
 def _stop_message(rank: int):
@@ -952,7 +992,7 @@ def _stop_message(rank: int):
 
         what = (f"removed the partial output {', '.join(os.path.basename(p) for p in removed)}" if removed
                 else "no partial output left")
-        return f"{PROG}: stopped by {signal.Signals(signum).name}: {what}"
+        return printable(f"{PROG}: stopped by {signal.Signals(signum).name}: {what}")
     return message
 
 
@@ -962,15 +1002,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Bad input is found identically on every rank before any collective, so rank 0 reports it for all. A failure once
     ranks talk (an allocation that fails on one rank, or a bug) is reported by the rank it happened on; that rank
     leaves the process group at once (no meeting), its peers' pending collectives fail, and they exit too (with a
-    one-line note), so no rank waits on a failed one. SIGTERM / SIGINT stop the process at once (see
-    :mod:`.stop_signals`).
+    one-line note), so no rank waits on a failed one. SIGTERM, SIGINT, SIGHUP and the other stop signals end the
+    process at once (see :mod:`.stop_signals`); a Ctrl-C before their handling is in place is one line too.
     """
     from . import stage_clock
-    from .stop_signals import StopOnSignals
 
     if os.environ.get(stage_clock.PROFILE_ENV):
         stage_clock.enable(comm=True).mark("main entered")
-    args = build_parser().parse_args(argv)
+    try:
+        from .stop_signals import StopOnSignals
+
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
+        return 130
     with StopOnSignals(_stop_message(int(os.environ.get("RANK", "0")))):
         return _main(args)
 
@@ -978,7 +1023,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     from .inputs import plan_jobs
 
-    launch = Launch.from_env()
+    try:
+        launch = Launch.from_env()
+    except ValueError as exc:  # a malformed WINSP_COLLECTIVE_TIMEOUT, say
+        print(printable(f"{PROG}: error: {exc}"), file=sys.stderr)
+        return 2
     failed = False
     try:
         try:
@@ -1033,9 +1082,11 @@ def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> 
     Errors are printed as one line (by the rank that reports them), the summary by rank 0."""
     progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
     prefix = f"rank {launch.rank}: " if launch.world_size > 1 else ""
+    from .pipeline import NonFiniteOutput
+
     try:
         summary = run_restore(args, launch, progress, state)
-    except (MediaError, InputError) as exc:
+    except (MediaError, InputError, NonFiniteOutput) as exc:
         failed = not state.lockstep
         if launch.rank == state.reporter or failed:
             _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
@@ -1051,13 +1102,12 @@ def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> 
             if os.environ.get(LAUNCHED_ENV):  # the rank that failed said why; the launcher reports a silent death
                 return 2, True, None
             progress.break_line()
-            reason = " ".join(str(exc).split())[:200]
-            print(f"{PROG}: {prefix}stopped: another rank failed ({type(exc).__name__}: {reason})", file=sys.stderr)
+            print(printable(f"{PROG}: {prefix}stopped: {_peer_failure(exc)}"), file=sys.stderr)
             return 2, True, None
         raise
     _write_profile(launch.rank, progress.seconds)
     if launch.rank == 0:
-        print(summary, file=sys.stderr)
+        print(printable(summary), file=sys.stderr)
     return 0, False, summary
 
 

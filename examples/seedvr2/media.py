@@ -25,6 +25,7 @@ import contextlib
 import errno
 import math
 import os
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -367,11 +368,14 @@ def remove_partial_outputs() -> list[str]:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[str]:
-    """Yield a temporary path next to ``path`` (same extension); on success move it onto ``path``, else delete it.
+def atomic_output(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary path next to ``path`` (same extension); on success publish it as ``path``, else delete it.
 
     So a failed or interrupted run never leaves a partial output file under the requested name (and
-    :func:`remove_partial_outputs` removes it when the process is stopped by a signal).
+    :func:`remove_partial_outputs` removes it when the process is stopped by a signal). Without ``overwrite`` the
+    file is published without replacing anything (see :func:`publish_no_replace`): a file that appeared at ``path``
+    meanwhile (another run's output, a file the user made) is kept and this one is refused with a
+    :class:`MediaError` naming the path.
     """
     path = os.fspath(path)
     directory, prefix, suffix = _partial_name(path)
@@ -392,7 +396,10 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
             if tmp not in _PARTIALS:
                 raise MediaError(f"not writing {path}: the process is stopping")
             os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the file the usual permissions
-            os.replace(tmp, path)
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                publish_no_replace(tmp, path)
             _PARTIALS.discard(tmp)
     except BaseException:
         with _PARTIALS_LOCK:
@@ -400,6 +407,64 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         raise
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_renameat2 = []  # the libc function, looked up once ([None] where there is none)
+
+
+def _libc_renameat2():
+    if not _renameat2:
+        function = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                function = ctypes.CDLL(None, use_errno=True).renameat2
+                function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            except (OSError, AttributeError):  # no libc symbol (glibc < 2.28, musl)
+                function = None
+        _renameat2.append(function)
+    return _renameat2[0]
+
+
+def publish_no_replace(tmp: str, path: str) -> None:
+    """Move ``tmp`` to ``path`` atomically unless ``path`` exists; :class:`MediaError` naming ``path`` if it does.
+
+    ``renameat2(RENAME_NOREPLACE)`` where the kernel and file system have it (Linux 3.15+, most local file systems);
+    else a hard link (refused by the kernel when the name exists) and the temporary name removed; else (a file system
+    without hard links) the name claimed with ``O_EXCL`` and then replaced, which keeps every file that existed
+    before the claim."""
+    taken = MediaError(f"the output {path} appeared while this run was working on it (another run writing the same "
+                       f"-o, or a file created there meanwhile); it was kept, and this run's output was not written: "
+                       f"pass --overwrite to replace it, or choose another -o")
+    renameat2 = _libc_renameat2()
+    if renameat2 is not None:
+        import ctypes
+
+        if renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(path), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            raise taken
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+            raise OSError(code, os.strerror(code), path)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise taken from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+    else:
+        os.remove(tmp)
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        raise taken from None
+    os.replace(tmp, path)
 
 
 def _current_umask() -> int:
@@ -438,15 +503,18 @@ class MediaWriter:
     Video (.mp4/.mov/.mkv): H.264 yuv420p (odd sides padded by one edge row/column, see :func:`h264_frame_size`);
     frames keep the ``pts`` they are given in ``time_base`` (the input's timing), or are spaced ``1/fps`` apart; the
     audio streams of ``audio_from`` are copied packet by packet, untouched and interleaved by time. Image (.png/.jpg):
-    exactly one frame. The file appears under ``path`` only when the block ends without an exception. ``crf`` is
-    the H.264 quality (0 lossless, default 16).
+    exactly one frame. The file appears under ``path`` only when the block ends without an exception, and only if
+    nothing appeared there meanwhile unless ``overwrite`` (see :func:`atomic_output`). ``crf`` is the H.264 quality
+    (0 lossless, default 16). A write that fails (a full disk, an I/O error) is a :class:`MediaError` naming the
+    path, and the temporary file is removed.
     """
 
     def __init__(self, path: str | os.PathLike, height: int, width: int, fps: Fraction = DEFAULT_FPS, *,
-                 time_base: Optional[Fraction] = None, audio_from: Optional[str] = None, crf: int = DEFAULT_CRF) -> None:
+                 time_base: Optional[Fraction] = None, audio_from: Optional[str] = None, crf: int = DEFAULT_CRF,
+                 overwrite: bool = False) -> None:
         if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
             raise MediaError(f"--crf must be an integer from 0 (lossless) to 51, got {crf!r}")
-        self.crf = crf
+        self.crf, self.overwrite = crf, overwrite
         self.path, self.kind = os.fspath(path), output_kind(path)
         self.size = (int(height), int(width))
         self.fps, self.time_base, self.audio_from = Fraction(fps), time_base, audio_from
@@ -457,12 +525,13 @@ class MediaWriter:
         self._audio: list = []  # (output stream, packet iterator, next packet) per copied audio stream
 
     def __enter__(self) -> "MediaWriter":
-        tmp = self._stack.enter_context(atomic_output(self.path))
+        tmp = self._stack.enter_context(atomic_output(self.path, overwrite=self.overwrite))
         try:
-            if self.kind == "video":
-                self._open_video(tmp)
-            else:
-                self._tmp = tmp
+            with self._write_errors():
+                if self.kind == "video":
+                    self._open_video(tmp)
+                else:
+                    self._tmp = tmp
         except BaseException:
             self._stack.__exit__(*_exc_info())
             raise
@@ -470,12 +539,23 @@ class MediaWriter:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
-            if exc_type is None:
-                self._finish()
+            with self._write_errors():
+                if exc_type is None:
+                    self._finish()
+                return bool(self._stack.__exit__(exc_type, exc, tb))  # closing the container flushes: may fail too
         except BaseException:
             self._stack.__exit__(*_exc_info())
             raise
-        return bool(self._stack.__exit__(exc_type, exc, tb))
+
+    @contextlib.contextmanager
+    def _write_errors(self):
+        """A failed write (PyAV's ``OSError`` on a full disk, any I/O error) as one :class:`MediaError`."""
+        try:
+            yield
+        except MediaError:
+            raise
+        except OSError as exc:  # PyAV's errors of the file system are OSErrors too
+            raise MediaError(f"cannot write {self.path}: {exc.strerror or _ffmpeg_reason(exc)}") from None
 
     # ---- video ----
     def _open_video(self, tmp: str) -> None:
@@ -530,6 +610,11 @@ class MediaWriter:
         frame = np.asarray(frame)
         if frame.dtype != np.uint8 or frame.shape != self.size + (3,):
             raise ValueError(f"frames must be uint8 {list(self.size + (3,))}, got {frame.dtype} {list(frame.shape)}")
+        with self._write_errors():
+            self._write(frame, pts)
+        self.frames_written += 1
+
+    def _write(self, frame: np.ndarray, pts: Optional[int]) -> None:
         if self.kind == "image":
             if self._image is not None:
                 raise MediaError(f"cannot write more than one frame to the image file {self.path}; use a video "
@@ -543,7 +628,6 @@ class MediaWriter:
             if pts is not None and self.time_base is not None:
                 video_frame.pts, video_frame.time_base = int(pts), self.time_base
             self._mux_video(self._video.encode(video_frame))
-        self.frames_written += 1
 
     def _finish(self) -> None:
         if self.kind == "image":
@@ -561,10 +645,12 @@ def _exc_info():
     return sys.exc_info()
 
 
-def write_media(path: str | os.PathLike, frames: np.ndarray, fps: Fraction = DEFAULT_FPS) -> None:
+def write_media(path: str | os.PathLike, frames: np.ndarray, fps: Fraction = DEFAULT_FPS, *,
+                overwrite: bool = False) -> None:
     """Write ``uint8 [t, h, w, 3]`` frames: H.264 (libx264, yuv420p) for .mp4/.mov/.mkv, PNG or JPEG for one frame.
 
-    The file appears atomically (see :func:`atomic_output`); odd sides are padded by one edge row/column for H.264
+    The file appears atomically, without replacing a file already there unless ``overwrite`` (see
+    :func:`atomic_output`); odd sides are padded by one edge row/column for H.264
     (see :func:`h264_frame_size`).
     """
     frames = _check_frames(frames)
@@ -573,7 +659,7 @@ def write_media(path: str | os.PathLike, frames: np.ndarray, fps: Fraction = DEF
         raise MediaError(
             f"cannot write {frames.shape[0]} frames to the image file {os.fspath(path)}; use a video extension (.mp4)"
         )
-    with MediaWriter(path, frames.shape[1], frames.shape[2], fps) as writer:
+    with MediaWriter(path, frames.shape[1], frames.shape[2], fps, overwrite=overwrite) as writer:
         for frame in frames:
             writer.write(frame)
 

@@ -44,12 +44,28 @@ __all__ = [
     "MemoryEstimate",
     "estimate_restore_bytes",
     "vae_work_area",
+    "NonFiniteOutput",
+    "check_finite",
 ]
 
 SCALING_FACTOR = 0.9152
 NUM_TIMESTEPS = 1000.0
 LATENT_CHANNELS = 16
 VAE_PARALLEL_MODES = VAE_MODES
+
+
+class NonFiniteOutput(ValueError):
+    """A stage produced NaN or infinite values (damaged weights, or weights of another model): no output is written
+    from it."""
+
+
+def check_finite(values: torch.Tensor, stage: str) -> torch.Tensor:
+    """``values`` unchanged, or :class:`NonFiniteOutput` naming ``stage`` when any value is NaN or infinite."""
+    if not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).sum())
+        raise NonFiniteOutput(f"{stage} produced {bad} non-finite values (NaN or inf) of {values.numel()}: its "
+                              f"weights are damaged or are not this model's; nothing was written")
+    return values
 
 
 # ---- pure functions -----------------------------------------------------------------------------------------------
@@ -476,13 +492,14 @@ class SeedVR2Pipeline:
         ``timestep``, ``velocity``, ``restored_latent``).
         """
         with stage_clock.stage("VAE encode"):
-            latent = self.encode(video)
+            latent = check_finite(self.encode(video), "the VAE encoder")
         with stage_clock.stage("DiT"):
-            restored = self.denoise(latent, txt, noise=noise, generator=generator, trace=trace)
+            restored = check_finite(self.denoise(latent, txt, noise=noise, generator=generator, trace=trace),
+                                    "the DiT")
         if trace is not None:
             trace.update(latent=latent, restored_latent=restored)
         with stage_clock.stage("VAE decode"):
-            return self.decode(restored, video.shape[1])
+            return check_finite(self.decode(restored, video.shape[1]), "the VAE decoder")
 
     # ---- long clips -------------------------------------------------------------------------------------------
     def restore_batch(

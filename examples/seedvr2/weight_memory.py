@@ -3,8 +3,8 @@
 The resident size is not the file size: an fp32 file run in bf16 takes half of it, an fp8 file expanded to bf16 twice
 it, and Linear weights kept packed (``--weights stored`` / ``fp8``, see :mod:`.checkpoint_dtypes`) take their stored
 size, plus one layer's weight expanded to the compute dtype at a time. :func:`resident_weight_bytes` reads only the
-dtypes and shapes (the safetensors header, the GGUF tensor table, a memory-mapped ``.pth``) so that the memory plan is
-made before any weight is read.
+dtypes and shapes (the safetensors header, the GGUF tensor table (parsed once, shared with the loader), a
+memory-mapped ``.pth``) so that the memory plan is made before any weight is read.
 """
 
 from __future__ import annotations
@@ -31,7 +31,18 @@ _FLOAT_NAMES = {"F64", "F32", "F16", "BF16", "float64", "float32", "float16", "b
 
 def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """``{key: (kind, shape, stored bytes)}`` of a checkpoint file without reading its values. ``kind`` is a float
-    name (``F32``, ``float16``, ...), a float8 name, a GGML block type, or an integer type."""
+    name (``F32``, ``float16``, ...), a float8 name, a GGML block type, or an integer type. A file whose header
+    cannot be read is a ``ValueError`` naming it."""
+    try:
+        return _layout(path)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged header fails in any way inside the readers
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"checkpoint {path!r}: its header cannot be read ({type(err).__name__}: {reason})") from None
+
+
+def _layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     suffix = os.path.splitext(path)[1].lower()
     layout: dict[str, tuple[str, tuple[int, ...], int]] = {}
     if suffix == ".safetensors":
@@ -41,25 +52,31 @@ def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
             layout[key] = (_SAFETENSORS_KIND.get(entry.dtype, entry.dtype), entry.shape,
                            math.prod(entry.shape) * _SAFETENSORS_BYTES.get(entry.dtype, 4))
     elif suffix == ".gguf":
-        import gguf
+        from .gguf_file import gguf_header
 
-        from .gguf_file import ORIG_SHAPE_KEY, strip_prefix
-
-        reader = gguf.GGUFReader(path)
-        prefix = strip_prefix([t.name for t in reader.tensors])
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            field = reader.get_field(ORIG_SHAPE_KEY + t.name)
-            if field is not None:
-                shape = tuple(int(v) for v in field.contents())
-            layout[t.name[len(prefix):]] = (t.tensor_type.name, shape, int(t.n_bytes))
+        layout = gguf_header(path).layout()  # parsed once: the loader reuses it
     else:
+        from .checkpoint_file import compressed_zip_records
+
+        if compressed_zip_records(path):  # mmap would misread it; reading it whole here would double the load
+            raise ValueError(f"{path!r} has compressed records; its layout is not read without loading it")
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 layout[key] = (str(value.dtype).replace("torch.", ""), tuple(value.shape),
                                value.numel() * value.element_size())
     return layout
+
+
+def _unpacked_file_bytes(path: str) -> int:
+    """The file's size, or for a zip its records' uncompressed sizes (what loading it allocates at least)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return sum(r.file_size for r in archive.infolist())
+    except Exception:  # noqa: BLE001 - not a zip, or a damaged one
+        return os.path.getsize(path)
 
 
 def resident_weight_bytes(path: str, *, compute_dtype: torch.dtype, weights: str = "compute",
@@ -128,5 +145,5 @@ def run_weight_bytes(model: str, dit_path: str, vae_path: str, *, compute_dtype:
             else:
                 total += resident_weight_bytes(path, compute_dtype=compute_dtype, weights=mode, packable=keys)
         except Exception:  # noqa: BLE001 - an unreadable file is reported by the loader, with its reason
-            total += os.path.getsize(path)
+            total += _unpacked_file_bytes(path)
     return total

@@ -21,7 +21,11 @@ from torch import Tensor
 from winsp.comm.mesh import sp_process_group
 
 __all__ = ["SPGroup", "PendingRows", "init_world_from_env", "shutdown_world", "abort_world", "world_rank_and_size",
-           "new_subgroup", "send_tensor", "recv_tensor"]
+           "new_subgroup", "send_tensor", "recv_tensor", "collective_timeout", "COLLECTIVE_TIMEOUT_ENV",
+           "unresponsive_ranks"]
+
+#: environment variable: seconds a collective (or point-to-point transfer) may wait for a peer before it fails
+COLLECTIVE_TIMEOUT_ENV = "WINSP_COLLECTIVE_TIMEOUT"
 
 
 def _process_group(name: str):
@@ -277,6 +281,15 @@ class SPGroup:
             return _all_gather_rows_eager(tensor, [int(s) for s in sizes], self.group)
         return torch.ops.winsp.all_gather_rows(tensor, [int(s) for s in sizes], self.name)
 
+    def all_gather_ints(self, values: Sequence[int], device: torch.device | str = "cpu") -> list[list[int]]:
+        """Every rank's ``values`` (the same count on every rank), one list per rank, in one eager collective (for
+        checks that every rank must reach the same verdict on, e.g. the dtypes of attention's inputs). ``device``:
+        where the backend takes tensors (CUDA for NCCL)."""
+        row = torch.tensor([list(values)], dtype=torch.int64, device=device)
+        if self.is_single:
+            return row.tolist()
+        return _all_gather_rows_eager(row, [1] * self.size, self.group).cpu().tolist()
+
     # ---- point-to-point and subgroups (eager; for pipelines such as the VAE's temporal wavefront) -------------
 
     def global_rank(self, rank: int) -> int:
@@ -289,17 +302,37 @@ class SPGroup:
 
     def isend(self, tensor: torch.Tensor, dst: int):
         """Start sending ``tensor`` (contiguous, its shape known to the receiver) to group rank ``dst``; returns
-        the work handle to ``wait()`` on (keep ``tensor`` alive until then)."""
+        the work handle to ``wait()`` on (keep ``tensor`` alive until then). On this group: send on
+        :meth:`point_to_point`'s group when this one also runs collectives."""
         import torch.distributed as dist
 
-        return dist.isend(tensor, self.global_rank(dst))
+        return dist.isend(tensor, self.global_rank(dst), group=self.group)
 
     def recv_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into ``tensor`` (contiguous, the sender's shape and dtype) from group rank ``src``; returns it."""
         import torch.distributed as dist
 
-        dist.recv(tensor, self.global_rank(src))
+        dist.recv(tensor, self.global_rank(src), group=self.group)
         return tensor
+
+    def point_to_point(self) -> "SPGroup":
+        """A twin of this group (the same ranks) for point-to-point messages, made at the first call and kept.
+
+        Collective: every member calls it, at the same point of the program, the first time. Sends and receives on
+        a group that also runs collectives make the ranks' operation counts on it differ (a rank that sends nothing
+        counts fewer), and PyTorch's collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) then reports the
+        group's next collective as a mismatch between ranks; on the twin only messages travel."""
+        if self.is_single:
+            return self
+        key = ("point-to-point", self.name)
+        cached = _SUBGROUPS.get(key)
+        if cached is None:
+            import torch.distributed as dist
+
+            members = [self.global_rank(r) for r in range(self.size)]
+            whole_world = self.size == dist.get_world_size()
+            cached = _SUBGROUPS[key] = SPGroup(dist.new_group(members, use_local_synchronization=not whole_world))
+        return cached
 
     def subgroup(self, ranks: Sequence[int]) -> "SPGroup":
         """The group of this group's ``ranks`` (which must include this rank), created once and cached.
@@ -384,9 +417,10 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+def send_tensor(tensor: torch.Tensor, dst: int, group=None) -> None:
     """Send ``tensor`` (any shape up to 8 dims, a common dtype) to world rank ``dst``; it receives it with
-    :func:`recv_tensor` without knowing its shape (a small header goes first)."""
+    :func:`recv_tensor` without knowing its shape (a small header goes first). ``group``: the process group to send
+    on (a point-to-point twin, see :meth:`SPGroup.point_to_point`; default: the world)."""
     import torch.distributed as dist
 
     if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
@@ -396,33 +430,55 @@ def send_tensor(tensor: torch.Tensor, dst: int) -> None:
     header[0] = tensor.dim()
     header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     header[-1] = _DTYPES.index(tensor.dtype)
-    dist.send(header.to(device), dst)
-    dist.send(tensor.contiguous().to(device), dst)
+    dist.send(header.to(device), dst, group=group)
+    dist.send(tensor.contiguous().to(device), dst, group=group)
 
 
-def recv_tensor(src: int) -> torch.Tensor:
-    """The tensor world rank ``src`` sent with :func:`send_tensor` (on the backend's device)."""
+def recv_tensor(src: int, group=None) -> torch.Tensor:
+    """The tensor world rank ``src`` sent with :func:`send_tensor` (on the backend's device), on ``group``."""
     import torch.distributed as dist
 
     device = _comm_device()
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src)
+    dist.recv(header, src, group=group)
     header = header.cpu()
     ndim = int(header[0])
     out = torch.empty(tuple(int(v) for v in header[1:1 + ndim]), dtype=_DTYPES[int(header[-1])], device=device)
-    dist.recv(out, src)
+    dist.recv(out, src, group=group)
     return out
 
 
 # ---- launch -----------------------------------------------------------------------------------------------------
 
-def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
+def collective_timeout(default_s: float | None = None):
+    """How long a collective may wait for a peer: ``$WINSP_COLLECTIVE_TIMEOUT`` seconds when set, else ``default_s``
+    (None: torch's own default, 30 minutes on gloo) as a ``datetime.timedelta`` (or None). A value that is not a
+    positive number of seconds is a ``ValueError`` naming the variable."""
+    import datetime
+    import math
+    import os
+
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not text:
+        return None if default_s is None else datetime.timedelta(seconds=default_s)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_world_from_env(device_type: str = "cpu", *, timeout_s: float | None = None) -> tuple[int, int, bool]:
     """Join the world a launcher (``torchrun``) describes in ``WORLD_SIZE`` / ``RANK``; returns (rank, size, started).
 
     With ``WORLD_SIZE`` unset or 1 nothing is initialised. Otherwise the default process group is started unless it
     already is, on the backend ``device_type`` names (NCCL for ``"cuda"``, gloo for anything else; the machine is not
     inspected); ``started`` says whether this call started it (and so should
-    :func:`shutdown_world` it).
+    :func:`shutdown_world` it). Its collectives time out after :func:`collective_timeout` (``timeout_s``, unless
+    ``$WINSP_COLLECTIVE_TIMEOUT`` says otherwise): a peer that stops answering (stuck, or stopped) makes them fail
+    after that long instead of hanging.
     """
     import os
 
@@ -433,7 +489,9 @@ def init_world_from_env(device_type: str = "cpu") -> tuple[int, int, bool]:
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), False
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    timeout = collective_timeout(timeout_s)
+    options = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", **options)
     return dist.get_rank(), dist.get_world_size(), True
 
 
@@ -476,6 +534,36 @@ def _meet_through_store(timeout_s: float) -> None:
     if store.add(key, 1) == dist.get_world_size():
         store.set(f"{key}/all", "1")
     store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+
+
+def unresponsive_ranks(wait_s: float = 3.0) -> list[int] | None:
+    """After a collective failed: the ranks of the default group that do not answer a roll call within ``wait_s``
+    (stuck, stopped or gone), or None when it cannot be held (no group, or its store does not answer).
+
+    Each rank that calls this checks in through the group's store and waits for the others; a rank stuck in a
+    computation, stopped (SIGSTOP) or dead never checks in, so the survivors can name it."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = _get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        rank, size = dist.get_rank(), dist.get_world_size()
+        store.set(f"winsp/roll_call/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        missing = list(range(size))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"winsp/roll_call/{r}"])]
+            if missing:
+                time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 - the store's host is the stuck one, or gone
+        return None
 
 
 def abort_world() -> None:

@@ -36,6 +36,8 @@ class TemporalMesh:
     sp_size: int
     sp: SPGroup = field(compare=False, repr=False)
     writer_rank: int = 0
+    #: the world's point-to-point twin, on which finished batches travel to the writer (None: one group, no messages)
+    relay: Optional[SPGroup] = field(default=None, compare=False, repr=False)
 
     @property
     def num_groups(self) -> int:
@@ -103,7 +105,8 @@ def build_temporal_mesh(sp_size: Optional[int] = None) -> TemporalMesh:
             if g == rank // sp_size:
                 mine = group
         sp = SPGroup(mine)
-    return TemporalMesh(world_size=world, rank=rank, sp_size=sp_size, sp=sp)
+    relay = SPGroup.world().point_to_point() if world > sp_size else None  # every rank is here: made together
+    return TemporalMesh(world_size=world, rank=rank, sp_size=sp_size, sp=sp, relay=relay)
 
 
 def ordered_results(
@@ -123,7 +126,12 @@ def ordered_results(
             if mesh.is_writer:
                 yield index, result
             elif mesh.rank == mesh.leader_of(group):
-                send_tensor(result, mesh.writer_rank)
+                send_tensor(result, mesh.writer_rank, group=_relay(mesh))
             del result
         elif mesh.is_writer:
-            yield index, recv_tensor(mesh.leader_of(group))
+            yield index, recv_tensor(mesh.leader_of(group), group=_relay(mesh))
+
+
+def _relay(mesh: TemporalMesh):
+    """The process group batches travel on (the default one for a mesh built by hand without a relay)."""
+    return None if mesh.relay is None else mesh.relay.group

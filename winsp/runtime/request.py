@@ -10,6 +10,7 @@ exact adjoint, which is what :func:`winsp.sync_gradients`' convention rests on.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from winsp.attention.backends import Runner, bind_backend, explain_backend
 from winsp.attention.halo.layer import neighborhood_layer
+from winsp.attention.input_dtypes import dtype_codes, dtype_problem
 from winsp.attention.score_mods import check_score_mods
 from winsp.attention.split import join_local_rows, refuse_score_mods, split_attention, split_local_rows
 from winsp.attention.windows import _scale, attend
@@ -120,6 +122,10 @@ class WindowRequest:
         # the current layout, kept as an object and a slot so the per-layer steps never specialise on the layer index
         self._slot: int | None = None
         self._now: LayoutTensors | None = None
+        self._dtypes_checked = False  # attention's input dtypes, checked across ranks at the first attention
+        # the last to_layer that moved rows: (layer, from slot, to slot, weak refs to its input and output), so that
+        # a second to_layer into the same layer with another tensor is never a silent no-op (see to_layer)
+        self._last_move: tuple[int, int, int, Any, Any] | None = None
 
     # ---- plans and layouts -------------------------------------------------------------------------------
 
@@ -344,6 +350,7 @@ class WindowRequest:
                              f"tokens")
         rows = self._rows(layer)
         self._enter(layer)
+        self._last_move = None
         if not rows.padded:
             return x.index_select(0, self._current_layout().token_ids)
         return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, rows.scatter_index)
@@ -353,6 +360,12 @@ class WindowRequest:
 
         ``source``: the rows are in that earlier layer's layout (a skip kept from it); the current layer stays. Both
         layers must lie on one grid (the same stage, or a stage cropped ``like`` it); :meth:`to_grid` changes grids.
+
+        A second call into the layer the previous call moved into, with another tensor, cannot tell whether that
+        tensor is still in the old layout: the tensor the previous call was given is moved the same way (its layout
+        is known); the one it returned comes back as it is; any other is refused, asking for ``source=`` (a tensor of
+        the old layout) or for no call (one computed from the moved rows). Without this, the second call would do
+        nothing and attention would run on rows of the wrong windows.
         """
         layer = self._check_layer(layer)
         if source is not None:
@@ -366,10 +379,36 @@ class WindowRequest:
         self._check_same_grid(here, layer, "to_layer")
         src = self._current_slot()
         dst = self._enter(layer)
+        tracking = not torch.compiler.is_compiling()
         if src == dst:
+            if tracking and self._last_move is not None:
+                return self._repeated_move(x, layer)
             return x
         self.transitions_done += 1
-        return redistribute_rows(x, self._transition(src, dst), self.group)
+        out = redistribute_rows(x, self._transition(src, dst), self.group)
+        if tracking:
+            self._last_move = (layer, src, dst, weakref.ref(x), weakref.ref(out))
+        return out
+
+    def _repeated_move(self, x: Tensor, layer: int) -> Tensor:
+        """``to_layer(x, layer)`` that finds the rows already in ``layer``'s layout (see :meth:`to_layer`)."""
+        if self._last_move is None:
+            return x
+        moved_layer, src, dst, moved_in, moved_out = self._last_move
+        if moved_layer != layer or dst != self._slot:
+            self._last_move = None  # another layer: the caller moves on from that move
+            return x
+        if x is moved_out():
+            return x
+        if x is moved_in():
+            return redistribute_rows(x, self._transition(src, dst), self.group)
+        previous = next(i for i, slot in enumerate(self.prepared.slot_of_layer) if slot == src)
+        raise ValueError(
+            f"to_layer(x, {layer}): the rows were already moved into layer {layer}'s layout by an earlier "
+            f"to_layer({layer}) call, so this one would do nothing, but x is another tensor whose layout is unknown. "
+            f"If x is still in the previous layout (that of layer {previous}), call to_layer(x, {layer}, "
+            f"source={previous}); if it was computed from the moved rows, it is already in place: drop this call"
+        )
 
     def _check_same_grid(self, here: int, layer: int, what: str) -> None:
         stage_of = self.runtime.stage_of_layer
@@ -398,6 +437,7 @@ class WindowRequest:
         self._check_grid_change(stage)
         out = self.runtime._grid_step(self, self._current_slot(), stage)(x, self.group)
         self._enter(self.runtime.landing_layer(stage))
+        self._last_move = None
         self.transitions_done += 1
         return out
 
@@ -463,6 +503,8 @@ class WindowRequest:
         never read, e.g. a model's last block) skips the text reduction and its all-reduce; every rank must pass the
         same value.
         """
+        if not self._dtypes_checked and not torch.compiler.is_compiling():
+            self._check_dtypes((q_vid, k_vid, v_vid, q_txt, k_txt, v_txt))
         lay = self._layer_layout(layer)
         if q_vid.shape[0] != lay.num_rows:
             raise ValueError(
@@ -496,6 +538,15 @@ class WindowRequest:
         if not (has_text and text_output):
             return vid_out, None
         return vid_out, reduce_window_text(window_text, lay.text, self.group)
+
+    def _check_dtypes(self, tensors: tuple) -> None:
+        """Once per request, at its first attention, on every rank of the group at once (one small all-gather): q/k/v
+        real floating point, one dtype, the same on every rank (:mod:`winsp.attention.input_dtypes`)."""
+        rows = self.group.all_gather_ints(dtype_codes(tensors), self.device)
+        problem = dtype_problem(rows)
+        if problem is not None:
+            raise ValueError(f"rank {self.group.rank}: {problem}")
+        self._dtypes_checked = True
 
     def _attention_split(self, lay: LayoutTensors, runner: Runner, qkv: tuple, qkv_txt: tuple,
                          softmax_scale: float | None, text_output: bool) -> tuple[Tensor, Tensor | None]:

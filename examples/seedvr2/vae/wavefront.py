@@ -222,11 +222,13 @@ def _run(
             outputs.append(step(band[:, :, start:stop], RunContext(cache=cache, bands=bands)))
     else:
         # A chunk's sends are waited for only after this rank's next chunk: a send completes when the next rank
-        # has taken it, which that rank does layer by layer while this one goes on.
+        # has taken it, which that rank does layer by layer while this one goes on. The messages travel on the
+        # group's point-to-point twin (every rank, idle ones too, reaches this line), not among its collectives.
+        relay = group.point_to_point()
         previous = None
         for c in plan.owners[t_rank]:
             start, stop = plan.bounds[c]
-            cache = RelayCache(group, first=c == 0, last=c == last, prev=prev, next=nxt, stats=stats)
+            cache = RelayCache(relay, first=c == 0, last=c == last, prev=prev, next=nxt, stats=stats)
             outputs.append(step(band[:, :, start:stop], RunContext(cache=cache, bands=bands)))
             if previous is not None:
                 previous.finish()
