@@ -928,6 +928,12 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     vae = f"tiled {settings.vae_tile}px" if settings.vae_parallel == "tiled" else settings.vae_parallel
     if sp_size == 1 and settings.vae_parallel in ("height", "wavefront"):
         vae = "replicated"  # what one rank runs (see SeedVR2Pipeline)
+    if settings.vae_parallel == "wavefront" and sp_size > 1 and pipe.vae_splits:  # what the cost model chose
+        from .vae.wavefront import describe_splits
+
+        vae += f" ({'; '.join(sorted({describe_splits(*splits) for splits in pipe.vae_splits}))})"
+    if pipe.weight_shards is not None:
+        vae += f"; DiT blocks sharded x{mesh.sp_size}"
     return summary_line(
         PROG, output, written, info.num_frames, None if info.is_image else f"{float(info.fps):.5g} fps",
         weights=f"{'DEMO' if models.demo else 'SeedVR2'} {(args.model or '3b').upper()}",
