@@ -275,7 +275,7 @@ def test_cli_model_7b_with_demo_weights(tmp_path, capsys):
     for model, out in outs.items():
         assert cli.main(["restore", src, "-o", str(out), "--model", model, "--quiet"]) == 0
         err = capsys.readouterr().err
-        assert f"DEMO weights {model.upper()}" in err and f"for SeedVR2 {model.upper()}" in err, err
+        assert f"| DEMO {model.upper()} fp32" in err, err  # the summary names the architecture that ran
     # two architectures, two different results from the same input and seed
     assert abs(_read_frames(outs["3b"]) - _read_frames(outs["7b"])).max() > 0
 
@@ -333,7 +333,7 @@ def test_cli_model_7b_three_ranks_torchrun(tmp_path):
     single, triple = tmp_path / "single.mp4", tmp_path / "triple.mp4"
     result = run_cli("restore", src, "-o", triple, "--model", "7b", "--quiet", nproc=3)
     assert result.returncode == 0, result.stderr
-    assert "SP 3" in result.stderr and "DEMO weights 7B" in result.stderr
+    assert "SP 3" in result.stderr and "| DEMO 7B fp32" in result.stderr
     assert cli.main(["restore", src, "-o", str(single), "--model", "7b", "--quiet"]) == 0
     assert probe(triple) == probe(single)
     assert abs(_read_frames(single) - _read_frames(triple)).max() <= 1
