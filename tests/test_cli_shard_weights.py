@@ -99,6 +99,7 @@ def test_an_fp8_checkpoint_with_shard_weights_is_refused_before_loading(tmp_path
     assert leftovers(tmp_path, {"in.png", "dit.safetensors", "vae.safetensors"}) == []
 
 
+@pytest.mark.slow  # two torchrun commands; in-process SP 2 parity is tests/test_sharded_weights.py
 @pytest.mark.multirank
 def test_demo_restore_sharded_equals_replicated_under_torchrun(tmp_path):
     """Two ranks, the demo weights: with --shard-weights the image is the same, pixel for pixel."""

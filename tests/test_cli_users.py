@@ -137,6 +137,7 @@ def test_a_folder_of_three_mixed_files_one_broken(tmp_path):
     assert replaced.returncode == 0 and "restored 2 of 2 files" in replaced.stderr
 
 
+@pytest.mark.slow  # several CLI processes; the folder itself is test_a_folder_of_three_mixed_files_one_broken
 def test_folder_default_output_and_refusals(tmp_path):
     folder = tmp_path / "pics"
     folder.mkdir()

@@ -4,12 +4,15 @@ uninterrupted run's (and the original model's in one process)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests import fsdp_cases as cases
 from winsp.testing import run_ranks
 
 TIMEOUT = 600.0
 
 
+@pytest.mark.slow  # about 30 s: two 4-rank worlds and a 2-rank one (the default run stays under 10 minutes)
 def test_save_on_2x2_resume_on_1x2_takes_the_same_next_step(tmp_path):
     path = str(tmp_path / "checkpoint")
     uninterrupted = run_ranks(cases.dcp_save_case, 4, 2, 2, path, timeout=TIMEOUT)

@@ -29,7 +29,9 @@ def _blocks():
         blocks = [code for lang, code in FENCE.findall(path.read_text()) if lang == "python"]
         for index, code in enumerate(blocks):
             name = f"{path.relative_to(ROOT)}#{index}"
-            marks = [pytest.mark.slow] if "torch.compile(" in code else []
+            # slow: inductor from a cold cache, and the examples' READMEs (their adapters have their own tests)
+            slow = "torch.compile(" in code or path.parent.parent.name == "examples"
+            marks = [pytest.mark.slow] if slow else []
             found.append(pytest.param(code, id=name, marks=marks))
     return found
 
