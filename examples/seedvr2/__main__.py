@@ -10,16 +10,16 @@ import sys
 
 
 def _run() -> int:
-    from .launcher import launch, wants_launcher
-
-    if wants_launcher(sys.argv[1:]):
-        return launch(sys.argv[1:])
     try:
-        from .cli import main
+        from .launcher import launch, wants_launcher
+
+        launcher = wants_launcher(sys.argv[1:])
+        if not launcher:
+            from .cli import main
     except KeyboardInterrupt:
         print("python -m examples.seedvr2: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
         return 130
-    return main()
+    return launch(sys.argv[1:]) if launcher else main()
 
 
 if __name__ == "__main__":
