@@ -159,12 +159,7 @@ def launch(argv: Sequence[str], stream=None, module: str = "examples.seedvr2") -
 
     def forward(signum, frame) -> None:
         stopping.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.send_signal(signum)
-                except OSError:
-                    pass
+        _signal_all(procs, signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
