@@ -40,13 +40,25 @@ class ParallelCheckError(AssertionError):
         self.report = report
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple, kwargs: dict, out) -> None:
+# Modules the fork server imports once; every rank process is forked from it with them already loaded.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "winsp")
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, env: dict[str, str], fn: Callable, args: tuple,
+               kwargs: dict, out) -> None:
+    # A forked rank inherits the fork server's environment (the parent's when the server started); the parent's
+    # environment now is what a spawned rank would have seen.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
+            # No rank leaves before every rank is done: a rank that exits while a peer is still connecting makes
+            # that peer's gloo connectFullMesh fail ("connection closed by peer").
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         out.put((rank, True, pickle.dumps(result)))
@@ -59,24 +71,37 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
+    start_method: str = "forkserver",
     **kwargs: Any,
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` spawned gloo processes.
+    """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new gloo processes, one a rank.
 
     ``fn`` must be importable (a module-level function) and its result picklable. Returns the
     results in rank order. Raises :class:`RankError` with the first failing rank's traceback, or
     ``TimeoutError`` naming the ranks still running after ``timeout`` seconds (all are killed).
+
+    Every call gets fresh processes. With ``start_method="forkserver"`` (the default) they are forked from a server
+    that imported torch and winsp once, which makes a call about five times cheaper than ``"spawn"`` (each rank
+    importing torch anew); ranks see the caller's environment as it is at the call either way.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    ctx = mp.get_context("spawn")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    if start_method == "forkserver":
+        server = mp.get_context("forkserver")
+        server.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # no effect once the server runs
+        ctx: Any = server
+    else:
+        ctx = mp.get_context("spawn")
     out = ctx.Queue()
     # Rendezvous through a file of our own, not a TCP port: a "free" port can be taken by another process between
     # choosing it and binding it, which failed tests when several suites ran at once.
     store_dir = tempfile.mkdtemp(prefix="winsp-ranks-")
     init_method = "file://" + os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, init_method, fn, args, kwargs, out), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, world_size, init_method, dict(os.environ), fn, args, kwargs, out),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
