@@ -113,7 +113,8 @@ def test_restore_is_deterministic_for_a_seed(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("vae_parallel", ["replicated", "height", "wavefront"])
+@pytest.mark.parametrize("vae_parallel", ["replicated", pytest.param("height", marks=pytest.mark.slow),
+                                          pytest.param("wavefront", marks=pytest.mark.slow)])
 def test_restore_two_ranks_torchrun(tmp_path, vae_parallel):
     src = make_mp4(tmp_path / "in.mp4", t=5, h=32, w=48, fps=Fraction(12))
     single, double = tmp_path / "single.mp4", tmp_path / "double.mp4"
@@ -151,6 +152,7 @@ def decoded(path) -> tuple[np.ndarray, list[float], list[bytes]]:
     return np.stack([f for f, _ in frames]).astype(int), [t for _, t in frames], audio
 
 
+@pytest.mark.slow  # the default run's budget
 @pytest.mark.multirank
 def test_long_clip_streams_the_same_frames_single_process_and_4_ranks_sp_2(tmp_path):
     """A 160-frame clip with audio, in temporal batches (default 21 frames, overlap 5): one process, and

@@ -132,6 +132,7 @@ def _torchrun_limited(limit_gib: int, *args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.huge
 @pytest.mark.multirank
 @pytest.mark.timeout(3600)
 def test_7b_bf16_restores_sharded_on_two_ranks_within_11_gib_each(tmp_path):

@@ -85,7 +85,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("fault, rank", [("disk_full", 0), ("oom", 1), ("bug", 1)])
+@pytest.mark.parametrize("fault, rank", [pytest.param("disk_full", 0, marks=pytest.mark.slow),
+                                         pytest.param("oom", 1, marks=pytest.mark.slow), ("bug", 1)])
 def test_every_rank_exits_soon_after_one_fails(tmp_path, fault, rank):
     """Two ranks (one process each, as torchrun starts them, but without torchrun's agent, which would stop the
     survivor itself): one fails mid-run (the writer's disk fills, the other rank runs out of memory, or hits a bug)

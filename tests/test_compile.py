@@ -68,6 +68,7 @@ def _rank_main(rank, world_size):
     return _check(model, world_size)
 
 
+@pytest.mark.slow  # the default run's budget
 @pytest.mark.multirank
 def test_compiled_blocks_at_sp2_on_gloo():
     for r in run_ranks(_rank_main, 2, timeout=400):
@@ -75,6 +76,7 @@ def test_compiled_blocks_at_sp2_on_gloo():
         assert r["err"] <= 1e-4 and r["err_second"] <= 1e-4, r
 
 
+@pytest.mark.slow  # the default run's budget
 def test_compiled_backward_equals_eager():
     model = _model().train()
     args = _args(model)

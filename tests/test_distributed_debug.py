@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_the_multi_rank_tests_pass_under_the_collective_checker():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                           "multirank and not large_world", "tests"], cwd=REPO,
+                           "multirank and not large_world and not huge", "tests"], cwd=REPO,
                           env=dict(os.environ, TORCH_DISTRIBUTED_DEBUG="DETAIL"), capture_output=True, text=True,
                           timeout=3 * 3600)
     assert done.returncode == 0, done.stdout[-6000:]

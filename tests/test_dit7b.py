@@ -324,6 +324,7 @@ def test_cli_model_7b_with_half_precision_checkpoints(tmp_path, capsys, monkeypa
     assert abs(_read_frames(out) - expected.astype(int)).max() <= 1
 
 
+@pytest.mark.slow  # the default run's budget
 @pytest.mark.multirank
 def test_cli_model_7b_three_ranks_torchrun(tmp_path):
     from examples.seedvr2 import cli

@@ -47,20 +47,27 @@ def _check_world(results: list, name: str, world: int) -> None:
 
 
 CASES_2x2 = (("hourglass", "train_step_case", {"which": "hourglass"}),
-             ("hourglass_plain_keep", "train_step_case", {"which": "hourglass", "how": "fully_shard",
-                                                          "reshard": False}),
-             ("dit", "train_step_case", {"which": "dit"}),
-             ("dit_keep", "train_step_case", {"which": "dit", "reshard": False}),
-             ("dit_compiled", "train_step_case", {"which": "dit", "compile_backend": "aot_eager"}),
              ("dp_only", "train_step_case", {"which": "hourglass", "how": "dp_only"}),
-             ("mp", "mixed_precision_case", {}),
              ("mesh", "mesh_checks", {}))
+# the rest at (2, 2), slow (the default run's budget): (1, 2) and (1, 3) below cover the DiT and plain fully_shard
+MORE_CASES_2x2 = (("hourglass_plain_keep", "train_step_case", {"which": "hourglass", "how": "fully_shard",
+                                                               "reshard": False}),
+                  ("dit", "train_step_case", {"which": "dit"}),
+                  ("dit_keep", "train_step_case", {"which": "dit", "reshard": False}),
+                  ("dit_compiled", "train_step_case", {"which": "dit", "compile_backend": "aot_eager"}),
+                  ("mp", "mixed_precision_case", {}))
 
 
 @pytest.fixture(scope="module")
 def results_2x2():
-    """Every (dp, sp) = (2, 2) case in one spawn of 4 ranks."""
+    """The default run's (dp, sp) = (2, 2) cases in one run of 4 ranks."""
     return run_ranks(_all, 4, 2, 2, CASES_2x2, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def more_2x2():
+    """The slow (dp, sp) = (2, 2) cases in one run of 4 ranks."""
+    return run_ranks(_all, 4, 2, 2, MORE_CASES_2x2, timeout=TIMEOUT)
 
 
 def test_dp2_sp2_hourglass_trains_as_one_process_sharded_over_every_rank(results_2x2):
@@ -69,13 +76,15 @@ def test_dp2_sp2_hourglass_trains_as_one_process_sharded_over_every_rank(results
     assert all(r["hourglass"]["sp_size"] == 2 for r in results_2x2)
 
 
-def test_dp2_sp2_plain_fully_shard_without_resharding_after_forward(results_2x2):
-    _check_world(results_2x2, "hourglass_plain_keep", 4)
+@pytest.mark.slow
+def test_dp2_sp2_plain_fully_shard_without_resharding_after_forward(more_2x2):
+    _check_world(more_2x2, "hourglass_plain_keep", 4)
 
 
-def test_dp2_sp2_request_api_dit_on_a_config_mesh(results_2x2):
-    _check_world(results_2x2, "dit", 4)
-    _check_world(results_2x2, "dit_keep", 4)
+@pytest.mark.slow
+def test_dp2_sp2_request_api_dit_on_a_config_mesh(more_2x2):
+    _check_world(more_2x2, "dit", 4)
+    _check_world(more_2x2, "dit_keep", 4)
 
 
 def test_dp_groups_take_different_samples(results_2x2):
@@ -94,12 +103,14 @@ def test_fsdp_over_dp_only_then_sync_gradients_averages_the_shards_over_sp(resul
     assert sum(r["dp_only"]["shards"]["local"] for r in results_2x2) == 2 * results_2x2[0]["dp_only"]["shards"]["total"]
 
 
-def test_compiled_blocks_under_fsdp2_aot_eager(results_2x2):
-    _check_world(results_2x2, "dit_compiled", 4)
+@pytest.mark.slow
+def test_compiled_blocks_under_fsdp2_aot_eager(more_2x2):
+    _check_world(more_2x2, "dit_compiled", 4)
 
 
-def test_mixed_precision_matches_one_process_under_the_same_bf16_casting(results_2x2):
-    for r in results_2x2:
+@pytest.mark.slow
+def test_mixed_precision_matches_one_process_under_the_same_bf16_casting(more_2x2):
+    for r in more_2x2:
         mp = r["mp"]
         assert mp["out_dtype"] == "torch.bfloat16" and mp["grad_dtype"] == "torch.float32" and mp["dry_run_done"]
         bf16, exact = mp["vs_bf16"], mp["bf16_vs_f64"]

@@ -219,6 +219,7 @@ def test_row_dropout_inside_the_mode_is_not_refused():
     assert torch.isfinite(model.train()(*make_inputs())).all()
 
 
+@pytest.mark.slow  # the default run's budget
 def test_the_mode_composes_with_torch_compile():
     torch._dynamo.reset()
     try:

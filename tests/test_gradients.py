@@ -99,6 +99,7 @@ def test_dit_training_gradients_equal_one_rank():
     assert sum(kind == "param" for kind, _ in report.items) == len(list(make_dit().parameters()))
 
 
+@pytest.mark.slow  # the default run's budget
 @pytest.mark.multirank
 def test_dit_training_gradients_with_a_rank_without_windows(one_rank):
     """Whole windows (lpt) at SP = 4 leave a rank without rows in some layer; its gradients still equal one rank."""

@@ -105,7 +105,8 @@ def test_ranks_2_output_equals_torchrun(clip, tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mistake", ["missing input", "usage", "sp size"])
+@pytest.mark.parametrize("mistake", ["missing input", pytest.param("usage", marks=pytest.mark.slow),
+                                     pytest.param("sp size", marks=pytest.mark.slow)])
 def test_a_mistake_under_ranks_2_is_one_line(clip, tmp_path, mistake):
     out = tmp_path / "o.mp4"
     args = {"missing input": [tmp_path / "nope.mp4", "-o", out],

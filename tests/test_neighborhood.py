@@ -298,7 +298,7 @@ def test_the_model_at_one_rank_equals_the_oracle_layers():
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size, names", [
-    (2, ("packed",)), (3, ("video", "tiny")), (4, ("packed", "tiny")),
+    (2, ("packed",)), (3, ("video", "tiny")), pytest.param(4, ("packed", "tiny"), marks=pytest.mark.slow),
     pytest.param(4, ("video",), marks=pytest.mark.slow), pytest.param(2, ("video",), marks=pytest.mark.slow),
 ])
 def test_neighborhood_model_on_ranks_equals_one_rank(world_size, names):

@@ -193,7 +193,7 @@ def _dispatch_grads(name, group, forced: bool):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size, names", [
     (2, ("1d-dilated", "2d-packed")),  # grids that do not divide; two samples of different grids
-    (3, ("3d-causal-time", "1d-ragged")),  # rank 0's causal box padded; a ragged halo
+    pytest.param(3, ("3d-causal-time", "1d-ragged"), marks=pytest.mark.slow),  # rank 0's causal box padded; a ragged halo
 ])
 def test_flex_and_natten_on_ranks_equal_natten(world_size, names):
     results = run_ranks(_backends_rank, world_size, names, timeout=240)

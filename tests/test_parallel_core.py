@@ -199,7 +199,7 @@ def _toy_worker(rank, world_size):
     return _toy_run(model, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_toy_block_abab_forward_and_gradients_equal_one_rank(world_size):
     """Every parameter kind: video-only, text-only, shared between streams, timestep embedding -> both streams."""
     single = _toy_run(_toy_model())

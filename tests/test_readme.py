@@ -5,7 +5,8 @@ A block is a complete script. One that starts ranks (``run_ranks``, ``check_para
 ``if __name__ == "__main__":`` (spawned ranks import the file again). One whose last line prints ``max ... = <number>``
 compares a parallel run with the original or with one rank: the number must be <= 1e-10. Fragments are fenced as
 ``text``; any other fence is a language the test knows it does not run (``bash``, ``c++``). Blocks that call
-``torch.compile`` (inductor from a cold cache: tens of seconds on a CPU) run under ``-m slow``."""
+``torch.compile`` (inductor from a cold cache: tens of seconds on a CPU), the examples' READMEs and the guides'
+multi-rank scripts run under ``-m slow``."""
 
 import os
 import re
@@ -29,8 +30,11 @@ def _blocks():
         blocks = [code for lang, code in FENCE.findall(path.read_text()) if lang == "python"]
         for index, code in enumerate(blocks):
             name = f"{path.relative_to(ROOT)}#{index}"
-            # slow: inductor from a cold cache, and the examples' READMEs (their adapters have their own tests)
-            slow = "torch.compile(" in code or path.parent.parent.name == "examples"
+            # slow: inductor from a cold cache, the examples' READMEs (their adapters have their own tests), and the
+            # guides' multi-rank scripts (5-11 s each; the README's own blocks always run)
+            starts_ranks = "run_ranks(" in code or "check_parallel(" in code
+            slow = ("torch.compile(" in code or path.parent.parent.name == "examples"
+                    or (path.parent.name == "docs" and starts_ranks))
             marks = [pytest.mark.slow] if slow else []
             found.append(pytest.param(code, id=name, marks=marks))
     return found

@@ -59,7 +59,7 @@ def _rel(got, want):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_biased_windows_equal_the_original_model(world_size):
     want_out, _, _, want = _run(_weights(PlainBiasedWindows()), *_inputs())
     results = run_ranks(_parallel, world_size, timeout=240) if world_size > 1 else [_parallel(0, 1)]

@@ -156,8 +156,8 @@ def _rank_main(rank, world_size, planner, batch):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size, planner, batch", [
-    (3, "split", "packed"), (4, "split", "tiny"), (2, "auto", "few"),
-    (2, "heads", "few"), (3, "heads", "packed"), (4, "heads", "packed"),  # 3 heads: uneven at 2, fewer than 4 ranks
+    (3, "split", "packed"), pytest.param(4, "split", "tiny", marks=pytest.mark.slow), (2, "auto", "few"),
+    (2, "heads", "few"), (3, "heads", "packed"), pytest.param(4, "heads", "packed", marks=pytest.mark.slow),  # 3 heads: uneven at 2, fewer than 4 ranks
     (3, "auto", "mixed"),
 ])
 def test_split_windows_equal_one_rank(world_size, planner, batch):

@@ -145,6 +145,7 @@ def test_stream_of_many_batches_equals_its_batches_blended(demo_pipeline):
     torch.testing.assert_close(streamed, torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # the default run's budget
 def test_stream_memory_does_not_grow_with_the_clip(demo_pipeline):
     """Peak live tensor bytes of a 160-frame stream is within 1.3x of a 40-frame one (same batch settings)."""
     from examples.seedvr2.vae.memory import peak_tensor_bytes

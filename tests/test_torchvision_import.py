@@ -90,6 +90,7 @@ def test_user_code_imports_torchvision_and_transformers_after_the_one_liner(tmp_
     assert run.stdout.strip() in ("shimmed", "as is")
 
 
+@pytest.mark.slow  # the default run's budget
 def test_swinv2_import_goes_through_the_same_loader(tmp_path):
     pytest.importorskip("transformers")
     run = _run(tmp_path, """
