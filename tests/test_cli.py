@@ -134,6 +134,7 @@ def test_restore_two_ranks_torchrun(tmp_path, vae_parallel):
     assert np.abs(fa - fb).max() <= 3 and np.abs(fa - fb).mean() < 0.01
 
 
+@pytest.mark.slow  # the default run's budget; test_restore_two_ranks_torchrun covers torchrun
 @pytest.mark.multirank
 def test_image_two_ranks_torchrun(tmp_path):
     src = make_png(tmp_path / "in.png", h=48, w=32)

@@ -263,7 +263,7 @@ def _rank_run_modes(rank: int, world: int, modes: tuple, job) -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_parallel_restore_equals_single_rank_small(golden_pipeline, world):
     single = restore_small(golden_pipeline)
     modes = ("replicated", "height", "wavefront")
@@ -288,7 +288,8 @@ def test_restore_matches_reference_parallel(world, modes):
 # ---- memory estimate ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frames,height,width", [(1, 32, 48), (13, 32, 48), (5, 320, 384)])  # the last past heap_area
+@pytest.mark.parametrize("frames,height,width", [(1, 32, 48), (13, 32, 48),
+                                              pytest.param(5, 320, 384, marks=pytest.mark.slow)])  # past heap_area
 def test_memory_estimate_bounds_the_measured_peak(frames, height, width):
     """The shape-only estimate the CLI fits requests with bounds the real peak of live tensors (demo models, float32)
     by its shape-dependent parts alone (without the fixed overhead). It is calibrated against peak RSS, which is

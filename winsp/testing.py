@@ -41,7 +41,7 @@ class ParallelCheckError(AssertionError):
 
 
 # Modules the fork server imports once; every rank process is forked from it with them already loaded.
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "winsp")
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "winsp")
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, env: dict[str, str], fn: Callable, args: tuple,
