@@ -280,6 +280,24 @@ def seedvr2_pipeline_on_mesh(rank: int, world: int, dp: int, sp: int) -> dict:
     return {"sizes": sizes, "restored": out}
 
 
+def seedvr2_dit_fully_shard(rank: int, world: int, dp: int, sp: int) -> dict:
+    """The SeedVR2 DiT (golden tiny weights) made window-parallel on ``mesh["sp"]``, then plain ``fully_shard`` of
+    every block and the root over every rank: its error against the original code's golden output, and this rank's
+    share of the weights."""
+    from tests.test_dit import run
+    from tests.test_dit_parallel import _golden_model
+
+    quiet()
+    mesh = make_mesh(dp, sp)
+    model, inputs, expected = _golden_model()
+    model.build_runtime(winsp.DiffusionParallelConfig(mesh=mesh["sp"]))
+    _shard_plainly(model, mesh, ("blocks.*",))
+    shards = shard_numels(model, world)  # before the forward: FSDP2 leaves the root's parameters gathered after it
+    out = run(model, inputs)
+    return {"golden_err": (out - expected).abs().max().item(), "shards": shards,
+            "sp_size": model.require_runtime().world_size}
+
+
 def sharded_first(rank: int, world: int, dp: int, sp: int) -> str:
     """``parallelize`` on a model FSDP2 sharded already, and ``unparallelize`` on one sharded after: the refusals."""
     from torch.distributed.fsdp import fully_shard

@@ -49,7 +49,7 @@ def _check_world(results: list, name: str, world: int) -> None:
 CASES_2x2 = (("hourglass", "train_step_case", {"which": "hourglass"}),
              ("dp_only", "train_step_case", {"which": "hourglass", "how": "dp_only"}),
              ("mesh", "mesh_checks", {}))
-# the rest at (2, 2), slow (the default run's budget): (1, 2) and (1, 3) below cover the DiT and plain fully_shard
+# the rest at (2, 2): the DiT, plain fully_shard kept unsharded after forward, compiled blocks, mixed precision
 MORE_CASES_2x2 = (("hourglass_plain_keep", "train_step_case", {"which": "hourglass", "how": "fully_shard",
                                                                "reshard": False}),
                   ("dit", "train_step_case", {"which": "dit"}),
@@ -60,13 +60,13 @@ MORE_CASES_2x2 = (("hourglass_plain_keep", "train_step_case", {"which": "hourgla
 
 @pytest.fixture(scope="module")
 def results_2x2():
-    """The default run's (dp, sp) = (2, 2) cases in one run of 4 ranks."""
+    """The hourglass, FSDP2 over dp only, and the mesh checks at (dp, sp) = (2, 2) in one run of 4 ranks."""
     return run_ranks(_all, 4, 2, 2, CASES_2x2, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def more_2x2():
-    """The slow (dp, sp) = (2, 2) cases in one run of 4 ranks."""
+    """The other (dp, sp) = (2, 2) cases in one run of 4 ranks."""
     return run_ranks(_all, 4, 2, 2, MORE_CASES_2x2, timeout=TIMEOUT)
 
 
@@ -76,12 +76,10 @@ def test_dp2_sp2_hourglass_trains_as_one_process_sharded_over_every_rank(results
     assert all(r["hourglass"]["sp_size"] == 2 for r in results_2x2)
 
 
-@pytest.mark.slow
 def test_dp2_sp2_plain_fully_shard_without_resharding_after_forward(more_2x2):
     _check_world(more_2x2, "hourglass_plain_keep", 4)
 
 
-@pytest.mark.slow
 def test_dp2_sp2_request_api_dit_on_a_config_mesh(more_2x2):
     _check_world(more_2x2, "dit", 4)
     _check_world(more_2x2, "dit_keep", 4)
@@ -103,12 +101,10 @@ def test_fsdp_over_dp_only_then_sync_gradients_averages_the_shards_over_sp(resul
     assert sum(r["dp_only"]["shards"]["local"] for r in results_2x2) == 2 * results_2x2[0]["dp_only"]["shards"]["total"]
 
 
-@pytest.mark.slow
 def test_compiled_blocks_under_fsdp2_aot_eager(more_2x2):
     _check_world(more_2x2, "dit_compiled", 4)
 
 
-@pytest.mark.slow
 def test_mixed_precision_matches_one_process_under_the_same_bf16_casting(more_2x2):
     for r in more_2x2:
         mp = r["mp"]
@@ -137,9 +133,14 @@ def test_sp2_swin3d_adapter_with_plain_fully_shard_a_model_sharded_first_and_the
     results = run_ranks(_all, 2, 1, 2, (("swin3d", "train_step_case", {"which": "swin3d", "how": "fully_shard"}),
                                         ("dit", "train_step_case", {"which": "dit"}),
                                         ("first", "sharded_first", {}),
-                                        ("pipeline", "seedvr2_pipeline_on_mesh", {})), timeout=TIMEOUT)
+                                        ("pipeline", "seedvr2_pipeline_on_mesh", {}),
+                                        ("seedvr2_dit", "seedvr2_dit_fully_shard", {})), timeout=TIMEOUT)
     _check_world(results, "swin3d", 2)
     _check_world(results, "dit", 2)
+    for r in results:  # the SeedVR2 DiT on mesh["sp"], sharded by plain fully_shard: the original code's output
+        assert r["seedvr2_dit"]["golden_err"] <= 1e-4 and r["seedvr2_dit"]["sp_size"] == 2, r["seedvr2_dit"]
+        assert r["seedvr2_dit"]["shards"]["all_dtensor"]
+    assert sum(r["seedvr2_dit"]["shards"]["local"] for r in results) == results[0]["seedvr2_dit"]["shards"]["total"]
     assert "sharded already" in results[0]["first"] and "call winsp.parallelize first" in results[0]["first"]
     assert "unparallelize: this model's weights were sharded" in results[0]["first"]
     from examples.seedvr2.pipeline import SeedVR2Pipeline
