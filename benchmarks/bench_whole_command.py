@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 PREFIX = "python -m examples.seedvr2: "
-STAGE_NAMES = ("read", "load", "restore")
 
 
 def parse_clip(text: str) -> tuple[int, int, int]:
@@ -91,23 +89,23 @@ def summary_line(stderr: str) -> str:
     return lines[-1]
 
 
-def stage_seconds(summary: str) -> dict[str, float]:
-    """The CLI's own stage times (``read 0.29s load 0.16s restore 4.56s``) from its summary line."""
-    found = re.search(r"\| read ([0-9.]+)s load ([0-9.]+)s restore ([0-9.]+)s \|", summary)
-    if found is None:
-        raise RuntimeError(f"no stage times in the summary line: {summary}")
-    return dict(zip(STAGE_NAMES, (float(v) for v in found.groups()), strict=True))
-
-
 def run_once(cmd: list[str], env: dict | None = None, timeout: float = 3600.0) -> dict:
-    """Run ``cmd``; its wall time from start to exit, its summary line and the CLI's stage times."""
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    summary = summary_line(done.stderr)
-    return {"wall_s": wall, "stages": stage_seconds(summary), "summary": summary}
+    """Run ``cmd``; its wall time from start to exit, its summary line and the CLI's stage times (read, load,
+    restore; written by rank 0 to ``SEEDVR2_STAGE_TIMES``, which times nothing more)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        times = os.path.join(scratch, "stages.json")
+        env = dict(env or user_env(), SEEDVR2_STAGE_TIMES=times)
+        start = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        wall = time.perf_counter() - start
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        summary = summary_line(done.stderr)
+        if not os.path.exists(times):
+            raise RuntimeError(f"the command wrote no stage times to SEEDVR2_STAGE_TIMES: {summary}")
+        with open(times) as f:
+            stages = json.load(f)
+    return {"wall_s": wall, "stages": stages, "summary": summary}
 
 
 def measure(clips: list[tuple[int, int, int]], ranks: int, rounds: int, launcher: str, extra: list[str],

@@ -1113,8 +1113,25 @@ def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> 
         raise
     _write_profile(launch.rank, progress.seconds)
     if launch.rank == 0:
+        _write_stage_times(progress.seconds)
         print(printable(summary), file=sys.stderr)
     return 0, False, summary
+
+
+STAGE_TIMES_ENV = "SEEDVR2_STAGE_TIMES"
+
+
+def _write_stage_times(stages: dict) -> None:
+    """With ``SEEDVR2_STAGE_TIMES=FILE``: the CLI's own stage seconds (read, load, restore) as JSON, from rank 0.
+
+    What ``benchmarks/bench_whole_command.py`` reads; unlike ``SEEDVR2_PROFILE`` it times nothing more, so the
+    command runs as a user's does."""
+    path = os.environ.get(STAGE_TIMES_ENV)
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({name: round(seconds, 4) for name, seconds in stages.items()}, f)
 
 
 def _write_profile(rank: int, cli_stages: dict) -> None:
