@@ -62,7 +62,8 @@ def one_rank():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow),
+                                        pytest.param(3, marks=pytest.mark.slow)])
 def test_dit_under_heads_equals_one_rank_with_gradients(world_size, one_rank):
     """The tiny SeedVR2 DiT (3 heads) in float64, train mode: output, vid / txt and every parameter gradient."""
     for rank, r in enumerate(run_ranks(_rank_main, world_size, timeout=300)):

@@ -4,6 +4,7 @@ mistake or a mid-run failure as one line with exit code 2 and every rank gone, n
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -119,6 +120,13 @@ def test_a_mistake_under_ranks_2_is_one_line(clip, tmp_path, mistake):
     assert not out.exists() and os.listdir(tmp_path) == []
 
 
+def _torch_debug_log(line: str) -> bool:
+    """Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``.ci/run detail``) torch's own C++ log adds lines such as
+    ``[rank0]:[E... ProcessGroupGloo.cpp:...] ... failed to pass monitoredBarrier``: diagnostics the user asked for,
+    not the CLI's. Without it nothing is set aside."""
+    return os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL" and re.match(r"\[rank\d+\]:\[[EWI]", line) is not None
+
+
 @pytest.mark.multirank
 def test_a_rank_failing_mid_run_is_one_line_and_every_rank_goes(clip, tmp_path):
     """Rank 1 runs out of memory in its first batch: its line is the only one, exit code 2, every rank gone within
@@ -133,7 +141,7 @@ def test_a_rank_failing_mid_run_is_one_line_and_every_rank_goes(clip, tmp_path):
     assert done.returncode == 2, done.stderr
     injected = [line for line in done.stderr.splitlines() if line.startswith("injected")]
     errors = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("injected")
-              and "DEMO" not in line]
+              and "DEMO" not in line and not _torch_debug_log(line)]
     assert len(injected) == 1 and len(errors) == 1 and "rank 1: out of memory" in errors[0], done.stderr
     assert ended - float(injected[0].split()[-1]) < 15  # the launcher waits for every rank before it exits
     assert not out.exists() and os.listdir(tmp_path) == []

@@ -197,7 +197,8 @@ def _check_dit_exactness(world_size: int) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_dit_locality_equals_lpt_and_golden(world_size):
     _check_dit_exactness(world_size)
 
