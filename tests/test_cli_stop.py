@@ -125,7 +125,8 @@ def test_every_rank_exits_soon_after_one_fails(tmp_path, fault, rank):
     assert procs[other].returncode == 2, errs[other]
     assert f"rank {other}: stopped: another rank failed" in errs[other] and "Traceback" not in errs[other]
     if fault == "bug":
-        assert procs[rank].returncode == 1 and "RuntimeError: injected bug" in errs[rank]
+        assert procs[rank].returncode == 1 and "RuntimeError: injected bug" in errs[rank], (procs[rank].returncode,
+                                                                                          errs[rank])
     else:
         assert procs[rank].returncode == 2, errs[rank]
         lines = [line for line in errs[rank].splitlines() if line.startswith(PREFIX)]

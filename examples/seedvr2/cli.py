@@ -1023,7 +1023,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
         return 130
     with StopOnSignals(_stop_message(int(os.environ.get("RANK", "0")))):
-        return _main(args)
+        try:
+            return _main(args)
+        except Exception:
+            if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+                raise
+            # A bug on one rank of several: its traceback, then out at once. The process group is already torn down
+            # (mid-run, without meeting); finalising the interpreter beside gloo's threads ended the process with
+            # SIGABRT instead of exit 1 once in a CI run.
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
 
 
 def _main(args: argparse.Namespace) -> int:
