@@ -18,7 +18,7 @@ import json
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator, Optional, TypeVar
 
 __all__ = ["PROFILE_ENV", "StageClock", "enable", "disable", "active", "stage", "timed_iter", "add_wait",
@@ -137,37 +137,31 @@ def add_wait(name: str, seconds: float) -> None:
         _ACTIVE.add(name, seconds, 0.0, seconds)
 
 
-def _wrap_collectives(clock: StageClock) -> None:
-    from winsp.comm import group as group_module
+def _timed(clock: StageClock, original, stage_name: Optional[str]):
+    """``original`` with its wall time counted as communication (and, given ``stage_name``, run as that stage)."""
 
-    targets = [(group_module.SPGroup, name) for name in _BLOCKING] + [(group_module.PendingRows, "wait")]
-    for cls, name in targets:
-        original = getattr(cls, name)
-
-        def timed(*args, __original=original, **kwargs):
+    def timed(*args, **kwargs):
+        with stage(stage_name) if stage_name is not None else nullcontext():
             start = time.perf_counter()
             try:
-                return __original(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 clock.count_comm(time.perf_counter() - start)
 
-        _WRAPPED.append((cls, name, original))
-        setattr(cls, name, timed)
+    return timed
+
+
+def _wrap_collectives(clock: StageClock) -> None:
+    from winsp.comm import group as group_module
     from winsp.comm import temporal
 
-    for name in ("send_tensor", "recv_tensor"):  # finished batches on their way to the writer
-        original = getattr(temporal, name)
-
-        def moved(*args, __original=original, **kwargs):
-            with stage("batch transfer"):
-                start = time.perf_counter()
-                try:
-                    return __original(*args, **kwargs)
-                finally:
-                    clock.count_comm(time.perf_counter() - start)
-
-        _WRAPPED.append((temporal, name, original))
-        setattr(temporal, name, moved)
+    targets = [(group_module.SPGroup, name, None) for name in _BLOCKING] + [(group_module.PendingRows, "wait", None)]
+    # finished batches on their way to the writer
+    targets += [(temporal, name, "batch transfer") for name in ("send_tensor", "recv_tensor")]
+    for owner, name, stage_name in targets:
+        original = getattr(owner, name)
+        _WRAPPED.append((owner, name, original))
+        setattr(owner, name, _timed(clock, original, stage_name))
 
 
 def write_profile(directory: str, rank: int, extra: Optional[dict] = None) -> str:
