@@ -124,20 +124,22 @@ def _available_gib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
 
 
+def _run_limited(limit_gib: int, module: str, *args, **env: str) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` under an address-space limit of ``limit_gib`` a process."""
+    command = (f"ulimit -v {limit_gib * 2**20} && exec {sys.executable} -m {module} " + " ".join(map(str, args)))
+    return subprocess.run(["bash", "-c", command], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, **env),
+                          capture_output=True, text=True, timeout=3600)
+
+
 def _torchrun_limited(limit_gib: int, *args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    command = (f"ulimit -v {limit_gib * 2**20} && exec {sys.executable} -m torch.distributed.run --standalone "
-               f"--nproc-per-node=2 -m examples.seedvr2 " + " ".join(map(str, args)))
-    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    return _run_limited(limit_gib, "torch.distributed.run --standalone --nproc-per-node=2 -m examples.seedvr2", *args,
+                        OMP_NUM_THREADS="1")
 
 
 def _ranks_limited(limit_gib: int, *args) -> subprocess.CompletedProcess:
     """The CLI's own ``--ranks 2`` launcher under an address-space limit (torchrun would add its ChildFailedError
     traceback after the CLI's one line; the launcher adds nothing)."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    command = (f"ulimit -v {limit_gib * 2**20} && exec {sys.executable} -m examples.seedvr2 "
-               + " ".join(map(str, args)) + " --ranks 2")
-    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    return _run_limited(limit_gib, "examples.seedvr2", *args, "--ranks", "2")
 
 
 @pytest.mark.slow
