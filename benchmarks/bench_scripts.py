@@ -28,6 +28,7 @@ QUICK = {
     "bench_swin3d.py --comm": ["--comm", "--frames", "32", "--size", "224", "--world", "2", "4", "8"],
     "bench_pipeline.py": ["--repeats", "1"],
     "bench_whole_command.py": ["--quick"],  # one 96x64x9 clip, one round: P1 against torchrun (or --ranks) 2
+    "bench_whole_command.py --vae-channels": ["--quick", "--vae-channels", "32,32,64,64", "--one-thread-baseline"],
     "bench_restore_profile.py": ["--quick"],
     "bench_vae.py": ["--threads", "1"],
     "bench_neighborhood.py": ["--repeats", "1"],  # the bytes table, one cold planning, the speed-up (1 forward a rank)

@@ -1,7 +1,8 @@
 """The whole command as a user times it: ``python -m examples.seedvr2 restore CLIP`` against the same on N ranks.
 
     python benchmarks/bench_whole_command.py [--clips 320x240x33 1280x720x9] [--ranks 2] [--rounds 3]
-        [--launcher auto|torchrun|ranks] [--json out.json] [--quick]
+        [--launcher auto|torchrun|ranks] [--vae-channels 128,256,512,512] [--one-thread-baseline]
+        [--json out.json] [--quick]
 
 Makes the clips itself (the synthetic demo clip, H.264), then for ``--rounds`` rounds runs, interleaved (one process,
 then N ranks, then the next round), each command from start to exit as a subprocess, and takes the best (minimum)
@@ -13,6 +14,11 @@ then uses one intra-op thread per core). The N ranks start with ``torchrun --sta
 (torchrun gives each rank ``OMP_NUM_THREADS=1``) or, where the command has it, the CLI's own launcher
 ``restore ... --ranks N`` (``--launcher auto``: the launcher when ``restore --help`` lists ``--ranks``, else
 torchrun). ``--quick``: one small clip, one round (a smoke test of the script, not a measurement).
+
+``--vae-channels``: the demo VAE at these widths (``128,256,512,512``: the released architecture, random weights;
+through ``SEEDVR2_DEMO_VAE_CHANNELS``), so that the VAE costs what it costs a user. ``--one-thread-baseline``: also
+time the single process with ``OMP_NUM_THREADS=1`` (one core's worth, the per-rank budget of the parallel command),
+interleaved with the others, and print the ratios against it too.
 """
 
 from __future__ import annotations
@@ -109,22 +115,31 @@ def run_once(cmd: list[str], env: dict | None = None, timeout: float = 3600.0) -
 
 
 def measure(clips: list[tuple[int, int, int]], ranks: int, rounds: int, launcher: str, extra: list[str],
-            directory: str, log=print) -> list[dict]:
-    """Interleaved rounds of one process and ``ranks`` ranks on every clip; the best of the rounds of each."""
+            directory: str, log=print, env: dict | None = None, one_thread: bool = False) -> list[dict]:
+    """Interleaved rounds of one process and ``ranks`` ranks on every clip (and, with ``one_thread``, one process on
+    one thread, key 0); the best of the rounds of each."""
     rows = []
+    env = env or user_env()
     for clip in clips:
         path = make_clip(directory, clip)
         out = os.path.join(directory, "out" + os.path.splitext(path)[1])
-        runs: dict[int, list[dict]] = {1: [], ranks: []}
+        kinds = ((0, 1),) * one_thread + ((1, 1), (ranks, ranks))  # (key, ranks); key 0: one process, one thread
+        runs: dict[int, list[dict]] = {key: [] for key, _ in kinds}
         for r in range(rounds):
-            for p in (1, ranks):
-                result = run_once(command(p, launcher, path, out, extra))
-                runs[p].append(result)
-                log(f"  round {r + 1} {'x'.join(map(str, clip))} P={p}: whole {result['wall_s']:.2f} s, "
-                    f"restore {result['stages'].get('restore', float('nan')):.2f} s (load {os.getloadavg()[0]:.1f})")
+            for key, p in kinds:
+                result = run_once(command(p, launcher, path, out, extra),
+                                  dict(env, OMP_NUM_THREADS="1") if key == 0 else env)
+                runs[key].append(result)
+                log(f"  round {r + 1} {'x'.join(map(str, clip))} P={p}{' (1 thread)' if key == 0 else ''}: whole "
+                    f"{result['wall_s']:.2f} s, restore {result['stages'].get('restore', float('nan')):.2f} s "
+                    f"(load {os.getloadavg()[0]:.1f})")
         best = {p: {"wall_s": min(x["wall_s"] for x in runs[p]),
                     "restore_s": min(x["stages"].get("restore", float("inf")) for x in runs[p])} for p in runs}
-        rows.append({
+        one = {} if not one_thread else {
+            "p1_1thread_wall_s": best[0]["wall_s"], "p1_1thread_restore_s": best[0]["restore_s"],
+            "whole_speedup_1thread": best[0]["wall_s"] / best[ranks]["wall_s"],
+            "restore_speedup_1thread": best[0]["restore_s"] / best[ranks]["restore_s"]}
+        rows.append({**one,
             "clip": "x".join(map(str, clip)), "ranks": ranks, "launcher": launcher if ranks > 1 else "-",
             "p1_wall_s": best[1]["wall_s"], "pn_wall_s": best[ranks]["wall_s"],
             "p1_restore_s": best[1]["restore_s"], "pn_restore_s": best[ranks]["restore_s"],
@@ -142,6 +157,13 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['clip']} | {r['p1_wall_s']:.2f} / {r['pn_wall_s']:.2f} | **{r['whole_speedup']:.2f}x** | "
                      f"{r['p1_restore_s']:.2f} / {r['pn_restore_s']:.2f} | **{r['restore_speedup']:.2f}x** |")
+    if rows and "p1_1thread_wall_s" in rows[0]:
+        lines += ["", f"| clip | whole P1 on 1 thread / P{n} (s) | ratio | restore P1 on 1 thread / P{n} (s) | ratio |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['clip']} | {r['p1_1thread_wall_s']:.2f} / {r['pn_wall_s']:.2f} | "
+                         f"{r['whole_speedup_1thread']:.2f}x | {r['p1_1thread_restore_s']:.2f} / "
+                         f"{r['pn_restore_s']:.2f} | {r['restore_speedup_1thread']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -154,6 +176,10 @@ def main(argv=None) -> None:
     parser.add_argument("--launcher", choices=("auto", "torchrun", "ranks"), default="auto")
     parser.add_argument("--json", help="also write the figures (every round) to this file")
     parser.add_argument("--quick", action="store_true", help="one 96x64x9 clip, one round (checks the script)")
+    parser.add_argument("--vae-channels", metavar="WIDTHS",
+                        help="the demo VAE's widths (128,256,512,512: the released architecture, random weights)")
+    parser.add_argument("--one-thread-baseline", action="store_true",
+                        help="also time one process on one thread (OMP_NUM_THREADS=1), interleaved")
     parser.add_argument("--keep", metavar="DIR", help="make the clips and outputs in DIR (kept) instead of a temp dir")
     parser.add_argument("cli_args", nargs=argparse.REMAINDER,
                         help="after --: more restore options for both commands (e.g. -- --color-fix wavelet)")
@@ -166,12 +192,15 @@ def main(argv=None) -> None:
     launcher = args.launcher
     if launcher == "auto":
         launcher = "ranks" if has_ranks_flag() else "torchrun"
+    env = user_env({"SEEDVR2_DEMO_VAE_CHANNELS": args.vae_channels} if args.vae_channels else None)
     print(f"whole command, P1 vs P{args.ranks} ({launcher}); {args.rounds} interleaved rounds, best kept; "
-          f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()[0]:.2f}; demo weights")
+          f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()[0]:.2f}; demo weights"
+          + (f", VAE widths {args.vae_channels}" if args.vae_channels else ""))
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.keep or tmp
         os.makedirs(directory, exist_ok=True)
-        rows = measure(args.clips, args.ranks, args.rounds, launcher, extra, directory)
+        rows = measure(args.clips, args.ranks, args.rounds, launcher, extra, directory, env=env,
+                       one_thread=args.one_thread_baseline)
     print(table(rows))
     print(f"load average at end {os.getloadavg()[0]:.2f}; P{args.ranks} summary of the last round of each clip:")
     for r in rows:

@@ -78,6 +78,29 @@ def test_a_dit_that_produces_nan_ends_the_run_naming_the_stage(tmp_path, capsys,
     _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png"], "the DiT produced", tmp_path, keep={"in.png"})
 
 
+def test_demo_vae_widths_hook(monkeypatch):
+    """``SEEDVR2_DEMO_VAE_CHANNELS`` (a benchmark hook) gives the demo VAE those widths; unset, the tiny one."""
+    from examples.seedvr2 import demo
+
+    monkeypatch.delenv(demo.DEMO_VAE_CHANNELS_ENV, raising=False)
+    assert demo.demo_vae_config() == demo.DEMO_VAE_CONFIG
+    monkeypatch.setenv(demo.DEMO_VAE_CHANNELS_ENV, "32,64,64,96")
+    config = demo.demo_vae_config()
+    assert config["block_out_channels"] == [32, 64, 64, 96] and config["norm_num_groups"] == 32
+    _, vae = demo.demo_models()
+    assert vae.config.block_out_channels == [32, 64, 64, 96]
+    assert demo.DEMO_VAE_CONFIG["block_out_channels"] == [16, 16, 32, 32]  # the default is not modified
+
+
+@pytest.mark.parametrize("value", ["128,256", "a,b,c,d", "0,16,16,16", "16,16,16,18"])
+def test_demo_vae_widths_hook_refuses_bad_values_in_one_line(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.setenv("SEEDVR2_DEMO_VAE_CHANNELS", value)
+    src = make_png(tmp_path / "in.png")
+    line = _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.png"], "SEEDVR2_DEMO_VAE_CHANNELS", tmp_path,
+                         keep={"in.png"})
+    assert repr(value) in line
+
+
 # ---- (4) no lost files --------------------------------------------------------------------------------------------
 
 

@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "refusing it")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--resolution", metavar="WxH",
-                      help="exact output size; the input is scaled to cover it and centre-cropped (default: input size)")
+                      help="exact output size; the input is scaled to cover it and centre-cropped "
+                           "(default: input size)")
     size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
     p.add_argument("--model", choices=("3b", "7b"),
                    help="which SeedVR2 DiT (default: the 3B if its weights are found, else the 7B; 3b for the demo)")
@@ -149,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Left out, these are chosen to fit the memory this process may use (the smallest of free RAM, ulimit -v / -d,\n"
         "the cgroup's limit and free GPU memory; RAM and cgroup shared by the ranks on a host): the fastest settings\n"
         "that fit, longer temporal batches first, then the VAE as a wavefront and height-sharded (several ranks) or\n"
-        "replicated (one), tiled with the largest tile. The summary line says what was chosen and why. Pinned settings that do not fit are\n"
-        "refused, naming settings that would.")
+        "replicated (one), tiled with the largest tile. The summary line says what was chosen and why. Pinned\n"
+        "settings that do not fit are refused, naming settings that would.")
     memory.add_argument("--vae-parallel", choices=("replicated", "height", "tiled", "wavefront"),
                         help="how the ranks of an SP group share the VAE: replicated (every rank runs it), height (the "
                              "frame's rows split over the group; exact), tiled (overlapping tiles; approximate, least "
@@ -513,9 +514,13 @@ def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torc
     """(first VAE level channels, DiT width, resident weight bytes in ``dtype``) of the models a run will load; with
     ``shard_parts``, the DiT's blocks sharded over that many ranks."""
     if demo:
-        from .demo import DEMO_DIT_CONFIGS, DEMO_VAE_CONFIG
+        from .demo import DEMO_DIT_CONFIGS, demo_vae_config
 
-        return DEMO_VAE_CONFIG["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model or "3b"].vid_dim, 0
+        try:
+            vae_config = demo_vae_config()
+        except ValueError as error:
+            raise InputError(str(error)) from None
+        return vae_config["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model or "3b"].vid_dim, 0
     from .dit import NaDiTConfig
     from .vae import VideoVAEConfig
     from .weight_memory import run_weight_bytes
@@ -598,9 +603,9 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
     if fit.chosen is None:
         if fit.suggestion is not None:
             raise OutOfMemory(
-                f"{fit.first.describe()} needs about {_gib(fit.first_need)} per rank for {where} but {limit.describe()} "
-                f"is usable; {fit.suggestion.flags()} would fit (about {_gib(fit.suggestion_need)}), or leave those "
-                f"flags out to let it choose")
+                f"{fit.first.describe()} needs about {_gib(fit.first_need)} per rank for {where} but "
+                f"{limit.describe()} is usable; {fit.suggestion.flags()} would fit (about "
+                f"{_gib(fit.suggestion_need)}), or leave those flags out to let it choose")
         raise OutOfMemory(
             f"nothing fits: {'no settings allowed by the flags given' if pinned.anything else 'no settings'} fit the "
             f"{limit.describe()} usable per rank for {where} (the fastest needs about {_gib(fit.first_need)}, the "
@@ -778,8 +783,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     from .memory_limits import usable_memory
     from .overlap import background_worker, prefetch
     from .pipeline import SeedVR2Pipeline
-    from .stage_clock import timed_iter
     from .progress import RestoreProgress, expected_calls, format_seconds, summary_line
+    from .stage_clock import timed_iter
     from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
 
     # Everything cheap to check is checked before anything is read or any model built, identically on every rank;

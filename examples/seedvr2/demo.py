@@ -10,6 +10,8 @@ every rank and every run. It restores nothing: the output is what random weights
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .dit import NaDiTConfig, SeedVR2NaDiT
@@ -21,7 +23,9 @@ __all__ = [
     "DEMO_DIT_CONFIGS",
     "DEMO_VAE_CONFIG",
     "DEMO_TEXT_TOKENS",
+    "DEMO_VAE_CHANNELS_ENV",
     "demo_models",
+    "demo_vae_config",
     "demo_text_embeds",
     "sample_frames",
 ]
@@ -49,18 +53,40 @@ DEMO_VAE_CONFIG = dict(
     temporal_downsample_factor=4,
 )
 
+#: a benchmark hook: ``SEEDVR2_DEMO_VAE_CHANNELS=128,256,512,512`` gives the demo VAE these widths (the released
+#: ones, say) with random weights, so the command can be timed with a VAE of real cost and no checkpoint
+DEMO_VAE_CHANNELS_ENV = "SEEDVR2_DEMO_VAE_CHANNELS"
+
+
+def demo_vae_config() -> dict:
+    """The demo VAE's configuration: :data:`DEMO_VAE_CONFIG`, with the widths of ``$SEEDVR2_DEMO_VAE_CHANNELS``
+    when it is set (four positive widths; 32 norm groups when every width is a multiple of 32, else 4)."""
+    text = os.environ.get(DEMO_VAE_CHANNELS_ENV, "").strip()
+    if not text:
+        return dict(DEMO_VAE_CONFIG)
+    try:
+        channels = [int(v) for v in text.split(",")]
+    except ValueError:
+        channels = []
+    base = DEMO_VAE_CONFIG["block_out_channels"]
+    if len(channels) != len(base) or min(channels) < 4 or any(c % 4 for c in channels):
+        raise ValueError(f"{DEMO_VAE_CHANNELS_ENV} must be {len(base)} comma-separated widths, each a positive "
+                         f"multiple of 4 (the released VAE: 128,256,512,512), got {text!r}")
+    groups = 32 if all(c % 32 == 0 for c in channels) else 4
+    return {**DEMO_VAE_CONFIG, "block_out_channels": channels, "norm_num_groups": groups}
+
 
 def demo_models(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, model: str = "3b"
 ) -> tuple[SeedVR2NaDiT, CausalVideoVAE]:
-    """The tiny DiT of ``model``'s architecture ("3b" or "7b") and the tiny VAE, with weights drawn from
-    :data:`DEMO_SEED` (the global RNG is left untouched)."""
+    """The tiny DiT of ``model``'s architecture ("3b" or "7b") and the tiny VAE (:func:`demo_vae_config`), with
+    weights drawn from :data:`DEMO_SEED` (the global RNG is left untouched)."""
     if model not in DEMO_DIT_CONFIGS:
         raise ValueError(f"model must be one of {sorted(DEMO_DIT_CONFIGS)}, got {model!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEMO_SEED)
         dit = SeedVR2NaDiT(DEMO_DIT_CONFIGS[model])
-        vae = CausalVideoVAE(VideoVAEConfig(**DEMO_VAE_CONFIG))
+        vae = CausalVideoVAE(VideoVAEConfig(**demo_vae_config()))
     return dit.to(device=device, dtype=dtype).eval(), vae.to(device=device, dtype=dtype).eval()
 
 
