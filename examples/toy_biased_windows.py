@@ -34,7 +34,8 @@ class BiasedBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def strides(self) -> tuple[int, int, int]:
-        """Bias index of an offset ``d`` = ``(d + window - 1) . strides``: the table is [(2wt-1)(2wh-1)(2ww-1), heads]."""
+        """Bias index of an offset ``d``: ``(d + window - 1) . strides``; the table is
+        [(2wt-1)(2wh-1)(2ww-1), heads]."""
         _, sh, sw = (2 * k - 1 for k in self.window)
         return sh * sw, sw, 1
 

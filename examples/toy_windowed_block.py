@@ -42,7 +42,8 @@ class ToyWindowedBlock(nn.Module):
             t = t * (1 + scale[1])
         qv, kv, vv = heads(self.qkv_vid(v))
         qt, kt, vt = heads(self.qkv_txt(t))
-        attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt, layer=self.layer)  # no communication but the text mean
+        # no communication but the text mean
+        attn_vid, attn_txt = request.attention(qv, kv, vv, qt, kt, vt, layer=self.layer)
         vid = vid + self.out_vid(attn_vid.flatten(1))
         txt = txt + self.out_txt(attn_txt.flatten(1))
         return vid + self.mlp(vid), txt
@@ -55,7 +56,8 @@ class ToyWindowedDiT(winsp.WindowParallel, nn.Module):
     modulates both streams of every block (one value per sample).
     """
 
-    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 4, window=(2, 4, 4), shared_layers: int = 0) -> None:
+    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 4, window=(2, 4, 4),
+                 shared_layers: int = 0) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(ToyWindowedBlock(dim, heads, i, shared=i >= layers - shared_layers)
                                     for i in range(layers))
@@ -88,7 +90,8 @@ def _demo_inputs(dim: int = 16):
     torch.manual_seed(0)
     grids, text_lengths = [(3, 12, 20), (2, 8, 8)], [5, 3]
     n = sum(t * h * w for t, h, w in grids)
-    return torch.randn(n, dim, dtype=torch.float64), torch.randn(sum(text_lengths), dim, dtype=torch.float64), grids, text_lengths
+    vid, txt = torch.randn(n, dim, dtype=torch.float64), torch.randn(sum(text_lengths), dim, dtype=torch.float64)
+    return vid, txt, grids, text_lengths
 
 
 def _rank_main(rank: int, world_size: int):

@@ -75,7 +75,8 @@ class Level(nn.Module):
 
 
 class Merge(nn.Module):
-    """2 x 2 tokens on (h, w) -> one (zero padding past odd edges; children's channels h offset slowest), norm, linear."""
+    """2 x 2 tokens on (h, w) -> one (zero padding past odd edges, children's channels h offset slowest), norm,
+    linear."""
 
     def __init__(self, dim: int, out: int) -> None:
         super().__init__()

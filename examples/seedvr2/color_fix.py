@@ -66,7 +66,8 @@ def wavelet_color_fix(restored: torch.Tensor, reference: torch.Tensor, levels: i
     """
     if restored.shape != reference.shape:
         raise ValueError(
-            f"colour fix needs matching shapes, got restored {list(restored.shape)} and reference {list(reference.shape)}"
+            f"colour fix needs matching shapes, got restored {list(restored.shape)} and reference "
+            f"{list(reference.shape)}"
         )
     dtype = torch.promote_types(restored.dtype, torch.float32)
     restored32, reference32 = restored.to(dtype), reference.to(dtype)
@@ -77,7 +78,8 @@ def wavelet_color_fix(restored: torch.Tensor, reference: torch.Tensor, levels: i
 def _check_pair(restored: torch.Tensor, reference: torch.Tensor) -> torch.dtype:
     if restored.shape != reference.shape:
         raise ValueError(
-            f"colour fix needs matching shapes, got restored {list(restored.shape)} and reference {list(reference.shape)}"
+            f"colour fix needs matching shapes, got restored {list(restored.shape)} and reference "
+            f"{list(reference.shape)}"
         )
     if restored.dim() < 2:
         raise ValueError(f"images must have at least 2 dims (h, w), got shape {list(restored.shape)}")

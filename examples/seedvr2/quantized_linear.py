@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from .gguf_dequant import BLOCK_LAYOUTS, dequantize_blocks
 
-__all__ = ["PackedWeight", "QuantizedLinear", "pack_linear_layers", "linear_weight_keys", "to_fp8", "expand", "FP8_KINDS"]
+__all__ = ["PackedWeight", "QuantizedLinear", "pack_linear_layers", "linear_weight_keys", "to_fp8", "expand",
+           "FP8_KINDS"]
 
 FP8_KINDS = {name: getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
 #: largest finite float8_e4m3fn value (the scale of :func:`to_fp8` maps a tensor's max-abs onto it)

@@ -81,6 +81,6 @@ def parallelize(model: nn.Module, config: winsp.DiffusionParallelConfig | None =
     cfg = getattr(model, "config", None)
     dropout = [k for k in ("attention_probs_dropout_prob", "hidden_dropout_prob") if getattr(cfg, k, 0)]
     if getattr(cfg, "model_type", None) != "swinv2" or dropout or winsp.adoption.is_parallelized(model):
-        raise ValueError(f"examples.swinv2.parallelize needs a transformers Swinv2Model, without dropout, not parallelized "
-                         f"already; got {type(model).__name__} (dropout: {dropout or 'none'})")
+        raise ValueError(f"examples.swinv2.parallelize needs a transformers Swinv2Model, without dropout, not "
+                         f"parallelized already; got {type(model).__name__} (dropout: {dropout or 'none'})")
     return winsp.parallelize(model, plan(model), config, group=group)
