@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -422,7 +423,9 @@ def fit_wall_markdown(fit: dict) -> str:
 def vae_split_points(data: dict, measure: str = "wall") -> list[dict]:
     """The (clip, encode/decode, split, speed-up) points of a VAE split fit: the rows of
     ``benchmarks/vae_split_walls.json``, or of the JSON ``benchmarks/bench_vae.py --scaling --json`` writes
-    (``measure``: ``wall`` speed-up, or ``busy_cpu``: blind to the wavefront's fill, which is waiting)."""
+    (``measure``: ``wall`` speed-up, or ``busy_cpu``: blind to the wavefront's fill, which is waiting). Speed-ups are
+    over one rank on one thread, each rank's budget: what a machine with a core (or GPU) per rank sees (the
+    ``*_speedup_1thread`` figures where a file has both baselines)."""
     if "rows" in data:
         return [dict(r, speedup=r["wall_speedup"]) for r in data["rows"]]
     points = []
@@ -430,35 +433,42 @@ def vae_split_points(data: dict, measure: str = "wall") -> list[dict]:
         if "splits" not in row:
             continue
         for what in ("encode", "decode"):
-            key = f"{what}_speedup" if measure == "wall" else f"{what}_busy_cpu_speedup"
-            points.append({"clip": row["clip"], "what": what, "split": row["splits"][what], "speedup": row[key]})
+            key = f"{what}_busy_cpu_speedup"
+            if measure == "wall":
+                key = f"{what}_speedup_1thread" if f"{what}_speedup_1thread" in row else f"{what}_speedup"
+            points.append({"clip": row["clip"], "what": what, "split": row["splits"][what], "speedup": row[key],
+                           "world": row.get("world", 2)})
     return points
 
 
 def fit_vae_split(points: list[dict]) -> dict:
     """Non-negative relative-error least squares of the wavefront's split model
     (:func:`examples.seedvr2.vae.wavefront.split_cost`): measured time over one rank's (1 / speed-up) minus the ideal
-    share (busiest time rank's frames x largest band) = ``height_comm`` x (H - 1) + ``time_comm`` x (T - 1)."""
+    share s (busiest time rank's frames x largest band of r rows) = ``height_comm`` x (H - 1) + ``height_halo`` x s x
+    edges / r^2 + ``time_comm`` x (T - 1). Points with more ranks than the machine has cores are left out."""
     from examples.seedvr2.vae.model import _chunk_bounds
     from examples.seedvr2.vae.wavefront import VAESplit, split_cost
 
     rows_x, rows_y, labels = [], [], []
     for p in points:
+        if p.get("world", 2) > (os.cpu_count() or 2):
+            continue
         frames, height, _ = p["clip"]
         split = VAESplit(*p["split"])
         chunks = [b - a for a, b in _chunk_bounds(frames, 4)]
         if p["what"] == "decode":
             latent = [b - a for a, b in _chunk_bounds(1 + (frames - 1) // 4, 1)]
             chunks = [1 + 4 * (n - 1) if c == 0 else 4 * n for c, n in enumerate(latent)]
-        ideal = split_cost(split, chunks, height // 8, height_comm=0.0, time_comm=0.0)
+        ideal = split_cost(split, chunks, height // 8, height_comm=0.0, height_halo=0.0, time_comm=0.0)
+        rows = -(-(height // 8) // split.height)
         measured = 1.0 / p["speedup"]
-        rows_x.append([split.height - 1, split.time - 1])
+        rows_x.append([split.height - 1, ideal * min(split.height - 1, 2) / rows**2, split.time - 1])
         rows_y.append((measured, ideal))
         labels.append((f"{frames}x{height}x{p['clip'][2]}", p["what"], f"{split.time}x{split.height}"))
     x = np.asarray(rows_x, dtype=float)
     measured = np.asarray([m for m, _ in rows_y])
     ideal = np.asarray([i for _, i in rows_y])
-    active, coef = [0, 1], np.zeros(2)
+    active, coef = [0, 1, 2], np.zeros(3)
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] / measured[:, None], (measured - ideal) / measured, rcond=None)
         if (sol >= 0).all():
@@ -466,13 +476,14 @@ def fit_vae_split(points: list[dict]) -> dict:
             break
         active.pop(int(np.argmin(sol)))
     model = ideal + x @ coef
-    return {"height_comm": float(coef[0]), "time_comm": float(coef[1]),
+    return {"height_comm": float(coef[0]), "height_halo": float(coef[1]), "time_comm": float(coef[2]),
             "points": [(lab, 1 / m, 1 / pr) for lab, m, pr in zip(labels, measured, model, strict=True)]}
 
 
 def fit_vae_split_markdown(fit: dict) -> str:
-    lines = [f"fitted: height_comm {fit['height_comm']:.4f}, time_comm {fit['time_comm']:.4f} (of one rank's run, per "
-             f"extra height / time rank)", "", "| clip | pass | split T x H | measured speed-up | model |",
+    lines = [f"fitted: height_comm {fit['height_comm']:.4f}, height_halo {fit['height_halo']:.4f}, time_comm "
+             f"{fit['time_comm']:.4f} (of one rank's run: per extra height rank; per band edge over the band's rows squared, "
+             f"times its share; per extra time rank)", "", "| clip | pass | split T x H | measured speed-up | model |",
              "|---|---|---|---:|---:|"]
     for (clip, what, split), measured, model in fit["points"]:
         lines.append(f"| {clip} | {what} | {split} | {measured:.2f}x | {model:.2f}x |")

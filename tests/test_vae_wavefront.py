@@ -176,12 +176,23 @@ def test_choose_split_balances_chunks_against_bands():
 def test_split_cost_follows_the_fitted_constants():
     eight = [5] + [4] * 7
     # no overheads: the ideal shares; the constants add per extra rank of each kind
-    assert split_cost(VAESplit(2, 1), eight, 16, height_comm=0, time_comm=0) == pytest.approx(17 / 33)
-    assert split_cost(VAESplit(1, 2), eight, 15, height_comm=0, time_comm=0) == pytest.approx(8 / 15)
-    assert split_cost(VAESplit(2, 2), eight, 16, height_comm=0.1, time_comm=0.2) == pytest.approx(17 / 66 + 0.3)
+    none = dict(height_comm=0, height_halo=0, time_comm=0)
+    assert split_cost(VAESplit(2, 1), eight, 16, **none) == pytest.approx(17 / 33)
+    assert split_cost(VAESplit(1, 2), eight, 15, **none) == pytest.approx(8 / 15)
+    assert split_cost(VAESplit(2, 2), eight, 16, height_comm=0.1, height_halo=0,
+                      time_comm=0.2) == pytest.approx(17 / 66 + 0.3)
+    # the halo term grows the busiest band's share by height_halo per edge (two at most) over its rows squared
+    halo = dict(none, height_halo=0.5)
+    assert split_cost(VAESplit(1, 2), eight, 16, **halo) == pytest.approx(0.5 * (1 + 0.5 / 64))
+    assert split_cost(VAESplit(1, 4), eight, 16, **halo) == pytest.approx(0.25 * (1 + 0.5 * 2 / 16))
+    assert split_cost(VAESplit(1, 8), eight, 16, **halo) == pytest.approx(0.125 * (1 + 0.5 * 2 / 4))
+    assert split_cost(VAESplit(2, 1), eight, 16, **halo) == pytest.approx(17 / 33)  # no band, no halo
     # with no cost for time ranks a long clip goes to time ranks, with no cost for bands to bands
-    assert choose_split(2, eight, 16, height_comm=0.05, time_comm=0.0) == VAESplit(2, 1)
-    assert choose_split(2, eight, 16, height_comm=0.0, time_comm=0.05) == VAESplit(1, 2)
+    assert choose_split(2, eight, 16, height_comm=0.05, height_halo=0, time_comm=0.0) == VAESplit(2, 1)
+    assert choose_split(2, eight, 16, height_comm=0.0, height_halo=0, time_comm=0.05) == VAESplit(1, 2)
+    # a costly halo sends a long clip of thin bands to time ranks, and leaves tall frames in bands
+    assert choose_split(2, eight, 8, height_comm=0, height_halo=4.0, time_comm=0.02) == VAESplit(2, 1)
+    assert choose_split(2, eight, 90, height_comm=0, height_halo=4.0, time_comm=0.02) == VAESplit(1, 2)
 
 
 @pytest.mark.parametrize("frames, rows, world, expected", [
@@ -189,7 +200,10 @@ def test_split_cost_follows_the_fitted_constants():
     (9, 90, 2, "height bands x2"),  # 720p x 9 frames (3 latent chunks): the issue's case
     (21, 30, 2, "height bands x2"),  # 320x240, one batch of 21 frames
     (41, 3, 2, "time x2"),  # a long clip of 3 latent rows: bands of 2 and 1 rows
-    (121, 90, 4, "time x height 2x2"),
+    (33, 8, 2, "time x2"),  # 33x64x96: 4-row bands measured 1.44-1.61x, the time ranks 1.77-1.83x
+    (17, 12, 2, "height bands x2"),  # 17x96x128: 6-row bands measured 1.91-1.93x, the time ranks 1.63-1.85x
+    (121, 90, 4, "height bands x4"),  # 23-row bands: the halo costs little
+    (33, 30, 4, "time x height 2x2"),  # 8-row bands at 4 ranks would cost more than time ranks' fill
 ])
 def test_clip_splits_short_long_and_images(frames, rows, world, expected):
     assert describe_splits(*clip_splits(world, frames, rows)) == expected

@@ -36,19 +36,22 @@ from .context import CausalCache, RunContext
 from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent
 from .sharding import RowBands
 
-__all__ = ["VAESplit", "RelayCache", "WaveStats", "HEIGHT_COMM", "TIME_COMM", "split_cost", "choose_split",
+__all__ = ["VAESplit", "RelayCache", "WaveStats", "HEIGHT_COMM", "HEIGHT_HALO", "TIME_COMM", "split_cost",
+           "choose_split",
            "clip_splits", "split_for_clip", "describe_splits", "encode_wavefront", "decode_wavefront"]
 
 _ROWS = 3  # the height dim of [b, c, t, h, w]
-#: Run time added by each extra height rank (halo exchanges and norm statistics every layer) and by each extra time
-#: rank (the wavefront's fill: a time rank waits for the previous chunk's first layers, and the relayed caches), as
-#: fractions of one rank's run. Fitted (``benchmarks/cost_model.py --fit-vae``) on the wall-time speed-ups that
-#: ``benchmarks/bench_vae.py --scaling`` measured at P = 2 on the quiet 2-core machine (released VAE widths,
-#: ``benchmarks/vae_split_walls.json``, 8 points): height bands ran 0.5-4 % over an even split, the time-only
-#: wavefront of a 33-frame clip 2-2.8 % over its busiest rank's share of the frames. Refit on a new machine with
+#: The costs of splitting, as fractions of one rank's run. ``HEIGHT_COMM`` per extra height rank (halo exchanges and
+#: norm statistics every layer); ``HEIGHT_HALO`` per edge of the busiest band over the square of its latent rows,
+#: times its share of the work (thin bands cost more than their halo rows alone: at P = 2, bands of 4 latent rows ran
+#: 24-39 % over an even split, of 6 rows 4-5 %, of 8 rows 2-7 %); ``TIME_COMM`` per extra time rank (the wavefront's fill: a time rank waits for the previous
+#: chunk's first layers, and the relayed caches). Fitted (``benchmarks/cost_model.py --fit-vae``) on the wall-time
+#: speed-ups over one rank on one thread that ``benchmarks/bench_vae.py --scaling`` measured at P = 2 on the quiet
+#: 2-core machine (released VAE widths, ``benchmarks/vae_split_walls.json``). Refit on a new machine with
 #: ``python benchmarks/bench_vae.py --scaling --json F`` then ``python benchmarks/cost_model.py --fit-vae F``.
-HEIGHT_COMM = 0.015
-TIME_COMM = 0.024
+HEIGHT_COMM = 0.011
+HEIGHT_HALO = 4.2
+TIME_COMM = 0.042
 _HEIGHT_COMM = HEIGHT_COMM  # the name before the fit
 
 
@@ -136,26 +139,29 @@ class RelayCache(CausalCache):
 
 
 def split_cost(split: VAESplit, chunk_frames: list[int], latent_rows: int, *, height_comm: float = HEIGHT_COMM,
-               time_comm: float = TIME_COMM) -> float:
-    """The modelled run time of ``split`` relative to one rank: the busiest time rank's share of the video frames
-    (``chunk_frames``: each causal chunk's frames, round-robin over the time ranks) times the largest band's share of
-    the ``latent_rows``, plus ``height_comm`` per extra height rank and ``time_comm`` per extra time rank."""
+               height_halo: float = HEIGHT_HALO, time_comm: float = TIME_COMM) -> float:
+    """The modelled run time of ``split`` relative to one rank: the busiest rank's share of the work (the busiest
+    time rank's share of the video frames, ``chunk_frames`` being each causal chunk's frames dealt round-robin, times
+    the largest band's share of the ``latent_rows``), grown by ``height_halo`` per edge of that band (at most two)
+    over the square of its rows, plus ``height_comm`` per extra height rank and ``time_comm`` per extra time rank."""
     total = float(sum(chunk_frames)) or 1.0
     busiest = max(sum(chunk_frames[c::split.time]) for c in range(split.time))
-    band = math.ceil(latent_rows / split.height) / latent_rows
-    return busiest / total * band + height_comm * (split.height - 1) + time_comm * (split.time - 1)
+    rows = math.ceil(latent_rows / split.height)
+    share = busiest / total * rows / latent_rows
+    edges = min(split.height - 1, 2)
+    return share * (1 + height_halo * edges / rows**2) + height_comm * (split.height - 1) + time_comm * (split.time - 1)
 
 
 def choose_split(
     world: int, chunk_frames: list[int], latent_rows: int, *, height_comm: float = HEIGHT_COMM,
-    time_comm: float = TIME_COMM,
+    height_halo: float = HEIGHT_HALO, time_comm: float = TIME_COMM,
 ) -> VAESplit:
     """The ``time x height`` split of ``world`` ranks with the lowest :func:`split_cost` for a clip.
 
     ``chunk_frames`` are the causal chunks' video frames (encode: each chunk's input frames, the first one longer;
     decode: each latent chunk's output frames, the first one shorter), ``latent_rows`` the latent height. A single
-    image (one chunk) or a short clip gets height bands; a long clip whose rows split badly over the ranks gets time
-    ranks. Ties go to more time ranks (no per-layer collectives).
+    image (one chunk) or a short clip gets height bands; a long clip whose rows split badly over the ranks, or into
+    thin bands, gets time ranks. Ties go to more time ranks (no per-layer collectives).
     """
     if world < 1:
         raise ValueError(f"choose_split: world must be >= 1, got {world}")
@@ -164,7 +170,8 @@ def choose_split(
         if world % height or height > latent_rows:
             continue
         split = VAESplit(world // height, height)
-        cost = split_cost(split, chunk_frames, latent_rows, height_comm=height_comm, time_comm=time_comm)
+        cost = split_cost(split, chunk_frames, latent_rows, height_comm=height_comm, height_halo=height_halo,
+                          time_comm=time_comm)
         if cost < best_cost - 1e-12:
             best, best_cost = split, cost
     if best is None:
