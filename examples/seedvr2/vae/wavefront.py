@@ -44,10 +44,11 @@ _ROWS = 3  # the height dim of [b, c, t, h, w]
 #: The costs of splitting, as fractions of one rank's run. ``HEIGHT_COMM`` per extra height rank (halo exchanges and
 #: norm statistics every layer); ``HEIGHT_HALO`` per edge of the busiest band over the square of its latent rows,
 #: times its share of the work (thin bands cost more than their halo rows alone: at P = 2, bands of 4 latent rows ran
-#: 24-39 % over an even split, of 6 rows 4-5 %, of 8 rows 2-7 %); ``TIME_COMM`` per extra time rank (the wavefront's fill: a time rank waits for the previous
-#: chunk's first layers, and the relayed caches). Fitted (``benchmarks/cost_model.py --fit-vae``) on the wall-time
-#: speed-ups over one rank on one thread that ``benchmarks/bench_vae.py --scaling`` measured at P = 2 on the quiet
-#: 2-core machine (released VAE widths, ``benchmarks/vae_split_walls.json``). Refit on a new machine with
+#: 24-39 % over an even split, of 6 rows 4-5 %, of 8 rows 2-7 %); ``TIME_COMM`` per extra time rank (the
+#: wavefront's fill: a time rank waits for the previous chunk's first layers, and the relayed caches). Fitted
+#: (``benchmarks/cost_model.py --fit-vae``) on the wall-time speed-ups over one rank on one thread that
+#: ``benchmarks/bench_vae.py --scaling`` measured at P = 2 on the quiet 2-core machine (released VAE widths,
+#: ``benchmarks/vae_split_walls.json``, 26 points). Refit on a new machine with
 #: ``python benchmarks/bench_vae.py --scaling --json F`` then ``python benchmarks/cost_model.py --fit-vae F``.
 HEIGHT_COMM = 0.011
 HEIGHT_HALO = 4.2
