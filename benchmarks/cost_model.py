@@ -482,9 +482,9 @@ def fit_vae_split(points: list[dict]) -> dict:
 
 def fit_vae_split_markdown(fit: dict) -> str:
     lines = [f"fitted: height_comm {fit['height_comm']:.4f}, height_halo {fit['height_halo']:.4f}, time_comm "
-             f"{fit['time_comm']:.4f} (of one rank's run: per extra height rank; per band edge over the band's rows squared, "
-             f"times its share; per extra time rank)", "", "| clip | pass | split T x H | measured speed-up | model |",
-             "|---|---|---|---:|---:|"]
+             f"{fit['time_comm']:.4f} (of one rank's run: per extra height rank; per band edge over the band's rows "
+             f"squared, times its share; per extra time rank)", "",
+             "| clip | pass | split T x H | measured speed-up | model |", "|---|---|---|---:|---:|"]
     for (clip, what, split), measured, model in fit["points"]:
         lines.append(f"| {clip} | {what} | {split} | {measured:.2f}x | {model:.2f}x |")
     return "\n".join(lines)

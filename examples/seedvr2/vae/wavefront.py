@@ -37,8 +37,7 @@ from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent
 from .sharding import RowBands
 
 __all__ = ["VAESplit", "RelayCache", "WaveStats", "HEIGHT_COMM", "HEIGHT_HALO", "TIME_COMM", "split_cost",
-           "choose_split",
-           "clip_splits", "split_for_clip", "describe_splits", "encode_wavefront", "decode_wavefront"]
+           "choose_split", "clip_splits", "split_for_clip", "describe_splits", "encode_wavefront", "decode_wavefront"]
 
 _ROWS = 3  # the height dim of [b, c, t, h, w]
 #: The costs of splitting, as fractions of one rank's run. ``HEIGHT_COMM`` per extra height rank (halo exchanges and
