@@ -446,8 +446,7 @@ def fit_vae_split(points: list[dict]) -> dict:
     (:func:`examples.seedvr2.vae.wavefront.split_cost`): measured time over one rank's (1 / speed-up) minus the ideal
     share s (busiest time rank's frames x largest band of r rows) = ``height_comm`` x (H - 1) + ``height_halo`` x s x
     edges / r^2 + ``time_comm`` x (T - 1). Points with more ranks than the machine has cores are left out."""
-    from examples.seedvr2.vae.model import _chunk_bounds
-    from examples.seedvr2.vae.wavefront import VAESplit, split_cost
+    from examples.seedvr2.vae.wavefront import VAESplit, clip_chunk_frames, split_cost
 
     rows_x, rows_y, labels = [], [], []
     for p in points:
@@ -455,14 +454,16 @@ def fit_vae_split(points: list[dict]) -> dict:
             continue
         frames, height, _ = p["clip"]
         split = VAESplit(*p["split"])
-        chunks = [b - a for a, b in _chunk_bounds(frames, 4)]
-        if p["what"] == "decode":
-            latent = [b - a for a, b in _chunk_bounds(1 + (frames - 1) // 4, 1)]
-            chunks = [1 + 4 * (n - 1) if c == 0 else 4 * n for c, n in enumerate(latent)]
-        ideal = split_cost(split, chunks, height // 8, height_comm=0.0, height_halo=0.0, time_comm=0.0)
-        rows = -(-(height // 8) // split.height)
+        chunks = clip_chunk_frames(frames)[p["what"] == "decode"]
+
+        def cost(height_comm: float = 0.0, height_halo: float = 0.0, time_comm: float = 0.0) -> float:
+            return split_cost(split, chunks, height // 8, height_comm=height_comm, height_halo=height_halo,
+                              time_comm=time_comm)
+
+        ideal = cost()
         measured = 1.0 / p["speedup"]
-        rows_x.append([split.height - 1, ideal * min(split.height - 1, 2) / rows**2, split.time - 1])
+        # each constant's term, from the model itself: its cost with that constant at 1 less the ideal share
+        rows_x.append([cost(height_comm=1.0) - ideal, cost(height_halo=1.0) - ideal, cost(time_comm=1.0) - ideal])
         rows_y.append((measured, ideal))
         labels.append((f"{frames}x{height}x{p['clip'][2]}", p["what"], f"{split.time}x{split.height}"))
     x = np.asarray(rows_x, dtype=float)
@@ -497,14 +498,13 @@ def restore_prediction(degrees=(2, 4, 8), vae_shares=(0.3, 0.5, 0.7), grid=(6, 4
     CPU runs) combined for a VAE share ``v`` of the one-GPU time: ``1 / ((1 - v) / s_DiT + v / s_VAE)``. The input
     decoding and output encoding run on background threads and are left out. The VAE share on a GPU was not measured
     here, hence several."""
-    from examples.seedvr2.vae.model import _chunk_bounds
-    from examples.seedvr2.vae.wavefront import choose_split, split_cost
+    from examples.seedvr2.vae.wavefront import choose_split, clip_chunk_frames, split_cost
 
     def dit(p: int) -> float:
         return min(pr.forward(SEEDVR2_3B) for pr in predictions(SEEDVR2_3B, grid, p, NVLINK_NODE).values()
                    if pr is not None)
 
-    chunks = [b - a for a, b in _chunk_bounds(frames, 4)]
+    chunks = clip_chunk_frames(frames)[0]
     rows = []
     for p in degrees:
         split = choose_split(p, chunks, latent_rows)

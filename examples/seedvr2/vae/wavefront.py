@@ -37,7 +37,8 @@ from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent
 from .sharding import RowBands
 
 __all__ = ["VAESplit", "RelayCache", "WaveStats", "HEIGHT_COMM", "HEIGHT_HALO", "TIME_COMM", "split_cost",
-           "choose_split", "clip_splits", "split_for_clip", "describe_splits", "encode_wavefront", "decode_wavefront"]
+           "choose_split", "clip_chunk_frames", "clip_splits", "split_for_clip", "describe_splits",
+           "encode_wavefront", "decode_wavefront"]
 
 _ROWS = 3  # the height dim of [b, c, t, h, w]
 #: The costs of splitting, as fractions of one rank's run. ``HEIGHT_COMM`` per extra height rank (halo exchanges and
@@ -317,14 +318,22 @@ def decode_wavefront(
                     gather=gather, stats=stats)
 
 
-def clip_splits(world: int, frames: int, latent_rows: int, *, temporal_chunk: int | None = 4,
-                temporal_factor: int = 4) -> tuple[VAESplit, VAESplit]:
-    """The (encode, decode) splits the wavefront mode uses for a clip of ``frames`` video frames (1 + 4k)."""
+def clip_chunk_frames(frames: int, *, temporal_chunk: int | None = 4,
+                      temporal_factor: int = 4) -> tuple[list[int], list[int]]:
+    """The video frames of each causal chunk of a clip of ``frames`` frames (1 + 4k): those encode reads, and those
+    decode writes (its latent chunks' outputs, the first one shorter)."""
     video = [b - a for a, b in _chunk_bounds(frames, temporal_chunk)]
     latent_frames = 1 + (frames - 1) // temporal_factor
     latent_chunk = None if temporal_chunk is None else temporal_chunk // temporal_factor
     decoded = [1 + temporal_factor * (b - a - 1) if a == 0 else temporal_factor * (b - a)
                for a, b in _chunk_bounds(latent_frames, latent_chunk)]
+    return video, decoded
+
+
+def clip_splits(world: int, frames: int, latent_rows: int, *, temporal_chunk: int | None = 4,
+                temporal_factor: int = 4) -> tuple[VAESplit, VAESplit]:
+    """The (encode, decode) splits the wavefront mode uses for a clip of ``frames`` video frames (1 + 4k)."""
+    video, decoded = clip_chunk_frames(frames, temporal_chunk=temporal_chunk, temporal_factor=temporal_factor)
     return choose_split(world, video, latent_rows), choose_split(world, decoded, latent_rows)
 
 
