@@ -37,7 +37,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -455,11 +455,7 @@ def fit_vae_split(points: list[dict]) -> dict:
         frames, height, _ = p["clip"]
         split = VAESplit(*p["split"])
         chunks = clip_chunk_frames(frames)[p["what"] == "decode"]
-
-        def cost(height_comm: float = 0.0, height_halo: float = 0.0, time_comm: float = 0.0) -> float:
-            return split_cost(split, chunks, height // 8, height_comm=height_comm, height_halo=height_halo,
-                              time_comm=time_comm)
-
+        cost = partial(split_cost, split, chunks, height // 8, height_comm=0.0, height_halo=0.0, time_comm=0.0)
         ideal = cost()
         measured = 1.0 / p["speedup"]
         # each constant's term, from the model itself: its cost with that constant at 1 less the ideal share
