@@ -17,6 +17,8 @@ The package is layered, each layer importing only those below it (checked in CI 
 This top level holds what the README and guides call; everything else is in those subpackages.
 """
 
+from typing import TYPE_CHECKING
+
 from winsp import testing  # noqa: F401
 from winsp.adoption import (
     ChannelsLast,
@@ -57,3 +59,13 @@ __all__ = [
     # kernels
     "window_attention", "WindowAttention", "neighborhood_attention",
 ]
+
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any winsp.<name>
+
+    def __getattr__(name: str):
+        """A name that moved off the top level (``winsp.Swapped``) raises an AttributeError saying where it went."""
+        from winsp._moved import moved_name_error
+
+        raise moved_name_error(name)
