@@ -189,7 +189,8 @@ def test_an_unswapped_adaln_norm_is_named_with_the_per_sample_fix():
     model = make_original()
     winsp.parallelize(model, plan(model, norms=False))
     with pytest.raises(ValueError, match=r"'body\.fine\.0\.norm' \(AdaNorm\) took local rows \[96, 8\] and returned "
-                                         r"\[2, 1, 96, 8\].*per-sample tensor.*sample_rows"):
+                                         r"\[2, 1, 96, 8\].*per-sample tensor.*ParallelPlan\(per_sample="
+                                         r"'body\.fine\.0\.norm'\).*sample_rows"):
         model(*make_inputs())
 
 

@@ -9,6 +9,7 @@ on CPU: the model's module gets a dense reference of them (``tests/na_oracle.py`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -121,6 +122,15 @@ def test_the_adapter_is_one_plan_of_few_lines():
                         "up_levels.0.0.self_attn, up_levels.0.1.self_attn")
     assert lines[2].startswith("  neighborhood halos (tiled kernel): down_levels.1.0.self_attn, ")
     assert lines[3] == "  split windows (heads across ranks, grouped SDPA): middle_level.0.self_attn"
+
+
+def test_a_plan_that_leaves_out_tokens_is_told_to_give_them():
+    """The levels take [N, H, W, C]; without Hourglass(tokens=ChannelsLast(2)) the default reads [N, T, H, W, C]."""
+    plan = dataclasses.replace(adapter.PLAN, stages=dataclasses.replace(adapter.PLAN.stages, tokens=None))
+    model = winsp.parallelize(make_model(), plan)
+    with pytest.raises(ValueError, match=r"must be a \[B, T, H, W, C\] tensor, got \(2, 8, 12, 16\).*tokens=.*"
+                                         r"Hourglass\(\.\.\., tokens=\).*winsp\.ChannelsLast\(2\) for \[B, H, W, C\]"):
+        model(*make_inputs())
 
 
 def test_the_guide_shows_the_shipped_plan():

@@ -91,7 +91,10 @@ class ChannelsLast(TokenIO):
             want = "[B, T, H, W, C]" if self.spatial_dims == 3 else "[B, H, W, C]"
             got = tuple(args[0].shape) if args and isinstance(args[0], Tensor) else type(args[0]).__name__ if args \
                 else "no positional argument"
-            raise ValueError(f"the region's first input must be a {want} tensor, got {got}")
+            raise ValueError(f"the region's first input must be a {want} tensor, got {got}: say how it holds its "
+                             f"tokens with tokens= (Hourglass(..., tokens=) or Region(start, end, tokens=)): "
+                             f"winsp.ChannelsLast(2) for [B, H, W, C], ChannelsLast(3) for [B, T, H, W, C], or a "
+                             f"winsp.TokenIO subclass")
         x = args[0]
         grid = tuple(x.shape[1:-1]) if self.spatial_dims == 3 else (1,) + tuple(x.shape[1:-1])
         return x.reshape(-1, x.shape[-1]), [grid] * x.shape[0]

@@ -172,14 +172,14 @@ def _after(path: str, state: list):
             raise ValueError(
                 f"winsp.parallelize: {path!r} ({type(module).__name__}) took local rows {list(shape)} and returned "
                 f"{list(out.shape)} (rank {request.group.rank}): inside a window-parallel region a module must keep "
-                f"this rank's {rows} rows on dim 0; {_why(shape, tuple(out.shape), request)}. Swap it for a row-wise "
-                f"version (ParallelPlan.swaps) or end the region before it")
+                f"this rank's {rows} rows on dim 0; {_why(shape, tuple(out.shape), request, path)}. Swap it for a "
+                f"row-wise version (ParallelPlan.swaps) or end the region before it")
         return None
 
     return hook
 
 
-def _why(taken: tuple, returned: tuple, request) -> str:
+def _why(taken: tuple, returned: tuple, request, path: str) -> str:
     """The likely cause of a changed row shape: a per-sample or per-position tensor broadcast against the rows (adaLN's
     ``cond[:, None, None, :]``, RoPE angles of the whole ``[H, W]`` grid), or a reshape / pool that needs the grid."""
     samples = len(request.stage_model_grids[request.stage])
@@ -187,6 +187,8 @@ def _why(taken: tuple, returned: tuple, request) -> str:
     for lead in range(1, len(returned) - len(taken) + 1):  # the rows at dim `lead`, extra dims broadcast before them
         if returned[lead:lead + len(taken)] == (rows,) + trailing and returned[0] == samples:
             return (f"it broadcast a per-sample tensor [{samples}, ..., C] against the rows (a conditioning "
-                    f"vector viewed as [N, 1, 1, C]): index it per row with winsp.current_request().sample_rows(t)")
+                    f"vector viewed as [N, 1, 1, C]): name it in ParallelPlan(per_sample={path!r}) (a glob) to run it "
+                    f"unchanged on local rows, or in a swapped forward index the tensor per row with "
+                    f"winsp.current_request().sample_rows(t)")
     return ("reshaping them into a batch or pooling over tokens needs the whole grid (a tensor per grid position, "
             "such as RoPE positions [H, W, 2], is taken per row by winsp.current_request().grid_rows(t))")
