@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from winsp.geometry import FixedWindows, GlobalWindow, RolledWindows
+from winsp.geometry import FixedWindows, GlobalWindow, Neighborhood, RolledWindows
 
 
 def same_window(geometry, grid) -> torch.Tensor:
@@ -86,10 +86,21 @@ def test_the_global_window_is_every_pair():
 
 
 def test_bad_rolls_are_refused_by_name():
-    with pytest.raises(ValueError, match="RolledWindows.roll must be three integers"):
+    with pytest.raises(ValueError, match=r"RolledWindows.roll must be two or three integers, \(h, w\) or \(t, h, w\)"):
         RolledWindows((1, 4, 4), (0, 2, 2, 2))
-    with pytest.raises(ValueError, match="RolledWindows.roll must be three integers"):
+    with pytest.raises(ValueError, match="RolledWindows.roll must be integers"):
         RolledWindows((1, 4, 4), (0, 2.0, 2))
     assert RolledWindows((4, 4), (2, 2)) == RolledWindows((1, 4, 4), (0, 2, 2))  # a 2D model: the last axes
     with pytest.raises(ValueError, match=r"window_size\[h\] must be >= 1"):
         RolledWindows((1, 0, 4))
+
+
+def test_2d_and_3d_sizes_are_taken_alike_and_the_message_says_so():
+    assert RolledWindows((4, 4), (2, 2)) == RolledWindows((1, 4, 4), (0, 2, 2))
+    assert RolledWindows((2, 4, 4), (1, 2, 2)).window_size == (2, 4, 4)
+    for window, roll in [(4, (2, 2)), ((4, 4), 2), ((1, 2, 4, 4), (0, 0))]:  # a bare int is neither: say so
+        with pytest.raises(ValueError, match=r"must be two or three integers, \(h, w\) or \(t, h, w\), got"):
+            RolledWindows(window, roll)
+    assert Neighborhood((3, 3)) == Neighborhood((1, 3, 3)) and Neighborhood(3).kernel == (3, 3, 3)
+    with pytest.raises(ValueError, match=r"Neighborhood kernel must be two or three values, \(h, w\) or \(t, h, w\)"):
+        Neighborhood((1, 3, 3, 3))

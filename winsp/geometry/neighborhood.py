@@ -32,8 +32,8 @@ def _triple(value, name: str, fill, kind) -> tuple:
     if kind is bool and isinstance(value, (bool, np.bool_)):
         value = (value,) * 3
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not 1 <= len(value) <= 3:
-        raise ValueError(f"Neighborhood {name} must be one value or 1 to 3 values (the last axes of (t, h, w)), "
-                         f"got {value!r}")
+        raise ValueError(f"Neighborhood {name} must be two or three values, (h, w) or (t, h, w) (or one for every "
+                         f"axis), got {value!r}")
     out = (fill,) * (3 - len(value)) + tuple(value)
     for axis, v in zip("thw", out, strict=True):
         if kind is bool:
@@ -49,8 +49,9 @@ class Neighborhood(WindowGeometry):
     """Neighborhood attention of a layer: ``kernel`` keys per axis, ``dilation`` groups, ``causal`` axes (NATTEN's).
 
     Args:
-        kernel: keys per axis (t, h, w); one int means the same on all three axes, fewer than three values are the
-            last axes (a 2D kernel ``(7, 7)`` is ``(1, 7, 7)``).
+        kernel: keys per axis, 2-D ``(h, w)`` or 3-D ``(t, h, w)`` alike: fewer than three values are the last axes (a
+            2D kernel ``(7, 7)`` is ``(1, 7, 7)``, a 1-D ``(7,)`` is ``(1, 1, 7)``); one int means the same on all three
+            axes.
         dilation: dilation per axis, read the same way (default 1).
         causal: per-axis causality (typically time only: ``(True, False, False)``); one bool applies to all axes.
 

@@ -33,26 +33,31 @@ def rolled_cuts(size: int, window: int, roll: int) -> list[tuple[int, int]]:
     return runs
 
 
+def _last_axes(value, fill: int, name: str) -> tuple:
+    """A 2-D ``(h, w)`` or 3-D ``(t, h, w)`` size as ``(t, h, w)``, the missing leading axes ``fill`` (a 1-D ``(l,)``
+    too: grid ``(1, 1, L)``)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not 1 <= len(value) <= 3:
+        raise ValueError(f"RolledWindows.{name} must be two or three integers, (h, w) or (t, h, w), got {value!r}")
+    return (fill,) * (3 - len(value)) + tuple(value)
+
+
 @dataclass(frozen=True)
 class RolledWindows(WindowGeometry):
     """Windows of ``window_size`` tokens on the grid rolled by ``roll`` per (t, h, w) axis, the wrapped strip masked
     (module docstring). ``roll`` is signed as ``torch.roll``'s ``shifts``: ``(0, s, s)`` for a model that calls
-    ``torch.roll(x, (s, s), dims=(h, w))`` before cutting windows, ``(0, -s, -s)`` for Swin's ``-shift``. Fewer than
-    three values are the last axes (``((w, w), (s, s))`` for a 2D model: window ``(1, w, w)``, roll ``(0, s, s)``)."""
+    ``torch.roll(x, (s, s), dims=(h, w))`` before cutting windows, ``(0, -s, -s)`` for Swin's ``-shift``. 2-D and 3-D
+    sizes alike: two values are the last axes (``((w, w), (s, s))`` for a 2D model: window ``(1, w, w)``, roll
+    ``(0, s, s)``)."""
 
     window_size: Grid
     roll: Grid = (0, 0, 0)
 
     def __post_init__(self) -> None:
-        window = tuple(self.window_size) if hasattr(self.window_size, "__len__") else self.window_size
-        if isinstance(window, tuple) and 1 <= len(window) < 3:  # a 2D (h, w) or 1D model: grid (1, H, W) / (1, 1, L)
-            window = (1,) * (3 - len(window)) + window
-        object.__setattr__(self, "window_size", _positive_int_triple(window, "window_size"))
-        roll = tuple(self.roll) if hasattr(self.roll, "__len__") and not isinstance(self.roll, str) else None
-        if roll is not None and 1 <= len(roll) < 3:
-            roll = (0,) * (3 - len(roll)) + roll
-        if roll is None or len(roll) != 3 or any(isinstance(r, bool) or not isinstance(r, int) for r in roll):
-            raise ValueError(f"RolledWindows.roll must be three integers (t, h, w), got {self.roll!r}")
+        window, roll = (_last_axes(v, fill, name) for v, fill, name in ((self.window_size, 1, "window_size"),
+                                                                         (self.roll, 0, "roll")))
+        object.__setattr__(self, "window_size", _positive_int_triple(window, "RolledWindows.window_size"))
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in roll):
+            raise ValueError(f"RolledWindows.roll must be integers, got {self.roll!r}")
         object.__setattr__(self, "roll", roll)
 
     def slices(self, grid: Grid) -> list[WindowSlices]:
