@@ -4,6 +4,8 @@ place each message names exists, so the table cannot rot."""
 from __future__ import annotations
 
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +49,13 @@ def test_other_names_get_pythons_own_message():
     assert _message("no_such_name") == "module 'winsp' has no attribute 'no_such_name'"
     assert getattr(winsp, "no_such_name", None) is None
     assert not set(MOVED_NAMES) & set(winsp.__all__) and not set(MOVED_MODULES) & set(winsp.__all__)
+
+
+def test_the_changelog_counts_the_top_level_names_right():
+    """Every count of winsp's top-level names in the unreleased notes is len(winsp.__all__)."""
+    text = (Path(__file__).parents[1] / "CHANGELOG.md").read_text()
+    unreleased = " ".join(text[text.index("## [Unreleased]"):text.index("\n## ", text.index("## [Unreleased]") + 1)]
+                          .split())
+    counts = re.findall(r"`winsp\.__all__` has (\d+) names", unreleased) + re.findall(
+        r"one of the (\d+) top-level names", unreleased)
+    assert counts and {int(c) for c in counts} == {len(winsp.__all__)}, (counts, len(winsp.__all__))
