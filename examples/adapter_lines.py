@@ -6,13 +6,18 @@
 from __future__ import annotations
 
 import ast
+import io
 import sys
+import tokenize
 
 __all__ = ["model_specific_lines"]
 
+_NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+
 
 def model_specific_lines(path: str) -> int:
-    """Lines of ``path`` that are code (imports included), skipping docstrings, comments and blank lines."""
+    """Physical lines of ``path`` that hold code (imports included; every line a statement or a string literal spans),
+    skipping docstrings (module, class, function), comments and blank lines."""
     source = open(path, encoding="utf-8").read()
     docstrings: set[int] = set()
     for node in ast.walk(ast.parse(source)):
@@ -20,8 +25,11 @@ def model_specific_lines(path: str) -> int:
                 and ast.get_docstring(node) is not None:
             first = node.body[0]
             docstrings.update(range(first.lineno, first.end_lineno + 1))
-    return sum(1 for number, line in enumerate(source.splitlines(), 1)
-               if line.strip() and not line.strip().startswith("#") and number not in docstrings)
+    code: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in _NOT_CODE:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - docstrings)
 
 
 if __name__ == "__main__":
