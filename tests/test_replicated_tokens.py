@@ -149,10 +149,8 @@ class Registers(nn.Module):
 
 
 def flat(m, x):  # the Attention on [2B + L, C]: every sample's registers first, then this rank's rows
-    n = m.request.num_text_rows
     q, k, v = m.qkv(x).unflatten(-1, (3, HEADS, -1)).unbind(-3)
-    out, reg = m.request.attention(q[n:], k[n:], v[n:], q[:n], k[:n], v[:n], layer=m.index)
-    return m.proj(torch.cat([reg, out]).flatten(1))
+    return m.proj(m.request.joint_attention(q, k, v, layer=m.index).flatten(1))
 
 
 def register_plan() -> winsp.ParallelPlan:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 import winsp.adoption.region_dropout as region_dropout
 import winsp.runtime.context as context
@@ -195,6 +196,10 @@ class ParallelPlan:
             and alpha dropouts on local rows are refused either way; dropout on other tensors runs unchanged.
             ``"unchecked"``: functional dropout is not watched (it costs about 2 us a torch call in a training
             forward), for a model known to call none on local rows; ``nn.Dropout`` modules are still refused.
+        replicated: tokens every rank holds whole (text, a CLS token, registers): where the region's input has them
+            and which layers they join (:class:`~winsp.adoption.replicated.Replicated`); a joining layer's attention
+            passes them as the request's text, the others pass none. An argument name or index stands for
+            ``Replicated(at=...)``: a separate argument of the region's start, joining every layer.
     """
 
     # region, stages, attention and make_attention are required (checked below); region may be left out with
@@ -210,7 +215,7 @@ class ParallelPlan:
     per_sample: Union[str, tuple[str, ...], None] = None
     forward_order: Optional[tuple[str, ...]] = None
     dropout: str = "refuse"
-    replicated: Optional[Replicated] = None
+    replicated: Optional[Replicated] = None  # an argument name or index is taken as Replicated(at=...)
 
     def __post_init__(self) -> None:
         hourglass = isinstance(self.stages, Hourglass)
@@ -220,9 +225,11 @@ class ParallelPlan:
         for name in ("stages", "attention", "make_attention"):
             if getattr(self, name) is None:
                 raise ValueError(f"ParallelPlan.{name} is required")
+        if isinstance(self.replicated, (str, int)) and not isinstance(self.replicated, bool):
+            object.__setattr__(self, "replicated", Replicated(at=self.replicated))
         if self.replicated is not None and not isinstance(self.replicated, Replicated):
-            raise ValueError(f"ParallelPlan.replicated must be a winsp.Replicated, got "
-                             f"{type(self.replicated).__name__}")
+            raise ValueError(f"ParallelPlan.replicated must be a winsp.adoption.Replicated (or an argument name or "
+                             f"index: Replicated(at=...)), got {type(self.replicated).__name__}")
         if self.dropout not in region_dropout.DROPOUT_POLICIES:
             raise ValueError(f"ParallelPlan.dropout must be one of {region_dropout.DROPOUT_POLICIES}, got "
                              f"{self.dropout!r}")
@@ -748,7 +755,8 @@ def _forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs
             # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
             tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
                        for name, t in list(region.named_parameters()) + list(region.named_buffers())}
-            convert = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
+            convert = lambda v: tree_map(  # noqa: E731 - tensors inside tuples too (RoPE's (cos, sin))
+                lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, v)
         else:
             tensors = {name: t.clone() for name, t in region.named_buffers()}
             convert = lambda v: v  # noqa: E731

@@ -267,7 +267,8 @@ class WindowRequest:
     def grid_rows(self, x: Tensor, *, spatial_dims: int | None = None) -> Tensor:
         """This rank's local rows (current layout) of a tensor given per position of the current stage's grid and
         shared by every sample: ``[T, H, W, ...]`` (``spatial_dims=3``), ``[H, W, ...]`` (2, a grid ``(1, H, W)``)
-        or ``[W, ...]`` (1); None: the most grid dimensions whose sizes ``x`` starts with. For positions (axial
+        or ``[W, ...]`` (1); None: the most grid dimensions whose sizes ``x`` starts with, else a flat table
+        ``[T * H * W, ...]`` (the grid's positions row-major, as diffusers' RoPE angles come). For positions (axial
         RoPE), per-token tables, masks. Padding rows get zeros.
 
         No collective; backward sums into the positions read.
@@ -278,6 +279,9 @@ class WindowRequest:
         if spatial_dims is None:
             spatial_dims = next((d for d in (3, 2, 1) if all(g == 1 for g in grids[0][:3 - d])
                                  and tuple(x.shape[:d]) == grids[0][3 - d:]), 3) if len(grids) == 1 else 3
+            if len(grids) == 1 and x.dim() and tuple(x.shape[:spatial_dims]) != grids[0][3 - spatial_dims:] \
+                    and x.shape[0] == grids[0][0] * grids[0][1] * grids[0][2]:
+                x = x.unflatten(0, grids[0])  # a flat table of the grid's positions
         if len(grids) != 1:
             raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a tensor "
                              f"per grid position shared by every sample cannot describe them (give canonical rows "
@@ -560,6 +564,21 @@ class WindowRequest:
         if not (has_text and text_output):
             return vid_out, None
         return vid_out, reduce_window_text(window_text, lay.text, self.group)
+
+    def joint_attention(self, q: Tensor, k: Tensor, v: Tensor, *, layer: int, text_first: bool = True,
+                        **options: Any) -> Tensor:
+        """:meth:`attention` for a model that attends its text (replicated tokens) and video jointly, holding both in
+        one tensor: ``q``, ``k``, ``v`` are ``[num_text_rows + L_local, heads, head_dim]`` with the request's text
+        rows first (``text_first``; else last); returns the output in the same arrangement, the text part reduced by
+        the window-mean rule. ``options``: :meth:`attention`'s keywords (``score_mod``, ``softmax_scale``, ...)."""
+        n = self.num_text_rows
+        cut = n if text_first else q.shape[0] - n
+        (vq, tq), (vk, tk), (vv, tv) = ((t[n:], t[:n]) if text_first else (t[:cut], t[cut:]) for t in (q, k, v))
+        vid, txt = self.attention(vq, vk, vv, tq, tk, tv, layer=layer, **options)
+        if txt is None:
+            raise ValueError(f"joint_attention: layer {layer} returned no text output (text_output=False); call "
+                             f"attention() to drop it")
+        return torch.cat([txt, vid] if text_first else [vid, txt])
 
     def _check_dtypes(self, tensors: tuple) -> None:
         """Once per request, at its first attention, on every rank of the group at once (one small all-gather): q/k/v
