@@ -290,6 +290,7 @@ class _Applied:
     numbering: tuple = ()  # (attention paths, entry paths, {stage: grid change path}) as layers are numbered now
     step_paths: dict = field(default_factory=dict)  # (kind, index) -> the module path that step starts at
     text_layers: Optional[tuple] = None  # per layer, whether the plan's replicated tokens join it
+    carried: dict = field(default_factory=dict)  # path -> the swapped module a renumbering replaces (hooks carried)
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -352,6 +353,11 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
                          f"same names (state_dict keys unchanged; winsp.adopt(new, original) does it); these "
                          f"differ: {differ}")
     new.train(original.training)
+    previous = applied.carried.pop(path, None)
+    if previous is not None:  # a renumbering rebuilt it: the hooks registered on the module it replaces carry over
+        for hooks in _HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
+            if hasattr(previous, hooks):
+                object.__setattr__(new, hooks, getattr(previous, hooks))
     parent._modules[name] = new
     applied.swapped.append((parent, name, original))
 
@@ -437,6 +443,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     model._winsp_runtime = runtime  # type: ignore[assignment]
     model._winsp_parallel = applied  # type: ignore[assignment]
     return model
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    return next(path for path, m in model.named_modules() if m is module)
 
 
 def _refuse_splitting_planner(config: Optional[DiffusionParallelConfig], stages: Sequence[Stage]) -> None:
@@ -723,8 +733,14 @@ def _renumber(applied: _Applied, recorded: list) -> list:
     if layers != list(range(len(attention))) or moves != changing:
         numbering = ([attention[i] for i in layers], [entries[i] for i in layers],
                      {new_stage[s]: grids[s] for s in changing})
-        _undo(applied)
-        _apply(applied, numbering)
+        model = applied.model
+        applied.carried = {(f"{p}." if (p := _path_of(model, parent)) else "") + name: parent._modules[name]
+                           for parent, name, _ in applied.swapped}
+        _undo(applied)  # winsp's own hooks go; the user's stay in the swapped modules' hook dicts, carried over
+        try:
+            _apply(applied, numbering)
+        finally:
+            applied.carried = {}
     return relabeled
 
 
