@@ -119,10 +119,18 @@ def test_one_rank_and_the_refusals():
 
 # ---- tokens held in the region's token tensor: registers prepended to [B, H*W, C], global layers split over ranks --
 
+class ImageOnly(Attention):
+    """Attention over the image tokens only: the registers (the first two tokens) take no part and are left as they
+    are."""
+
+    def forward(self, seqs: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.zeros_like(seqs[:, :2]), super().forward(seqs[:, 2:])], 1)
+
+
 class Flat(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, joint: bool = True) -> None:
         super().__init__()
-        self.norm, self.attn = nn.LayerNorm(DIM), Attention()
+        self.norm, self.attn = nn.LayerNorm(DIM), Attention() if joint else ImageOnly()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.attn(self.norm(x))
@@ -136,12 +144,13 @@ class Blocks(nn.ModuleList):
 
 
 class Registers(nn.Module):
-    """Two register tokens prepended to an image's tokens; every block attends globally over [registers, image]."""
+    """Two register tokens prepended to an image's tokens; the first block attends globally over [registers, image],
+    the second over the image only."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed, self.registers = nn.Linear(3, DIM), nn.Parameter(torch.randn(2, DIM))
-        self.blocks = Blocks([Flat() for _ in range(2)])
+        self.blocks = Blocks([Flat(), Flat(joint=False)])
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:  # [B, H, W, 3] -> [B, 2 + H*W, C]
         x = self.embed(image).flatten(1, 2)
@@ -150,14 +159,18 @@ class Registers(nn.Module):
 
 def flat(m, x):  # the Attention on [2B + L, C]: every sample's registers first, then this rank's rows
     q, k, v = m.qkv(x).unflatten(-1, (3, HEADS, -1)).unbind(-3)
-    return m.proj(m.request.joint_attention(q, k, v, layer=m.index).flatten(1))
+    if m.request.text_layers[m.index]:
+        return m.proj(m.request.joint_attention(q, k, v, layer=m.index).flatten(1))
+    n = m.request.num_text_rows  # a layer the registers do not join: they are left as they are
+    out = m.request.attention(q[n:], k[n:], v[n:], layer=m.index)[0]
+    return torch.cat([torch.zeros_like(x[:n]), m.proj(out.flatten(1))])
 
 
 def register_plan() -> winsp.ParallelPlan:
     return winsp.ParallelPlan(
         region=winsp.Region("blocks", "blocks", winsp.FlatTokens()), attention="blocks.*.attn",
         stages=[winsp.Stage([GlobalWindow()] * 2, split_windows=True)], make_attention=winsp.swapped(flat),
-        replicated=Replicated(at="first", count=2))
+        replicated=Replicated(at="first", count=2, joins=(True, False)))
 
 
 def parallel_registers(original: Registers, world_size: int) -> Registers:
@@ -173,7 +186,7 @@ def register_inputs() -> torch.Tensor:
     return torch.randn(2, 3, 5, 3, dtype=torch.float64).requires_grad_()
 
 
-def test_prepended_registers_under_global_layers_split_over_ranks_are_exact_at_sp_2_and_3():
+def test_prepended_registers_joining_one_of_two_global_layers_split_over_ranks_are_exact_at_sp_2_and_3():
     report = check_parallel(make_registers, parallel_registers, register_inputs, world_sizes=(2, 3), train=True,
                             timeout=300)
     assert report.ok and report.max_error("param") > 0
@@ -184,3 +197,12 @@ def test_a_splitting_planner_on_stages_kept_whole_names_the_stage_option():
     with pytest.raises(ValueError, match=r"keeps every window whole unless the plan's Stage says split_windows=True "
                                          r"\(stages \[0\] do not\)"):
         winsp.parallelize(make_registers(), plan, winsp.DiffusionParallelConfig(planner="split"))
+
+
+def test_functional_dropout_on_rows_next_to_held_tokens_is_refused_in_training():
+    torch.manual_seed(0)
+    model = winsp.parallelize(make_registers(), register_plan())
+    block = model.blocks[0]
+    block.forward = lambda x: x + block.attn(F.dropout(block.norm(x), 0.2, True))  # [2B + L, C]: registers and rows
+    with pytest.raises(ValueError, match="next to replicated tokens: its mask cannot be drawn as the original"):
+        model(register_inputs())

@@ -426,6 +426,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     if len(grid_changes) != len(changing):
         raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
                          f"change the grid (stages {changing})")
+    if plan.per_sample is not None and plan.replicated is not None and plan.replicated.held:
+        raise ValueError(f"ParallelPlan.per_sample with Replicated(at={plan.replicated.at!r}): the held tokens share "
+                         f"the rows' tensor, which per-sample modules cannot take per row; pass them as a separate "
+                         f"argument (Replicated(at=name)) or swap those modules")
     if plan.per_sample is not None:
         dims = getattr(plan.region.tokens, "spatial_dims", None)
         if dims not in (1, 2, 3):
