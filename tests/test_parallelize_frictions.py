@@ -7,20 +7,32 @@ import pytest
 import torch
 
 import winsp
-from tests.test_diffusion_adoption import make_inputs, make_siblings, sibling_plan
+from tests.test_diffusion_adoption import attend, make_inputs, make_siblings, sibling_plan
+from winsp.adoption import Swapped
 
 
-def test_a_forward_hook_registered_right_after_parallelize_fires_when_the_first_forward_renumbers_the_layers():
+class OwnSwap(Swapped):
+    """A swapped attention of the user's own class (not what winsp.swapped builds): renumbering rebuilds it."""
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["winsp.swapped", "own module"])
+def test_a_forward_hook_registered_right_after_parallelize_fires_when_the_first_forward_renumbers_the_layers(own):
     torch.manual_seed(0)
     model = make_siblings()
-    winsp.parallelize(model, sibling_plan(model, ordered=False))  # registered fine, fine, coarse; run in that order
+    plan = sibling_plan(model, ordered=False)  # registered coarse, fine, fine; run fine, fine, coarse
+    if own:
+        plan = winsp.ParallelPlan(**{**plan.__dict__, "make_attention": lambda original, layer: OwnSwap(
+            attend, original, layer)})
+    winsp.parallelize(model, plan)
     assert model._winsp_runtime.layer_names == ("coarse.0.attn", "fine.0.attn", "fine.1.attn")  # registration order
+    before = model.coarse[0].attn
     seen, pre = [], []
     handles = [model.fine[0].attn.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape))),
                model.coarse[0].attn.register_forward_pre_hook(lambda m, a: pre.append(m.index))]
-    model(*make_inputs())  # the recording renumbers (coarse runs last) and rebuilds the swapped attentions
+    model(*make_inputs())  # the recording renumbers: coarse runs last
     assert model._winsp_runtime.layer_names == ("fine.0.attn", "fine.1.attn", "coarse.0.attn")
-    assert len(seen) == 1 and pre == [2]  # both hooks fired, on the rebuilt modules, which know their new numbers
+    assert len(seen) == 1 and pre == [2]  # both hooks fired, and the module knows its new number
+    assert (model.coarse[0].attn is before) != own  # winsp.swapped modules are kept, the user's own rebuilt
     for handle in handles:
         handle.remove()  # the user's handles still remove them
     model(*make_inputs())

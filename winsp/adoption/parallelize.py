@@ -354,7 +354,9 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
                          f"differ: {differ}")
     new.train(original.training)
     previous = applied.carried.pop(path, None)
-    if previous is not None:  # a renumbering rebuilt it: the hooks registered on the module it replaces carry over
+    if previous is not None and _same_swap(previous, new):  # a renumbering of a winsp.swapped module: kept, renumbered
+        previous.index, new = new.index, previous
+    elif previous is not None:  # a renumbering rebuilt it: the hooks registered on the module it replaces carry over
         for hooks in _HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
             if hasattr(previous, hooks):
                 object.__setattr__(new, hooks, getattr(previous, hooks))
@@ -447,6 +449,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     model._winsp_runtime = runtime  # type: ignore[assignment]
     model._winsp_parallel = applied  # type: ignore[assignment]
     return model
+
+
+def _same_swap(previous: nn.Module, new: nn.Module) -> bool:
+    """Whether ``new`` is ``previous`` (a :func:`winsp.swapped` module) again but for its index."""
+    from winsp.adoption.swapped import Swapped
+
+    return (type(previous) is Swapped and type(new) is Swapped and previous.fn is new.fn
+            and previous.checkpoint == new.checkpoint and previous._swapped_class is new._swapped_class)
 
 
 def _path_of(model: nn.Module, module: nn.Module) -> str:
