@@ -318,11 +318,13 @@ class WindowRequest:
                              f"registered: {sorted(self.runtime.layout_hooks)}")
         return self.prepared.hook_data[(slot, name)]
 
-    def _runner(self, slot: int, dtype: torch.dtype | None, modded: bool = False) -> tuple[str, Runner, tuple]:
-        key = (slot, dtype, modded)
+    def _runner(self, slot: int, dtype: torch.dtype | None, modded: bool = False, *,
+                bare: bool = False) -> tuple[str, Runner, tuple]:
+        """The backend for ``slot``'s layout (``bare``: planned without text, for layers the text does not join)."""
+        key = (slot, dtype, modded, bare)
         found = self.prepared.runners.get(key)
         if found is None:
-            lay = self.prepared.layouts[slot]
+            lay = self.prepared.bare[slot] if bare else self.prepared.layouts[slot]
             name, why = explain_backend(self.device, lay.segments, self.runtime.attention_backend, dtype=dtype,
                                         modded=modded)
             found = self.prepared.runners[key] = (name, bind_backend(name, lay.segments, lay.index), why)
@@ -555,10 +557,10 @@ class WindowRequest:
                                       softmax_scale, has_text and text_output)
         if lay.plan.has_split_windows:
             refuse_score_mods(lay.plan, score_mod, mask_mod)
-            return self._attention_split(lay, self._runner(self._current_slot(), q_vid.dtype, False)[1],
+            return self._attention_split(lay, self._runner(self._current_slot(), q_vid.dtype, False, bare=not joins)[1],
                                          (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), softmax_scale,
                                          has_text and text_output, self.text_lengths if joins else None)
-        runner = self._runner(self._current_slot(), q_vid.dtype, bool(mods))[1]
+        runner = self._runner(self._current_slot(), q_vid.dtype, bool(mods), bare=not joins)[1]
         vid_out, window_text = attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, lay.segments, lay.index, runner,
                                       softmax_scale=softmax_scale, mods=mods)
         if not (has_text and text_output):

@@ -429,6 +429,8 @@ class WindowRuntime:
         if inputs.dtype is not None:
             for slot in range(len(prepared.layouts)):
                 request._runner(slot, inputs.dtype, modded)
+                if inputs.text_layers is not None:  # layers without the text attend on the layout planned without it
+                    request._runner(slot, inputs.dtype, modded, bare=True)
         self._last = (inputs.device, inputs.dtype, request.backend(inputs.dtype, modded=modded))
         return request
 
