@@ -206,3 +206,22 @@ def test_functional_dropout_on_rows_next_to_held_tokens_is_refused_in_training()
     block.forward = lambda x: x + block.attn(F.dropout(block.norm(x), 0.2, True))  # [2B + L, C]: registers and rows
     with pytest.raises(ValueError, match="next to replicated tokens: its mask cannot be drawn as the original"):
         model(register_inputs())
+
+
+def test_replicated_tokens_are_read_by_name_or_position_or_next_to_the_rows():
+    class Region(nn.Module):
+        def forward(self, x, text=None):
+            return x
+
+    region, x, text = Region(), torch.zeros(2, 7, 4), torch.zeros(2, 3, 4)
+    assert Replicated(at=1).take(region, (x,), {"text": text})[3] == (2, 3)  # a positional index passed by keyword
+    assert Replicated(at="text").take(region, (x, text), {})[3] == (2, 3)  # a name passed by position
+    assert Replicated(at="text").take(region, (x, text[:, 0]), {})[3] == (2, 1)  # [B, C]: one token per sample
+    args, _, held, counts = Replicated(at="last", count=2).take(region, (torch.arange(14.0).view(2, 7, 1),), {})
+    assert counts == (2, 2) and held.flatten().tolist() == [5, 6, 12, 13] and args[0].shape == (2, 5, 1)
+    with pytest.raises(ValueError, match="no tensor argument 'cls'"):
+        Replicated(at="cls").take(region, (x,), {})
+    with pytest.raises(ValueError, match=r"must be \[B, 8 \+ L, ...\] tokens"):
+        Replicated(at="first", count=8).take(region, (x,), {})
+    with pytest.raises(ValueError, match="for 2 samples but the region's tokens hold 3"):
+        Replicated(at="text").lengths((2, 3), 3)

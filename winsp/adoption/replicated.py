@@ -93,8 +93,11 @@ class Replicated:
         return args, kwargs, None, (t.shape[0], t.shape[1] if t.dim() >= 3 else 1)
 
     def _argument(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        if isinstance(self.at, int):
-            t = args[self.at] if self.at < len(args) else None
+        if isinstance(self.at, int) and self.at < len(args):
+            t = args[self.at]
+        elif isinstance(self.at, int):  # passed by keyword: the parameter at that position of the forward
+            names = list(inspect.signature(module.forward).parameters)
+            t = kwargs.get(names[self.at]) if self.at < len(names) else None
         elif self.at in kwargs:
             t = kwargs[self.at]
         else:
