@@ -37,7 +37,14 @@ _SIDES = ("first", "last")
 
 @dataclass(frozen=True)
 class Replicated:
-    """Tokens every rank holds whole, and the attention layers they join (module docstring)."""
+    """Tokens every rank holds whole, and the attention layers they join (module docstring).
+
+    Args:
+        at: ``"first"`` / ``"last"`` (``count`` tokens per sample before / after the rows of the region's first
+            positional argument), or the name or position of a separate argument of the region's start.
+        count: tokens per sample for ``"first"`` / ``"last"`` (a separate argument's count is read from its shape).
+        joins: True (every attention layer takes them), False, or one bool per stage or per layer.
+    """
 
     at: Union[str, int] = "first"
     count: int = 1
@@ -53,7 +60,7 @@ class Replicated:
                              f"got {self.count!r}")
         joins = self.joins
         if not isinstance(joins, bool):
-            joins = tuple(joins)
+            joins = tuple(joins) if isinstance(joins, (tuple, list)) else ()
             if not joins or not all(isinstance(j, bool) for j in joins):
                 raise ValueError(f"Replicated.joins must be True, False or one bool per stage or per layer, got "
                                  f"{self.joins!r}")
