@@ -89,8 +89,9 @@ class PreparedRequest:
 
     ``slot_of_layer[i]`` is the index in ``layouts`` of layer i's plan (layers with equal geometry share a slot);
     ``stage_rows[slot]`` tells that layout's padding rows; ``steps[(a, b)]`` moves rows from slot a's layout to slot
-    b's; ``runners[(slot, dtype, modded)]`` is the attention backend chosen for that layout, dtype and whether the call
-    modifies scores, as ``(name, runner, why)``; ``hook_data[(slot, name)]`` is what layout hook ``name`` built.
+    b's; ``runners[(slot, dtype, modded, bare)]`` is the attention backend chosen for that layout (``bare``: the one
+    planned without text), dtype and whether the call modifies scores, as ``(name, runner, why)``;
+    ``hook_data[(slot, name)]`` is what layout hook ``name`` built.
     """
 
     plans: tuple[Plan, ...]
