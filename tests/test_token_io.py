@@ -1,4 +1,5 @@
-"""winsp.FlatTokens: a region's tokens as [B, L, C] with the grid as another argument (HF vision encoders)."""
+"""winsp.FlatTokens and winsp.adoption.Patches: a region's tokens as [B, L, C] with the grid as another argument (HF
+vision encoders), or as a latent video cut into patches (a whole video DiT)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,23 @@ def test_refuses_bad_input_clearly():
                                                                 {"output_hidden_states": True})
     with pytest.raises(ValueError, match="different grids"):
         winsp.FlatTokens().with_output(torch.zeros(3, 2), torch.zeros(3, 2), [(1, 1, 1), (1, 1, 2)])
+
+
+def test_patches_present_each_patch_as_a_frame_that_a_strided_conv_embeds_as_the_whole_video_does():
+    from winsp.adoption import Patches
+
+    io = Patches((2, 2, 3), channels=1)  # [B, C, T, H, W] latents, temporal patches of 2
+    x = torch.randn(1, 3, 4, 4, 6, dtype=torch.float64)
+    rows, grids = io.read((x,), {})
+    assert grids == [(2, 2, 2)] and tuple(rows.shape) == (8, 3 * 2 * 2 * 3)
+    frames = io.with_rows((x, "cond"), {}, rows)[0][0]
+    assert tuple(frames.shape) == (1, 3, 8 * 2, 2, 3)  # one sample: the 8 patches one after the other in time
+    conv = torch.nn.Conv3d(3, 5, (2, 2, 3), stride=(2, 2, 3)).double()
+    whole = conv(x).flatten(2).transpose(1, 2)[0]  # the tokens of the whole video, row-major in (t, h, w)
+    torch.testing.assert_close(conv(frames).flatten(2).transpose(1, 2)[0], whole, rtol=1e-14, atol=1e-14)
+    back = io.with_output((frames, "aux"), io.output_rows((frames, "aux")), grids)  # a tuple output: first item
+    assert torch.equal(back[0], x) and back[1] == "aux"
+    with pytest.raises(ValueError, match="batch of 2 samples"):
+        io.read((torch.zeros(2, 3, 4, 4, 6),), {})
+    with pytest.raises(ValueError, match=r"not a multiple of the patch \(2, 2, 3\)"):
+        io.read((torch.zeros(1, 3, 4, 4, 5),), {})

@@ -2,8 +2,9 @@
 
 :func:`~winsp.adoption.parallelize.parallelize` applies a :class:`~winsp.adoption.parallelize.ParallelPlan` (plain
 data about the model); :func:`~winsp.adoption.swapped.swapped` writes a module swap as one function;
-:class:`~winsp.adoption.token_io.FlatTokens` reads ``[B, L, C]`` regions. The region checks and the functional
-dropout policy run inside a region.
+:class:`~winsp.adoption.token_io.FlatTokens` reads ``[B, L, C]`` regions, :class:`~winsp.adoption.token_io.Patches` a
+whole video DiT's latents; :class:`~winsp.adoption.replicated.Replicated` names the tokens every rank holds whole.
+The region checks and the functional dropout policy run inside a region.
 """
 
 from winsp.adoption.hourglass import Hourglass
@@ -18,9 +19,11 @@ from winsp.adoption.parallelize import (
     unparallelize,
 )
 from winsp.adoption.per_sample import PerSampleOnRows
+from winsp.adoption.replicated import Replicated
 from winsp.adoption.sharding import shard_weights
 from winsp.adoption.swapped import Swapped, swapped
-from winsp.adoption.token_io import FlatTokens
+from winsp.adoption.token_io import FlatTokens, Patches
 
 __all__ = ["parallelize", "unparallelize", "is_parallelized", "ParallelPlan", "Region", "ChannelsLast", "TokenIO",
-           "FlatTokens", "adopt", "swapped", "Swapped", "shard_weights", "Hourglass", "PerSampleOnRows"]
+           "FlatTokens", "Patches", "Replicated", "adopt", "swapped", "Swapped", "shard_weights", "Hourglass",
+           "PerSampleOnRows"]

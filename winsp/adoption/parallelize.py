@@ -26,13 +26,16 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 import winsp.adoption.region_dropout as region_dropout
 import winsp.runtime.context as context
 from winsp.adoption.hourglass import Hourglass
 from winsp.adoption.recompute import watch_recompute
 from winsp.adoption.region_checks import ForwardOrder, Step, watch_rows
+from winsp.adoption.replicated import Replicated
 from winsp.geometry.windows import Grid
+from winsp.planning.schedule import SPLITTING_PLANNERS
 from winsp.planning.stages import Stage, check_stages
 from winsp.runtime.config import DiffusionParallelConfig
 from winsp.runtime.runtime import WindowRuntime
@@ -72,12 +75,38 @@ class TokenIO:
         """The end module's output rebuilt from the gathered canonical rows of ``grids``."""
         raise NotImplementedError
 
+    @staticmethod
+    def first_item(output: Any) -> Tensor:
+        """The tokens of a module output that is a tensor, a tuple whose first item they are, or a mapping (a Hugging
+        Face ``ModelOutput``) whose first field they are."""
+        if isinstance(output, Tensor):
+            return output
+        if isinstance(output, (tuple, list)) and output:
+            return output[0]
+        if hasattr(output, "keys") and hasattr(output, "__getitem__"):
+            return output[next(iter(output.keys()))]
+        raise ValueError(f"the region's end module returned a {type(output).__name__}; a tensor, a tuple or a "
+                         f"ModelOutput whose first item is the tokens is expected")
+
+    @staticmethod
+    def with_first_item(output: Any, tokens: Tensor) -> Any:
+        """``output`` (as :meth:`first_item` reads it) with ``tokens`` in place of its first item."""
+        if isinstance(output, Tensor):
+            return tokens
+        if isinstance(output, tuple):
+            return (tokens,) + tuple(output[1:])
+        if isinstance(output, list):
+            return [tokens] + output[1:]
+        output[next(iter(output.keys()))] = tokens  # a ModelOutput: its first field (last_hidden_state, sample)
+        return output
+
 
 @dataclass(frozen=True)
 class ChannelsLast(TokenIO):
     """Tokens as the first positional argument ``[B, T, H, W, C]`` (``spatial_dims=3``) or ``[B, H, W, C]`` (2).
 
-    Every sample of the batch has the same grid; the region's output is the same layout on the last stage's grid.
+    Every sample of the batch has the same grid; the region's output is the same layout on the last stage's grid (a
+    tensor, or the first item of a tuple or ``ModelOutput``: the other items pass through).
     """
 
     spatial_dims: int = 3
@@ -103,15 +132,13 @@ class ChannelsLast(TokenIO):
         return (rows,) + tuple(args[1:]), kwargs
 
     def output_rows(self, output):
-        if not isinstance(output, Tensor):
-            raise ValueError(f"ChannelsLast: the region's end module must return a tensor, got {type(output).__name__}")
-        return output
+        return self.first_item(output)
 
     def with_output(self, output, rows, grids):
         if len(set(grids)) != 1:
             raise ValueError(f"ChannelsLast: samples end on different grids {sorted(set(grids))}")
         grid = grids[0] if self.spatial_dims == 3 else grids[0][1:]
-        return rows.reshape((len(grids),) + tuple(grid) + tuple(rows.shape[1:]))
+        return self.with_first_item(output, rows.reshape((len(grids),) + tuple(grid) + tuple(rows.shape[1:])))
 
 
 @dataclass(frozen=True)
@@ -172,6 +199,10 @@ class ParallelPlan:
             and alpha dropouts on local rows are refused either way; dropout on other tensors runs unchanged.
             ``"unchecked"``: functional dropout is not watched (it costs about 2 us a torch call in a training
             forward), for a model known to call none on local rows; ``nn.Dropout`` modules are still refused.
+        replicated: tokens every rank holds whole (text, a CLS token, registers): where the region's input has them
+            and which layers they join (:class:`~winsp.adoption.replicated.Replicated`); a joining layer's attention
+            passes them as the request's text, the others pass none. An argument name or index stands for
+            ``Replicated(at=...)``: a separate argument of the region's start, joining every layer.
     """
 
     # region, stages, attention and make_attention are required (checked below); region may be left out with
@@ -187,6 +218,7 @@ class ParallelPlan:
     per_sample: Union[str, tuple[str, ...], None] = None
     forward_order: Optional[tuple[str, ...]] = None
     dropout: str = "refuse"
+    replicated: Optional[Replicated] = None  # an argument name or index is taken as Replicated(at=...)
 
     def __post_init__(self) -> None:
         hourglass = isinstance(self.stages, Hourglass)
@@ -196,6 +228,11 @@ class ParallelPlan:
         for name in ("stages", "attention", "make_attention"):
             if getattr(self, name) is None:
                 raise ValueError(f"ParallelPlan.{name} is required")
+        if isinstance(self.replicated, (str, int)) and not isinstance(self.replicated, bool):
+            object.__setattr__(self, "replicated", Replicated(at=self.replicated))
+        if self.replicated is not None and not isinstance(self.replicated, Replicated):
+            raise ValueError(f"ParallelPlan.replicated must be a winsp.adoption.Replicated (or an argument name or "
+                             f"index: Replicated(at=...)), got {type(self.replicated).__name__}")
         if self.dropout not in region_dropout.DROPOUT_POLICIES:
             raise ValueError(f"ParallelPlan.dropout must be one of {region_dropout.DROPOUT_POLICIES}, got "
                              f"{self.dropout!r}")
@@ -255,6 +292,8 @@ class _Applied:
     depths: list = field(default_factory=list)  # per model call in progress: the region calls open when it began
     numbering: tuple = ()  # (attention paths, entry paths, {stage: grid change path}) as layers are numbered now
     step_paths: dict = field(default_factory=dict)  # (kind, index) -> the module path that step starts at
+    text_layers: Optional[tuple] = None  # per layer, whether the plan's replicated tokens join it
+    carried: dict = field(default_factory=dict)  # path -> the swapped module a renumbering replaces (hooks carried)
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -317,6 +356,13 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
                          f"same names (state_dict keys unchanged; winsp.adopt(new, original) does it); these "
                          f"differ: {differ}")
     new.train(original.training)
+    previous = applied.carried.pop(path, None)
+    if previous is not None and _same_swap(previous, new):  # a renumbering of a winsp.swapped module: kept, renumbered
+        previous.index, new = new.index, previous
+    elif previous is not None:  # a renumbering rebuilt it: the hooks registered on the module it replaces carry over
+        for hooks in _HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
+            if hasattr(previous, hooks):
+                object.__setattr__(new, hooks, getattr(previous, hooks))
     parent._modules[name] = new
     applied.swapped.append((parent, name, original))
 
@@ -385,20 +431,50 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     if len(grid_changes) != len(changing):
         raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
                          f"change the grid (stages {changing})")
+    if plan.per_sample is not None and plan.replicated is not None and plan.replicated.held:
+        raise ValueError(f"ParallelPlan.per_sample with Replicated(at={plan.replicated.at!r}): the held tokens share "
+                         f"the rows' tensor, which per-sample modules cannot take per row; pass them as a separate "
+                         f"argument (Replicated(at=name)) or swap those modules")
     if plan.per_sample is not None:
         dims = getattr(plan.region.tokens, "spatial_dims", None)
         if dims not in (1, 2, 3):
             raise ValueError(f"ParallelPlan.per_sample needs the region's grid dimensions; "
                              f"{type(plan.region.tokens).__name__} has no spatial_dims of 1, 2 or 3")
         _matches(model, plan.per_sample, "per_sample")
+    _refuse_splitting_planner(config, plan.stages)
     runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
     applied = _Applied(plan=plan, model=model, runtime=runtime, stated=stated)
+    if plan.replicated is not None:
+        applied.text_layers = plan.replicated.layers([len(st.layers) for st in plan.stages])
     grid_paths = dict(zip(changing, (p for p, _ in grid_changes), strict=True))
     _apply(applied, ([p for p, _ in attention], entry_paths, grid_paths))
     # torch's stubs type Module.__setattr__ for tensors and modules only; plain attributes are set the same way
     model._winsp_runtime = runtime  # type: ignore[assignment]
     model._winsp_parallel = applied  # type: ignore[assignment]
     return model
+
+
+def _same_swap(previous: nn.Module, new: nn.Module) -> bool:
+    """Whether ``new`` is ``previous`` (a :func:`winsp.swapped` module) again but for its index."""
+    from winsp.adoption.swapped import Swapped
+
+    return (type(previous) is Swapped and type(new) is Swapped and previous.fn is new.fn
+            and previous.checkpoint == new.checkpoint and previous._swapped_class is new._swapped_class)
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    return next(path for path, m in model.named_modules() if m is module)
+
+
+def _refuse_splitting_planner(config: Optional[DiffusionParallelConfig], stages: Sequence[Stage]) -> None:
+    """A planner that splits windows needs stages that may be split: parallelize keeps windows whole by default."""
+    planner = getattr(config, "planner", "auto")
+    whole = [s for s, st in enumerate(stages) if st.split_windows is not True]
+    if planner in SPLITTING_PLANNERS and whole:
+        raise ValueError(f'parallelize: planner "{planner}" splits windows, but winsp.parallelize keeps every window '
+                         f"whole unless the plan's Stage says split_windows=True (stages {whole} do not): give "
+                         f"winsp.Stage(..., split_windows=True) to the stages whose windows may be split (not one "
+                         f'whose attention takes a score_mod / mask_mod), or use planner "auto", "lpt" or "locality"')
 
 
 def _refuse_sharded(model: nn.Module) -> None:
@@ -448,7 +524,7 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
             _region_start(applied), with_kwargs=True))
         for path in entry_paths:  # looked up after the swaps: an entry may have been swapped
             entry = model.get_submodule(path) if path else model
-            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(path, applied)))
+            applied.handles.append(entry.register_forward_pre_hook(_layer_entry(path, applied), with_kwargs=True))
         for path in grid_paths.values():
             applied.handles.append(model.get_submodule(path).register_forward_pre_hook(_grid_change(path, applied)))
         applied.handles += watch_rows(model, _inner_paths(model, plan.region, list(grid_paths.values())),
@@ -517,16 +593,37 @@ def _inner_paths(model: nn.Module, region: Region, grid_paths: list[str]) -> lis
 
 def _layer_entry(path: str, applied: _Applied):
     """Layer entry ``path``'s hook; its layer number is looked up when it runs (a hook that was already running when
-    the first forward renumbered the layers acts for the new numbering)."""
-    def hook(module: nn.Module, args: tuple):
+    the first forward renumbered the layers acts for the new numbering). The tokens are the entry's first positional
+    argument or, for a call by keywords only, its first keyword argument."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
         layer, order = applied.numbering[1].index(path), applied.order
-        if not args or not isinstance(args[0], Tensor):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if not isinstance(x, Tensor):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
-                             f"first positional argument")
+                             f"first argument (positional, or the first keyword of a call by keywords)")
         order.arrive("layer", layer)
-        return (context.current_request().to_layer(args[0], layer),) + tuple(args[1:])
+        moved = _to_layer(context.current_request(), x, layer, applied.plan.replicated)
+        if args:
+            return (moved,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, next(iter(kwargs)): moved}
 
     return hook
+
+
+def _to_layer(request, x: Tensor, layer: int, replicated: Optional[Replicated]) -> Tensor:
+    """``request.to_layer`` of a region tensor: local rows ``[L, ...]``, with the plan's held replicated tokens at
+    their side (``[R + L, ...]``), or either as a batch of one (``[1, L, ...]``: a TokenIO that presents the local rows
+    so, such as :class:`~winsp.adoption.token_io.Patches`)."""
+    held = request.num_text_rows if replicated is not None and replicated.held else 0
+    rows = request._current_layout().num_rows + held
+    one = x.dim() >= 2 and x.shape[0] == 1 and x.shape[0] != rows and x.shape[1] == rows
+    y = x[0] if one else x
+    if held and replicated is not None:
+        tokens, local = replicated.part(y, held)
+        y = replicated.join(request.to_layer(local, layer), tokens)
+    else:
+        y = request.to_layer(y, layer)
+    return y[None] if one else y
 
 
 def _grid_change(path: str, applied: _Applied):
@@ -543,11 +640,18 @@ def _region_start(applied: _Applied):
         plan = applied.plan
         if plan.region.start == plan.region.end and not applied.order.dry_run_done:
             _dry_run(applied, module, args, kwargs, repeats=False)
-        io = plan.region.tokens
+        io, replicated, held, lengths = plan.region.tokens, plan.replicated, None, None
+        if replicated is not None:
+            args, kwargs, held, counts = replicated.take(module, args, kwargs)
         rows, grids = io.read(args, kwargs)
-        request = applied.runtime.request(grids, device=rows.device, dtype=rows.dtype)
+        if replicated is not None:
+            lengths = replicated.lengths(counts, len(grids))
+        request = applied.runtime.request(grids, lengths, device=rows.device, dtype=rows.dtype,
+                                          text_layers=applied.text_layers)
         local = request.scatter(rows)
         new_args, new_kwargs = io.with_rows(args, kwargs, local)
+        if held is not None and replicated is not None:
+            new_args = (replicated.join(new_args[0], held),) + tuple(new_args[1:])
         watched = module.training and plan.dropout != "unchecked"
         dropout = region_dropout.enter(plan.dropout, plan.region.start) if watched else None
         applied.tokens.append(context._enter(request))  # nothing can fail from here to the return
@@ -646,8 +750,14 @@ def _renumber(applied: _Applied, recorded: list) -> list:
     if layers != list(range(len(attention))) or moves != changing:
         numbering = ([attention[i] for i in layers], [entries[i] for i in layers],
                      {new_stage[s]: grids[s] for s in changing})
-        _undo(applied)
-        _apply(applied, numbering)
+        model = applied.model
+        applied.carried = {(f"{p}." if (p := _path_of(model, parent)) else "") + name: parent._modules[name]
+                           for parent, name, _ in applied.swapped}
+        _undo(applied)  # winsp's own hooks go; the user's stay in the swapped modules' hook dicts, carried over
+        try:
+            _apply(applied, numbering)
+        finally:
+            applied.carried = {}
     return relabeled
 
 
@@ -678,7 +788,8 @@ def _forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs
             # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
             tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
                        for name, t in list(region.named_parameters()) + list(region.named_buffers())}
-            convert = lambda v: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v  # noqa: E731
+            convert = lambda v: tree_map(  # noqa: E731 - tensors inside tuples too (RoPE's (cos, sin))
+                lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, v)
         else:
             tensors = {name: t.clone() for name, t in region.named_buffers()}
             convert = lambda v: v  # noqa: E731
@@ -705,8 +816,16 @@ def _region_end(io: TokenIO, applied: _Applied):
             if output is None:  # the region raised; the hook only restores the context
                 return None
             request = context.current_request()
-            rows = request.gather(io.output_rows(output))
-            return io.with_output(output, rows, request.stage_model_grids[request.stage])
+            replicated = applied.plan.replicated
+            local = io.output_rows(output)
+            if replicated is not None and replicated.held:  # the held tokens go back next to the rows
+                held, local = replicated.part(local, request.num_text_rows)
+            grids = request.stage_model_grids[request.stage]
+            rebuilt = io.with_output(output, request.gather(local), grids)
+            if replicated is None or not replicated.held:
+                return rebuilt
+            tokens = TokenIO.first_item(rebuilt)
+            return TokenIO.with_first_item(rebuilt, replicated.write_back(tokens, held, len(grids)))
         finally:
             try:
                 region_dropout.leave(dropout)

@@ -91,10 +91,18 @@ class RegionDropout(TorchFunctionMode):
             inplace = elementwise[1]
         request = current_request_or_none()
         if (not training or p == 0.0 or request is None or request._now is None or not isinstance(x, Tensor)
-                or x.dim() == 0 or x.shape[0] != request._now.num_rows):
+                or x.dim() == 0):
             return func(*args, **kwargs)
+        rows = request._now.num_rows
+        lead = x.shape[1] if x.shape[0] == 1 and x.dim() > 1 else x.shape[0]
         where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on local rows "
                  f"{list(x.shape)} (rank {request.group.rank})")
+        if x.shape[0] != rows:
+            if lead in (rows, rows + request.num_text_rows):  # rows as a batch of one, or with replicated tokens
+                raise ValueError(f"{where}, presented as a batch of one or next to replicated tokens: its mask "
+                                 f"cannot be drawn as the original draws it; train with it off or end the region "
+                                 f"before it")
+            return func(*args, **kwargs)
         if elementwise is None:
             raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
                              f"in the parallel model, end the region before it, or train with it off")

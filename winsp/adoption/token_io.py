@@ -1,8 +1,12 @@
-"""``FlatTokens``: a region whose tokens come as ``[B, L, C]`` with the grid as another argument.
+"""Ready-made :class:`~winsp.adoption.parallelize.TokenIO` s for regions whose tokens are not ``[B, T, H, W, C]``.
 
-Hugging Face vision encoders (Swin, Swin V2, and the models built on them) take ``hidden_states [B, H*W, C]`` plus
-``input_dimensions (H, W)`` and return a tuple or a ``ModelOutput`` whose first field is the tokens. This
-:class:`~winsp.adoption.parallelize.TokenIO` reads that, so such a model's plan needs no token code of its own.
+- ``FlatTokens``: tokens ``[B, L, C]`` with the grid as another argument. Hugging Face vision encoders (Swin, Swin V2,
+  and the models built on them) take ``hidden_states [B, H*W, C]`` plus ``input_dimensions (H, W)`` and return a tuple
+  or a ``ModelOutput`` whose first field is the tokens.
+- ``Patches``: a whole video DiT as the region (diffusers' CogVideoX and the like): its input is the latent video
+  before the patch embedding, and its output the video after the unpatchify. Each rank gets its patches as a batch of
+  one video of one-patch frames, which a strided-conv patch embedding turns into exactly its tokens, and the model's
+  own unpatchify turns back into patches.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from torch import Tensor
 
 from winsp.adoption.parallelize import TokenIO
 
-__all__ = ["FlatTokens"]
+__all__ = ["FlatTokens", "Patches"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +51,85 @@ class FlatTokens(TokenIO):
         return (rows,) + tuple(args[1:]), kwargs
 
     def output_rows(self, output: Any) -> Tensor:
-        return output if isinstance(output, Tensor) else output[0]
+        return self.first_item(output)
 
     def with_output(self, output: Any, rows: Tensor, grids) -> Any:
         if len(set(grids)) != 1:
             raise ValueError(f"FlatTokens: samples end on different grids {sorted(set(grids))}")
-        tokens = rows.reshape(len(grids), -1, *rows.shape[1:])
-        if isinstance(output, Tensor):
-            return tokens
-        if isinstance(output, tuple):
-            return (tokens,) + tuple(output[1:])
-        output[next(iter(output.keys()))] = tokens  # a ModelOutput: its first field (last_hidden_state)
-        return output
+        return self.with_first_item(output, rows.reshape(len(grids), -1, *rows.shape[1:]))
+
+
+@dataclass(frozen=True)
+class Patches(TokenIO):
+    """A latent video ``[B, T, C, H, W]`` (``channels=2``, CogVideoX) or ``[B, C, T, H, W]`` (``channels=1``) as the
+    region's first positional argument (or keyword ``name``), cut into ``patch = (pt, ph, pw)`` patches: the grid is
+    ``(T / pt, H / ph, W / pw)`` and a canonical row is one patch's values ``[C * pt * ph * pw]`` (``C, pt, ph, pw``
+    row-major).
+
+    This rank's ``L`` patches reach the model as one sample whose time axis holds them one after the other
+    (``[1, L * pt, C, ph, pw]``), so a patch embedding that is a convolution with stride equal to its kernel gives each
+    patch's token, in order, and an unpatchify that is a reshape gives the patches back; the region's output (a tensor
+    or its first item: a tuple or ``ModelOutput``) is then rebuilt as the whole video. A batch of one sample per call:
+    per-sample conditioning of the model (a timestep embedding) broadcasts over the one presented sample.
+    """
+
+    patch: tuple[int, int, int] = (1, 2, 2)
+    channels: int = 2
+    name: str = "hidden_states"
+
+    def __post_init__(self) -> None:
+        if len(tuple(self.patch)) != 3 or not all(isinstance(p, int) and p > 0 for p in self.patch):
+            raise ValueError(f"Patches.patch must be three positive integers (pt, ph, pw), got {self.patch!r}")
+        if self.channels not in (1, 2):
+            raise ValueError(f"Patches.channels must be 1 ([B, C, T, H, W]) or 2 ([B, T, C, H, W]), got "
+                             f"{self.channels!r}")
+        object.__setattr__(self, "patch", tuple(self.patch))
+
+    def _video(self, args: tuple, kwargs: dict) -> Tensor:
+        x = args[0] if args else kwargs.get(self.name)
+        want = "[B, T, C, H, W]" if self.channels == 2 else "[B, C, T, H, W]"
+        if not isinstance(x, Tensor) or x.dim() != 5:
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"Patches: the region's first argument (or {self.name}=) must be a {want} video, got "
+                             f"{got}")
+        return x if self.channels == 2 else x.transpose(1, 2)
+
+    def read(self, args: tuple, kwargs: dict) -> tuple[Tensor, list]:
+        x = self._video(args, kwargs)
+        (b, t, c, h, w), (pt, ph, pw) = x.shape, self.patch
+        if b != 1:
+            raise ValueError(f"Patches: a batch of {b} samples; this rank's patches reach the model as one sample, so "
+                             f"call the model with one sample at a time")
+        if t % pt or h % ph or w % pw:
+            raise ValueError(f"Patches: the video's (T, H, W) = {(t, h, w)} is not a multiple of the patch "
+                             f"{self.patch}")
+        grid = (t // pt, h // ph, w // pw)
+        rows = x.reshape(b, grid[0], pt, c, grid[1], ph, grid[2], pw).permute(0, 1, 4, 6, 3, 2, 5, 7)
+        return rows.reshape(-1, c * pt * ph * pw), [grid] * b
+
+    def _frames(self, rows: Tensor, c: int) -> Tensor:
+        """Local patch rows ``[L, C * pt * ph * pw]`` as one sample ``[1, L * pt, C, ph, pw]`` (or channels first)."""
+        pt, ph, pw = self.patch
+        frames = rows.reshape(-1, c, pt, ph, pw).transpose(1, 2).reshape(1, -1, c, ph, pw)
+        return frames if self.channels == 2 else frames.transpose(1, 2)
+
+    def with_rows(self, args: tuple, kwargs: dict, rows: Tensor) -> tuple[tuple, dict]:
+        c = self._video(args, kwargs).shape[2]
+        if args:
+            return (self._frames(rows, c),) + tuple(args[1:]), kwargs
+        return args, {**kwargs, self.name: self._frames(rows, c)}
+
+    def output_rows(self, output: Any) -> Tensor:
+        x = self._video((self.first_item(output),), {})
+        pt, ph, pw = self.patch
+        if x.shape[0] != 1 or x.shape[1] % pt or tuple(x.shape[3:]) != (ph, pw):
+            raise ValueError(f"Patches: the region's output {list(x.shape)} is not this rank's patches as one sample "
+                             f"of one-patch frames (patch {self.patch})")
+        return x.reshape(-1, pt, x.shape[2], ph, pw).transpose(1, 2).flatten(1)
+
+    def with_output(self, output: Any, rows: Tensor, grids) -> Any:
+        (t, h, w), (pt, ph, pw) = grids[0], self.patch
+        c = rows.shape[1] // (pt * ph * pw)
+        video = rows.reshape(1, t, h, w, c, pt, ph, pw).permute(0, 1, 5, 4, 2, 6, 3, 7)
+        video = video.reshape(1, t * pt, c, h * ph, w * pw)
+        return self.with_first_item(output, video if self.channels == 2 else video.transpose(1, 2))

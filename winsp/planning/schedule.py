@@ -96,8 +96,9 @@ def plan_schedule(
         return plan_with_neighborhoods(grids, schedule, world_size, planner, split_windows,
                                        functools.partial(plan_schedule, costs=costs))
     if planner in SPLITTING_PLANNERS and not split_windows:
-        raise ValueError(f'planner "{planner}" splits windows, but split_windows=False (the model declares a score_mod '
-                         'or mask_mod): use planner "auto", "lpt" or "locality"')
+        raise ValueError(f'planner "{planner}" splits windows, but these windows are kept whole (split_windows=False: '
+                         'a runtime built so, a request with score_mods=True, or a Stage(split_windows=False)): use '
+                         'planner "auto", "lpt" or "locality", or allow splitting where no score_mod / mask_mod runs')
     version = PLANNER_VERSIONS[planner]
     distinct: dict[str, WindowGeometry] = {}
     for geom in schedule:

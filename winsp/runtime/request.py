@@ -48,7 +48,8 @@ class CheckedRequest:
     ``grids``: the stage-0 model grids, one per sample (:class:`~winsp.geometry.layout.Grids`); ``text_lengths``:
     one per sample (zeros for a model without text); ``device``: where the prepared tensors live; ``dtype``: the
     attention inputs' dtype (None: the backend is chosen at the first attention call); ``score_mods``: whether
-    attention calls pass a ``score_mod`` / ``mask_mod`` (None: as the runtime's earlier requests did).
+    attention calls pass a ``score_mod`` / ``mask_mod`` (None: as the runtime's earlier requests did);
+    ``text_layers``: per layer, whether its attention takes the text (None: every layer does).
     """
 
     grids: Grids
@@ -56,11 +57,12 @@ class CheckedRequest:
     device: torch.device
     dtype: torch.dtype | None = None
     score_mods: bool | None = None
+    text_layers: tuple[bool, ...] | None = None
 
     @classmethod
     def check(cls, grids: Sequence[Sequence[int]], text_lengths: Sequence[int] | None = None, *,
               device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-              score_mods: bool | None = None) -> "CheckedRequest":
+              score_mods: bool | None = None, text_layers: Sequence[bool] | None = None) -> "CheckedRequest":
         """The checked inputs; a ValueError naming the first one that is wrong."""
         checked = check_grids(grids)
         if text_lengths is None:
@@ -73,8 +75,12 @@ class CheckedRequest:
             raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
         if score_mods is not None and not isinstance(score_mods, bool):
             raise ValueError(f"score_mods must be True, False or None, got {score_mods!r}")
+        if text_layers is not None:
+            if isinstance(text_layers, (str, bytes)) or not all(isinstance(t, bool) for t in text_layers):
+                raise ValueError(f"text_layers must be one True / False per layer, got {text_layers!r}")
+            text_layers = None if all(text_layers) else tuple(text_layers)
         return cls(checked, lengths, torch.device(device) if device is not None else torch.device("cpu"), dtype,
-                   score_mods)
+                   score_mods, text_layers)
 
 
 @dataclass(eq=False)
@@ -83,8 +89,9 @@ class PreparedRequest:
 
     ``slot_of_layer[i]`` is the index in ``layouts`` of layer i's plan (layers with equal geometry share a slot);
     ``stage_rows[slot]`` tells that layout's padding rows; ``steps[(a, b)]`` moves rows from slot a's layout to slot
-    b's; ``runners[(slot, dtype, modded)]`` is the attention backend chosen for that layout, dtype and whether the call
-    modifies scores, as ``(name, runner, why)``; ``hook_data[(slot, name)]`` is what layout hook ``name`` built.
+    b's; ``runners[(slot, dtype, modded, bare)]`` is the attention backend chosen for that layout (``bare``: the one
+    planned without text), dtype and whether the call modifies scores, as ``(name, runner, why)``;
+    ``hook_data[(slot, name)]`` is what layout hook ``name`` built.
     """
 
     plans: tuple[Plan, ...]
@@ -97,6 +104,7 @@ class PreparedRequest:
     runners: dict
     hook_data: dict
     splits: dict = field(default_factory=dict)  # (slot, heads) -> SplitAttentionTensors, for layouts that split
+    bare: tuple = ()  # per slot, its layout planned without text: for layers the text does not join (text_layers)
 
 
 class WindowRequest:
@@ -115,6 +123,7 @@ class WindowRequest:
         self.stage_model_grids, self.stage_laid_grids = prepared.stage_model_grids, prepared.stage_laid_grids
         self.text_lengths = inputs.text_lengths
         self.num_text_rows = sum(inputs.text_lengths)
+        self.text_layers = inputs.text_layers or (True,) * len(prepared.slot_of_layer)
         self.device = inputs.device
         self.group = runtime.group
         self.layer: int | None = None
@@ -259,7 +268,8 @@ class WindowRequest:
     def grid_rows(self, x: Tensor, *, spatial_dims: int | None = None) -> Tensor:
         """This rank's local rows (current layout) of a tensor given per position of the current stage's grid and
         shared by every sample: ``[T, H, W, ...]`` (``spatial_dims=3``), ``[H, W, ...]`` (2, a grid ``(1, H, W)``)
-        or ``[W, ...]`` (1); None: the most grid dimensions whose sizes ``x`` starts with. For positions (axial
+        or ``[W, ...]`` (1); None: the most grid dimensions whose sizes ``x`` starts with, else a flat table
+        ``[T * H * W, ...]`` (the grid's positions row-major, as diffusers' RoPE angles come). For positions (axial
         RoPE), per-token tables, masks. Padding rows get zeros.
 
         No collective; backward sums into the positions read.
@@ -270,6 +280,9 @@ class WindowRequest:
         if spatial_dims is None:
             spatial_dims = next((d for d in (3, 2, 1) if all(g == 1 for g in grids[0][:3 - d])
                                  and tuple(x.shape[:d]) == grids[0][3 - d:]), 3) if len(grids) == 1 else 3
+            if len(grids) == 1 and x.dim() and tuple(x.shape[:spatial_dims]) != grids[0][3 - spatial_dims:] \
+                    and x.shape[0] == grids[0][0] * grids[0][1] * grids[0][2]:
+                x = x.unflatten(0, grids[0])  # a flat table of the grid's positions
         if len(grids) != 1:
             raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a tensor "
                              f"per grid position shared by every sample cannot describe them (give canonical rows "
@@ -306,11 +319,13 @@ class WindowRequest:
                              f"registered: {sorted(self.runtime.layout_hooks)}")
         return self.prepared.hook_data[(slot, name)]
 
-    def _runner(self, slot: int, dtype: torch.dtype | None, modded: bool = False) -> tuple[str, Runner, tuple]:
-        key = (slot, dtype, modded)
+    def _runner(self, slot: int, dtype: torch.dtype | None, modded: bool = False, *,
+                bare: bool = False) -> tuple[str, Runner, tuple]:
+        """The backend for ``slot``'s layout (``bare``: planned without text, for layers the text does not join)."""
+        key = (slot, dtype, modded, bare)
         found = self.prepared.runners.get(key)
         if found is None:
-            lay = self.prepared.layouts[slot]
+            lay = self.prepared.bare[slot] if bare else self.prepared.layouts[slot]
             name, why = explain_backend(self.device, lay.segments, self.runtime.attention_backend, dtype=dtype,
                                         modded=modded)
             found = self.prepared.runners[key] = (name, bind_backend(name, lay.segments, lay.index), why)
@@ -501,11 +516,24 @@ class WindowRequest:
         ``score_mod(score, head, q_row, k_row)`` / ``mask_mod(head, q_row, k_row)`` modify video x video scores, rows
         being local row indices (:mod:`winsp.attention.score_mods`). ``text_output=False`` (a layer whose text output is
         never read, e.g. a model's last block) skips the text reduction and its all-reduce; every rank must pass the
-        same value.
+        same value. Text is replicated tokens in general (a CLS or register token: one row per sample); a layer that
+        ``text_layers`` marks False (tokens that join some layers only) takes none, and its video attends alone.
+
+        ``v`` has ``q``'s (and ``k``'s) head size: ``[rows, heads, head_dim]`` for all three (a model whose values are
+        wider or narrower is refused with the sizes).
         """
         if not self._dtypes_checked and not torch.compiler.is_compiling():
             self._check_dtypes((q_vid, k_vid, v_vid, q_txt, k_txt, v_txt))
         lay = self._layer_layout(layer)
+        joins = self.text_layers[layer]
+        if not joins:
+            if q_txt is not None or k_txt is not None or v_txt is not None:
+                raise ValueError(f"layer {layer} does not take the replicated tokens (the request's text_layers say "
+                                 f"so: ParallelPlan.replicated.joins), but attention got text tensors")
+            lay = self.prepared.bare[self.prepared.slot_of_layer[layer]]
+        if q_vid.dim() != 3 or k_vid.shape != q_vid.shape or v_vid.shape != q_vid.shape:
+            raise ValueError(f"attention takes q, k and v as [rows, heads, head_dim] of one shape (v with q's head "
+                             f"size); got q {list(q_vid.shape)}, k {list(k_vid.shape)}, v {list(v_vid.shape)}")
         if q_vid.shape[0] != lay.num_rows:
             raise ValueError(
                 f"rank {self.group.rank}: attention got {q_vid.shape[0]} video rows, layer {self.layer}'s layout "
@@ -519,8 +547,9 @@ class WindowRequest:
                         f"{name} has {t.shape[0]} rows but the request's text_lengths {self.text_lengths} describe "
                         f"{self.num_text_rows}"
                     )
-        elif self.num_text_rows:
-            raise ValueError(f"the request has text lengths {self.text_lengths} but attention got no text tensors")
+        elif self.num_text_rows and joins:
+            raise ValueError(f"the request has text lengths {self.text_lengths} but attention got no text tensors "
+                             f"(layer {layer} takes them)")
         mods = check_score_mods(score_mod, mask_mod)
         if mods:
             self.runtime._modded_seen = True
@@ -529,15 +558,30 @@ class WindowRequest:
                                       softmax_scale, has_text and text_output)
         if lay.plan.has_split_windows:
             refuse_score_mods(lay.plan, score_mod, mask_mod)
-            return self._attention_split(lay, self._runner(self._current_slot(), q_vid.dtype, False)[1],
+            return self._attention_split(lay, self._runner(self._current_slot(), q_vid.dtype, False, bare=not joins)[1],
                                          (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), softmax_scale,
-                                         has_text and text_output)
-        runner = self._runner(self._current_slot(), q_vid.dtype, bool(mods))[1]
+                                         has_text and text_output, self.text_lengths if joins else None)
+        runner = self._runner(self._current_slot(), q_vid.dtype, bool(mods), bare=not joins)[1]
         vid_out, window_text = attend(q_vid, k_vid, v_vid, q_txt, k_txt, v_txt, lay.segments, lay.index, runner,
                                       softmax_scale=softmax_scale, mods=mods)
         if not (has_text and text_output):
             return vid_out, None
         return vid_out, reduce_window_text(window_text, lay.text, self.group)
+
+    def joint_attention(self, q: Tensor, k: Tensor, v: Tensor, *, layer: int, text_first: bool = True,
+                        **options: Any) -> Tensor:
+        """:meth:`attention` for a model that attends its text (replicated tokens) and video jointly, holding both in
+        one tensor: ``q``, ``k``, ``v`` are ``[num_text_rows + L_local, heads, head_dim]`` with the request's text
+        rows first (``text_first``; else last); returns the output in the same arrangement, the text part reduced by
+        the window-mean rule. ``options``: :meth:`attention`'s keywords (``score_mod``, ``softmax_scale``, ...)."""
+        n = self.num_text_rows
+        cut = n if text_first else q.shape[0] - n
+        (vq, tq), (vk, tk), (vv, tv) = ((t[n:], t[:n]) if text_first else (t[:cut], t[cut:]) for t in (q, k, v))
+        vid, txt = self.attention(vq, vk, vv, tq, tk, tv, layer=layer, **options)
+        if txt is None:
+            raise ValueError(f"joint_attention: layer {layer} returned no text output (text_output=False); call "
+                             f"attention() to drop it")
+        return torch.cat([txt, vid] if text_first else [vid, txt])
 
     def _check_dtypes(self, tensors: tuple) -> None:
         """Once per request, at its first attention, on every rank of the group at once (one small all-gather): q/k/v
@@ -549,14 +593,16 @@ class WindowRequest:
         self._dtypes_checked = True
 
     def _attention_split(self, lay: LayoutTensors, runner: Runner, qkv: tuple, qkv_txt: tuple,
-                         softmax_scale: float | None, text_output: bool) -> tuple[Tensor, Tensor | None]:
-        """:meth:`attention` on a layout with split windows: whole windows as usual, split ones head-parallel."""
+                         softmax_scale: float | None, text_output: bool,
+                         text_lengths: tuple[int, ...] | None) -> tuple[Tensor, Tensor | None]:
+        """:meth:`attention` on a layout with split windows: whole windows as usual, split ones head-parallel
+        (``text_lengths`` None: a layer the text does not join)."""
         q = qkv[0]
-        key = (self._current_slot(), q.shape[1])
+        key = (self._current_slot(), q.shape[1], text_lengths is None)
         split = self.prepared.splits.get(key)
         if split is None:  # first call at this head count: prepared once, then a plain look-up like the runners
-            split = self.prepared.splits[key] = self.runtime._split(lay.plan, self.text_lengths, q.shape[1],
-                                                                     self.device)
+            lengths = text_lengths if text_lengths is not None else (0,) * len(self.text_lengths)
+            split = self.prepared.splits[key] = self.runtime._split(lay.plan, lengths, q.shape[1], self.device)
         # slices where the local rows allow (no copy)
         (q_whole, q_split), (k_whole, k_split), (v_whole, v_split) = (split_local_rows(t, split) for t in qkv)
         q_txt, k_txt, v_txt = qkv_txt

@@ -383,6 +383,7 @@ class WindowRuntime:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         score_mods: bool | None = None,
+        text_layers: Sequence[bool] | None = None,
     ) -> "WindowRequest":
         """Start one forward over a packed batch with these post-patch grids (the stage-0 model grids, before any
         padding; and text lengths, one per sample).
@@ -396,14 +397,31 @@ class WindowRuntime:
 
         The inputs are checked here, once, into a :class:`~winsp.runtime.request.CheckedRequest`; planning and
         preparing take that and check nothing again.
+
+        ``text_layers``: per layer, whether its attention takes the text (replicated tokens that join some layers
+        only: a CLS token in spatial layers, absent from temporal ones); None: every layer does.
         """
         return self._request(CheckedRequest.check(grids, text_lengths, device=device, dtype=dtype,
-                                                  score_mods=score_mods))
+                                                  score_mods=score_mods, text_layers=text_layers))
+
+    def _check_text_layers(self, text_layers: tuple[bool, ...]) -> None:
+        if len(text_layers) != len(self.schedule):
+            raise ValueError(f"text_layers has {len(text_layers)} entries but the schedule has {len(self.schedule)} "
+                             f"layers")
+        halo = [i for i, joins in enumerate(text_layers) if not joins and is_neighborhood(self.schedule[i])]
+        if halo:
+            raise ValueError(f"text_layers: layers {halo} are neighborhood layers, which take the text in every layer "
+                             f"or in none (a layer without text there is not supported)")
 
     def _request(self, inputs: CheckedRequest) -> WindowRequest:
         """Plan (or find in the store) and prepare a request whose inputs are checked: this checks nothing again."""
         modded = self._modded_seen if inputs.score_mods is None else inputs.score_mods
+        if inputs.text_layers is not None:
+            self._check_text_layers(inputs.text_layers)
         prepared = self._prepare(inputs, self.split_windows and not modded)
+        if inputs.text_layers is not None and not prepared.bare:
+            bare = (0,) * len(inputs.text_lengths)
+            prepared.bare = tuple(self._layout(lay.plan, bare, inputs.device) for lay in prepared.layouts)
         for name in self.layout_hooks:
             for slot, layout in enumerate(prepared.layouts):
                 prepared.hook_data[(slot, name)] = self._hook_data(name, layout, inputs.text_lengths, inputs.device)
@@ -411,6 +429,8 @@ class WindowRuntime:
         if inputs.dtype is not None:
             for slot in range(len(prepared.layouts)):
                 request._runner(slot, inputs.dtype, modded)
+                if inputs.text_layers is not None:  # layers without the text attend on the layout planned without it
+                    request._runner(slot, inputs.dtype, modded, bare=True)
         self._last = (inputs.device, inputs.dtype, request.backend(inputs.dtype, modded=modded))
         return request
 

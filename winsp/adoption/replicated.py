@@ -1,0 +1,141 @@
+"""``winsp.Replicated``: tokens every rank holds whole (text, a CLS token, register tokens), as plain data in a
+:class:`~winsp.adoption.parallelize.ParallelPlan`.
+
+Where the video rows of a region are dealt out by window, replicated tokens stay whole on every rank: the modules that
+run on them between attentions (norms, MLPs, modulation) run on every rank alike, and an attention layer they *join*
+takes them as the request's text: they attend to and are attended by each window of their sample, and their output is
+the sum over the windows' copies divided by the global window count of the layer (one all-reduce), the design's rule,
+also where a window is split across ranks or a layer is global. Gradients follow winsp's convention
+(``docs/training.md``): every rank's copy is its own contribution, ``winsp.sync_gradients`` averages.
+
+They come with the region's input in one of two ways, ``at``:
+
+- ``"first"`` / ``"last"``: ``count`` tokens per sample prepended / appended to the region's first positional argument
+  ``[B, count + L, ...]`` (a ViT's CLS token). The region's TokenIO reads the rest; inside the region the local tensor
+  is ``[R + L_local, ...]`` (``R = B * count`` replicated rows first, or last), layer entries move only the local rows,
+  and the region's output gets them back at the same place (its first item ``[B, L', ...]``, a tensor, tuple or
+  ``ModelOutput``).
+- a positional index or an argument name: a separate argument ``[B, n, ...]`` (``n`` tokens per sample; ``[B, C]``
+  is one each) that the model carries itself (a text stream); winsp reads only their count.
+
+``joins``: whether an attention layer takes them: True (every layer), False, or one bool per stage or per layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Replicated"]
+
+_SIDES = ("first", "last")
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Tokens every rank holds whole, and the attention layers they join (module docstring).
+
+    Args:
+        at: ``"first"`` / ``"last"`` (``count`` tokens per sample before / after the rows of the region's first
+            positional argument), or the name or position of a separate argument of the region's start.
+        count: tokens per sample for ``"first"`` / ``"last"`` (a separate argument's count is read from its shape).
+        joins: True (every attention layer takes them), False, or one bool per stage or per layer.
+    """
+
+    at: Union[str, int] = "first"
+    count: int = 1
+    joins: Union[bool, tuple[bool, ...]] = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.at, bool) or not isinstance(self.at, (str, int)) or (isinstance(self.at, int)
+                                                                                 and self.at < 0):
+            raise ValueError(f"Replicated.at must be 'first', 'last', an argument name or a positional index, got "
+                             f"{self.at!r}")
+        if self.at in _SIDES and (isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1):
+            raise ValueError(f"Replicated.count (tokens per sample at the {self.at} rows) must be a positive integer, "
+                             f"got {self.count!r}")
+        joins = self.joins
+        if not isinstance(joins, bool):
+            joins = tuple(joins) if isinstance(joins, (tuple, list)) else ()
+            if not joins or not all(isinstance(j, bool) for j in joins):
+                raise ValueError(f"Replicated.joins must be True, False or one bool per stage or per layer, got "
+                                 f"{self.joins!r}")
+            object.__setattr__(self, "joins", joins)
+
+    @property
+    def held(self) -> bool:
+        """Whether the tokens travel inside the region's token tensor (``at="first"`` / ``"last"``)."""
+        return self.at in _SIDES
+
+    def layers(self, layers_per_stage: Sequence[int]) -> tuple[bool, ...]:
+        """Per layer, whether it joins: ``joins`` spelled out over the stages' layers."""
+        total = sum(layers_per_stage)
+        if isinstance(self.joins, bool):
+            return (self.joins,) * total
+        if len(self.joins) == len(layers_per_stage):
+            return tuple(j for j, n in zip(self.joins, layers_per_stage, strict=True) for _ in range(n))
+        if len(self.joins) == total:
+            return tuple(self.joins)
+        raise ValueError(f"Replicated.joins has {len(self.joins)} entries; the plan has {len(layers_per_stage)} stages "
+                         f"and {total} layers (give one per stage or one per layer)")
+
+    def take(self, module: nn.Module, args: tuple,
+             kwargs: dict) -> tuple[tuple, dict, Optional[Tensor], tuple[int, int]]:
+        """The region start's ``(args, kwargs)`` without held tokens, the held tokens ``[B * count, ...]`` (None for an
+        argument) and ``(B, tokens per sample)``."""
+        if self.held:
+            x = args[0] if args else None
+            if not isinstance(x, Tensor) or x.dim() < 3 or x.shape[1] <= self.count:
+                got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+                raise ValueError(f"Replicated(at={self.at!r}, count={self.count}): the region's first positional "
+                                 f"argument must be [B, {self.count} + L, ...] tokens, got {got}")
+            cut = (slice(None, self.count), slice(self.count, None)) if self.at == "first" else \
+                (slice(x.shape[1] - self.count, None), slice(None, x.shape[1] - self.count))
+            return (x[:, cut[1]],) + tuple(args[1:]), kwargs, x[:, cut[0]].flatten(0, 1), (x.shape[0], self.count)
+        t = self._argument(module, args, kwargs)
+        return args, kwargs, None, (t.shape[0], t.shape[1] if t.dim() >= 3 else 1)
+
+    def _argument(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+        if isinstance(self.at, int) and self.at < len(args):
+            t = args[self.at]
+        elif isinstance(self.at, int):  # passed by keyword: the parameter at that position of the forward
+            names = list(inspect.signature(module.forward).parameters)
+            t = kwargs.get(names[self.at]) if self.at < len(names) else None
+        elif self.at in kwargs:
+            t = kwargs[self.at]
+        else:
+            try:
+                t = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get(self.at)
+            except TypeError:
+                t = None
+        if not isinstance(t, Tensor) or t.dim() < 2:
+            got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"Replicated(at={self.at!r}): the region's {type(module).__name__} call has no tensor "
+                             f"argument {self.at!r} of [B, n, ...] (or [B, C]) replicated tokens (got {got})")
+        return t
+
+    def lengths(self, counts: tuple[int, int], samples: int) -> tuple[int, ...]:
+        """The request's text lengths from :meth:`take`'s counts, checked against the region's ``samples``."""
+        if counts[0] != samples:
+            raise ValueError(f"Replicated(at={self.at!r}): the replicated tokens are for {counts[0]} samples but the "
+                             f"region's tokens hold {samples}")
+        return (counts[1],) * samples
+
+    def join(self, rows: Tensor, held: Tensor) -> Tensor:
+        """Local rows with the held tokens at their side (inside the region)."""
+        return torch.cat([held, rows] if self.at == "first" else [rows, held])
+
+    def part(self, x: Tensor, held_rows: int) -> tuple[Tensor, Tensor]:
+        """``(held tokens, local rows)`` of a region tensor ``[R + L, ...]`` (the inverse of :meth:`join`)."""
+        if self.at == "first":
+            return x[:held_rows], x[held_rows:]
+        return x[x.shape[0] - held_rows:], x[:x.shape[0] - held_rows]
+
+    def write_back(self, tokens: Tensor, held: Tensor, samples: int) -> Tensor:
+        """The region's rebuilt output tokens ``[B, L', ...]`` with the held tokens back at their side."""
+        held = held.reshape((samples, self.count) + tuple(held.shape[1:]))
+        return torch.cat([held, tokens] if self.at == "first" else [tokens, held], 1)
