@@ -54,9 +54,13 @@ def output_name(input_path: str) -> str:
 def plan_jobs(inputs: Sequence[str], output: Optional[str]) -> Job:
     """The (input, output) pairs of a command line (outputs None: the single-file default, decided later).
 
-    Raises :class:`MediaError` for a folder without media, an output folder that is a file or one of the inputs'
-    folders (the outputs would replace the inputs), and two inputs that would write the same output."""
+    Raises :class:`MediaError` for a single input that does not exist, a folder without media, an output folder
+    that is a file or one of the inputs' folders (the outputs would replace the inputs), and two inputs that would
+    write the same output."""
     inputs = list(inputs)
+    if len(inputs) == 1 and not os.path.lexists(inputs[0]):  # said first: it decides what -o must be
+        kind = "folder" if inputs[0].endswith(("/", os.sep)) else "file"
+        raise MediaError(f"input {kind} not found: {inputs[0]}")
     if len(inputs) == 1 and not os.path.isdir(inputs[0]):
         return Job(((inputs[0], output),), batch=False)
     files: list[str] = []
