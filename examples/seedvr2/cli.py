@@ -976,7 +976,9 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                                              settings.overlap)))
     computed = []
     owned = [batch for batch in plan if mesh.owns(batch.index)]
-    live = RestoreProgress.for_stream(sum(b.num_frames for b in owned), len(owned),
+    progress.break_line()  # the stage bar keeps its line; the restore bar below it (on a terminal)
+    # each frame counted once: a batch adds its frames less those it shares with the previous batch
+    live = RestoreProgress.for_stream(sum(b.num_frames - b.blend for b in owned), len(owned),
                                       enabled=is_rank0 and not args.quiet).attach(models.vae, models.dit)
     tiles = 1
     if settings.vae_parallel == "tiled":
@@ -992,7 +994,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     def compute(index: int) -> torch.Tensor:
         with stage_clock.stage("input wait"):
             batch, clip = next_batch(index)
-        live.begin_batch(batch.num_frames, expected_calls(batch.num_frames, steps=len(pipe.timesteps), tiles=tiles))
+        live.begin_batch(batch.num_frames - batch.blend,
+                         expected_calls(batch.num_frames, steps=len(pipe.timesteps), tiles=tiles))
         # the colour fix and the conversion to 8-bit frames are shared by the group's ranks (see the pipeline)
         frames = pipe.restore_batch_frames(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix,
                                            lambda v: torch.from_numpy(model_to_frames(v.cpu(), geometry)))
@@ -1018,7 +1021,6 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 with stage_clock.stage("write"):
                     for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
                         writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
-                progress.frames(writer.frames_written, info.num_frames)
 
             # finished batches are cross-faded and encoded on a thread while the next one is restored
             write = background_worker(write_batch)
