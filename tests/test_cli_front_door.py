@@ -48,11 +48,14 @@ def _only_line(capsys, argv, match: str) -> str:
 # ---- errors that name the real cause ----------------------------------------------------------------------------
 
 
-def test_missing_input_folder_is_named_not_the_output_extension(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("argv, said", [(["clips/", "-o", "restored/"], "input folder not found: clips/"),
+                                        (["clips", "-o", "restored"], "input not found: clips"),
+                                        (["clips/"], "input folder not found: clips/")])
+def test_missing_input_folder_is_named_not_the_output_extension(tmp_path, capsys, monkeypatch, argv, said):
     monkeypatch.chdir(tmp_path)
-    line = _only_line(capsys, ["restore", "clips/", "-o", "restored/"], "input folder not found: clips/")
+    line = _only_line(capsys, ["restore", *argv], said)
     assert "extension" not in line
-    assert not os.path.exists(tmp_path / "restored")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_random_pth_given_as_the_dit_is_named_not_the_missing_vae(tmp_path, capsys, monkeypatch):
