@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: input size)")
     size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
     p.add_argument("--allow-large-output", action="store_true",
-                   help="run an output larger than 8K UHD (7680x4320 pixels), which is refused without it: such a "
-                        "restore takes hours on a CPU and tens of GiB")
+                   help="run an output larger than 8K UHD (7680x4320 pixels), which is refused without it (with an "
+                        "estimate of its time): with SeedVR2's weights such a restore takes hours on a CPU")
     p.add_argument("--model", choices=("3b", "7b"),
                    help="which SeedVR2 DiT (default: the 3B if its weights are found, else the 7B; 3b for the demo)")
     p.add_argument("--dit-checkpoint", metavar="PATH",
