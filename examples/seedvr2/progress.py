@@ -57,6 +57,15 @@ def expected_calls(frames: int, *, steps: int, temporal_chunk: Optional[int] = 4
             "decode": tiles * _chunks(latent, latent_chunk)}
 
 
+def _line_interval() -> float:
+    """:data:`LINE_INTERVAL_S`, or ``SEEDVR2_PROGRESS_SECONDS`` when it is a number of seconds >= 0."""
+    try:
+        seconds = float(os.environ.get(LINE_INTERVAL_ENV) or LINE_INTERVAL_S)
+    except ValueError:
+        return LINE_INTERVAL_S
+    return seconds if seconds >= 0 else LINE_INTERVAL_S
+
+
 class RestoreProgress:
     """The restore stage's progress over ``total`` frames (see the module docstring).
 
@@ -68,9 +77,7 @@ class RestoreProgress:
                  line_interval: Optional[float] = None) -> None:
         self.total, self.batches, self.mode = total, batches, mode
         self.stream = sys.stderr if stream is None else stream
-        if line_interval is None:
-            line_interval = float(os.environ.get(LINE_INTERVAL_ENV) or LINE_INTERVAL_S)
-        self.line_interval = line_interval
+        self.line_interval = _line_interval() if line_interval is None else line_interval
         self.done_frames = 0.0
         self.done_batches = 0
         self.work = 0.0  # frames' worth of work done, within the current batch too
