@@ -207,6 +207,19 @@ def test_an_output_over_8k_is_refused_with_a_time_estimate_unless_allowed(tmp_pa
                "nothing fits")
     # 8K itself is allowed without the flag
     _only_line(capsys, ["restore", src, "-o", tmp_path / "o.png", "--resolution", "7680x4320"], "nothing fits")
+    # allowed and fitting, the estimate is said before the models load (stopped there: nothing heavy runs)
+    monkeypatch.setattr(memory_limits, "usable_memory", lambda device: memory_limits.MemoryLimit(2**40, "told"))
+
+    def stop(*args, **kwargs):
+        raise cli.InputError("stopped where the models would load")
+
+    monkeypatch.setattr(cli, "load_models", stop)
+    assert cli.main(["restore", str(src), "-o", str(tmp_path / "o.png"), "--scale", "100",
+                     "--allow-large-output"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"note: the output is 9600x6400, larger than 8K \(7680x4320\): at the speed measured on a "
+                     r"2-core CPU its restore takes about \d+m\d\ds", err), err
+    assert err.index("larger than 8K") < err.index("stopped where the models would load")
 
 
 def test_time_estimate_follows_the_measured_rates():
