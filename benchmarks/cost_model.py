@@ -520,6 +520,20 @@ def restore_prediction_markdown(rows: list[dict], reference=(1.24, 1.85, 2.03)) 
     return "\n".join(lines)
 
 
+def _read_json(ap: argparse.ArgumentParser, flag: str, path: Path):
+    """The JSON in ``path``, or one error line naming ``flag`` and the file (exit code 2) when it is missing or no
+    JSON."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        ap.exit(2, f"{ap.prog}: error: {flag}: file not found: {path}\n")
+    except IsADirectoryError:
+        ap.exit(2, f"{ap.prog}: error: {flag}: {path} is a folder, not a JSON file\n")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        ap.exit(2, f"{ap.prog}: error: {flag}: cannot read {path} as JSON ({type(error).__name__}: "
+                   f"{' '.join(str(error).split())[:160]})\n")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit-gloo", type=Path, help="JSON written by benchmarks/bench_transition.py --json")
@@ -537,16 +551,16 @@ def main(argv=None) -> None:
         print(restore_prediction_markdown(restore_prediction()))
         return
     if args.fit_vae:
-        points = [p for path in args.fit_vae for p in vae_split_points(json.loads(path.read_text()),
+        points = [p for path in args.fit_vae for p in vae_split_points(_read_json(ap, "--fit-vae", path),
                                                                        "busy_cpu" if args.fit_on == "cpu" else "wall")]
         print(fit_vae_split_markdown(fit_vae_split(points)))
         return
     if args.fit_wall:
-        records = [r for path in args.fit_wall for r in json.loads(path.read_text())]
+        records = [r for path in args.fit_wall for r in _read_json(ap, "--fit-wall", path)]
         print(fit_wall_markdown(fit_wall(records, measure=args.fit_on)))
         return
     if args.fit_gloo:
-        print(fit_markdown(fit_gloo(json.loads(args.fit_gloo.read_text()))))
+        print(fit_markdown(fit_gloo(_read_json(ap, "--fit-gloo", args.fit_gloo))))
         return
     print(summary_markdown())
     for model in (SEEDVR2_3B, SEEDVR2_7B):

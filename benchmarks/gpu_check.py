@@ -25,9 +25,10 @@ Sections, each timed with CUDA events (wall clock on the CPU), median of the tim
   bias); NATTEN's kernels too where libnatten is installed. Max difference of output and gradients from the float32
   tiled path, and ms. On the CPU (dry run) flex runs forward only.
 
-Writes ``gpu_check.json`` (all figures, environment, errors) and ``gpu_check.md`` (the tables) to ``--out`` (default
-``$OUT``, else the current directory); the JSON is rewritten after every section, so a run cut short keeps what it
-measured. A section that fails records its error and the others still run; sections that would start after
+Writes ``gpu_check.json`` (all figures, environment, errors) and ``gpu_check.md`` (the tables) to the folder
+``--out`` (created if missing; default ``$OUT`` when set, else ``./gpu_check_out`` for a real run and a new temporary
+folder for a dry run, never the current directory itself), and says where; the JSON is rewritten after every
+section, so a run cut short keeps what it measured. A section that fails records its error and the others still run; sections that would start after
 ``--budget-s`` seconds are skipped and say so. Exit code 0 when every section ran, 1 otherwise, 2 without CUDA.
 """
 
@@ -45,6 +46,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Mapping, Optional
 
 import torch
 
@@ -492,15 +494,31 @@ def _environment(device: torch.device) -> dict:
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 
+def output_folder(given: Optional[Path], dry_run: bool, env: Mapping[str, str]) -> Path:
+    """Where the reports go: ``--out``, else ``$OUT``, else ``./gpu_check_out`` (a real run, kept to be read), else a
+    new temporary folder (a dry run, whose tiny figures are only a check of the code path)."""
+    if given is not None:
+        return given
+    if env.get("OUT"):
+        return Path(env["OUT"])
+    if dry_run:
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix="gpu_check_dry_run_"))
+    return Path("gpu_check_out")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (tests the code path)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: $OUT, else .)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for gpu_check.json and .md, created if missing (default: $OUT when set, else "
+                             "./gpu_check_out, or a new temporary folder for --dry-run)")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="start no section after this many seconds (default 420: the check ends under 8 min)")
     parser.add_argument("--sections", nargs="+", choices=[n for n, _ in SECTIONS], default=[n for n, _ in SECTIONS])
     args = parser.parse_args(argv)
-    out = args.out or Path(os.environ.get("OUT") or ".")
+    out = output_folder(args.out, args.dry_run, os.environ)
     out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         device, sizes = torch.device("cpu"), DRY

@@ -25,3 +25,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.suffix == ".py" and _starts_ranks(item.path):
             item.add_marker(pytest.mark.multirank)
+
+
+#: what this session collected: the tests selected to run and those deselected by ``-m`` (tests/test_readme_install.py
+#: compares them with the README's figures)
+COLLECTED = {"selected": 0, "deselected": 0}
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    COLLECTED["deselected"] += len(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    COLLECTED["selected"] = len(session.items)

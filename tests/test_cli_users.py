@@ -61,12 +61,19 @@ BATCHES = ["--batch-frames", "5", "--overlap", "1"]  # 9 frames: 2 batches of 5 
 def test_progress_moves_within_batches_on_a_terminal(clip, tmp_path):
     code, drawn = _run_in_pty(clip, "-o", tmp_path / "o.mp4", *BATCHES)
     assert code == 0, drawn
-    states = re.findall(r"restore +\d+%\|[^|]*\| *([\d.]+)/(\d+) frames \[([\d:]+)<([\d:?]+)", drawn)
+    states = re.findall(r"restore (\d+)/(\d+) frames +(\d+)%\|[^|]*\| \[([\d:]+)<([\d:?]+)", drawn)
     assert states, drawn
-    assert {total for _, total, _, _ in states} == {"10"}  # 2 batches x 5 frames
-    done = [float(n) for n, _, _, _ in states]
-    assert any(n % 5 for n in done), done  # it moved inside a batch (per VAE chunk / DiT step), not only at its end
-    assert done == sorted(done)
+    assert {total for _, total, _, _, _ in states} == {"9"}  # the clip's 9 frames, the shared one counted once
+    done = [int(n) for n, _, _, _, _ in states]
+    assert set(done) <= {0, 5, 9} and done == sorted(done)  # whole frames finished: no fractions like 1.1/9
+    percent = [int(p) for _, _, p, _, _ in states]
+    assert set(percent) - {0, 56, 100}, percent  # it moved inside a batch (per VAE chunk / DiT step)
+    assert percent == sorted(percent)
+    for line in drawn.split("\n"):  # the stage bar and the restore bar never draw over each other on one line
+        kinds = ["bar" if "%|" in part else "stage" if re.search(r"\] \d/3 ", part) else "blank"
+                 for part in line.split("\r") if part]
+        for drawn_first, drawn_over in zip(kinds, kinds[1:], strict=False):
+            assert {drawn_first, drawn_over} != {"bar", "stage"}, repr(line)  # only a cleared line between them
     assert "restore: batch" not in drawn  # no log lines on a terminal
     assert f"{PROG}: wrote " in drawn
 
@@ -75,11 +82,27 @@ def test_no_progress_when_piped_one_line_per_batch(clip, tmp_path):
     done = _run(clip, "-o", tmp_path / "o.mp4", *BATCHES)
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stderr and "%|" not in done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("restore: batch")]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("restore: batch") and "% done" not in line]
     assert [line.split(",")[0] for line in lines] == ["restore: batch 1/2", "restore: batch 2/2"]
+    assert [line.split(",")[1] for line in lines] == [" 5/9 frames", " 9/9 frames"]  # the shared frame once
     assert all("elapsed, ETA" in line for line in lines)
     quiet = _run(clip, "-o", tmp_path / "q.mp4", "--quiet", *BATCHES)
     assert quiet.returncode == 0 and "restore: batch" not in quiet.stderr and "%|" not in quiet.stderr
+
+
+def test_a_single_long_batch_prints_progress_lines_when_piped(clip, tmp_path):
+    """Within a batch, a line every SEEDVR2_PROGRESS_SECONDS (30 s unless set; 0 here: at every VAE chunk and DiT
+    step), so a pipe or a log never waits a whole batch in silence."""
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", str(clip), "-o",
+                           str(tmp_path / "o.mp4"), "--batch-frames", "9"], cwd=REPO,
+                          env=_env(SEEDVR2_PROGRESS_SECONDS="0"), capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("restore: batch 1/1")]
+    within = [line for line in lines if "% done" in line]
+    assert len(within) >= 3 and lines[-1].startswith("restore: batch 1/1, 9/9 frames"), done.stderr
+    assert all(", 0/9 frames," in line for line in within)  # whole frames only: none finished before the end
+    shares = [int(re.search(r"(\d+)% done", line).group(1)) for line in within]
+    assert shares == sorted(shares) and 0 < shares[0] and shares[-1] < 100
 
 
 def test_summary_line_is_short_and_states_the_written_size(tmp_path):

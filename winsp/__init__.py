@@ -14,7 +14,41 @@ The package is layered, each layer importing only those below it (checked in CI 
     winsp.geometry   windows, neighborhoods, layouts
     winsp.utils      argument checks
 
-This top level holds what the README and guides call; everything else is in those subpackages.
+This top level holds what the README and guides call (``__all__``, the index below); everything else is in those
+subpackages. ``help(winsp.<name>)`` gives one name's full documentation.
+
+Adopt an existing model (guide: docs/adopting_a_model.md)::
+
+    parallelize(model, plan, config)   make a model window-parallel in place, as a ParallelPlan says
+    unparallelize(model)               undo parallelize
+    ParallelPlan                       what parallelize does: region, stages, attention globs and swaps
+    Region, Stage                      the window-parallel part of a forward; one resolution level's windows
+    ChannelsLast, FlatTokens, TokenIO  how a region's input holds its tokens
+    swapped(fn), adopt                 a module swap written as one function; reuse an original's tensors
+    current_request()                  the request of the region running now
+    RowDropout, SampleDropPath         dropout and drop path on local rows with the original's draws
+    shard_weights(model, mesh)         FSDP2 weight sharding over a DeviceMesh
+
+Write a model for winsp, the request API (guide: docs/request_api.md)::
+
+    DiffusionParallelConfig            the SP degree (ulysses_degree / sp_degree) and group
+    WindowParallel                     mixin: window_schedule(), build_runtime(), require_runtime().request(...)
+    WindowRuntime                      the runtime behind it
+    sync_gradients(model)              average gradients over the SP group after backward
+
+Window geometries::
+
+    FixedWindows, SwinWindows          fixed-size windows, optionally shifted (clipped; Swin's rules)
+    SeedVR2Windows, make_geometry      SeedVR2's windows (a fixed number per 720p area)
+    Neighborhood                       NATTEN-style neighbourhood attention
+    WindowGeometry                     the base class of all of them
+
+Kernels::
+
+    window_attention, WindowAttention  attention inside each local window (and the text rows)
+    neighborhood_attention             one neighbourhood layer on local rows, halos exchanged
+
+Run ranks and check a parallel model: ``winsp.testing`` (``run_ranks``, ``check_parallel``).
 """
 
 from typing import TYPE_CHECKING

@@ -66,6 +66,18 @@ def _rank_main(rank: int, world_size: int, init_method: str, env: dict[str, str]
         out.put((rank, False, traceback.format_exc()))
 
 
+def _check_importable(fn: Callable[..., Any]) -> None:
+    """``TypeError`` in one line, before any process starts, when the ranks could not receive ``fn``: a new process
+    gets it by its module and name, so a lambda or a function defined inside another cannot go."""
+    try:
+        pickle.dumps(fn)
+    except Exception:  # noqa: BLE001 - PicklingError, AttributeError ("local object"), TypeError
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        raise TypeError(f"run_ranks: the function must be importable by the new rank processes, i.e. defined at the "
+                        f"top level of a module (not a lambda, nor a function defined inside another); {name} is "
+                        f"not") from None
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -88,6 +100,7 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    _check_importable(fn)
     if start_method == "forkserver":
         server = mp.get_context("forkserver")
         server.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # no effect once the server runs

@@ -27,7 +27,7 @@ import torch
 from .quantized_linear import PackedWeight
 
 __all__ = ["CHECKPOINT_SUFFIXES", "read_checkpoint_file", "tensor_state", "SafetensorsEntry", "safetensors_header",
-           "compressed_zip_records"]
+           "compressed_zip_records", "read_error_reason"]
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".gguf")
 StateValue = Union[torch.Tensor, PackedWeight]
@@ -75,7 +75,7 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(path, device="cpu")
     except SafetensorError as err:
-        raise ValueError(f"checkpoint {path!r} is not a readable safetensors file ({err})") from None
+        raise ValueError(f"checkpoint {path!r} is not a readable safetensors file ({read_error_reason(err)})") from None
     except Exception as err:  # noqa: BLE001 - a damaged file can fail in any way; the file is at fault
         raise ValueError(f"checkpoint {path!r} is not a readable safetensors file ({_reason(err)})") from None
 
@@ -84,6 +84,38 @@ def _reason(err: BaseException) -> str:
     """``Type: first line`` of an exception, for a one-line message."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+#: the advice torch wraps around a weights-only refusal (re-run with ``weights_only=False``, allow-list the global,
+#: file an issue, read the docs): following it would run the file's code, so it is never passed on
+_TORCH_ADVICE = (r"Weights only load failed\..*?trusted source\.",
+                 r"Please file an issue with the following.*?use case:", r"WeightsUnpickler error:",
+                 r"Check the documentation of torch\.load.*$", r"Please use `torch\.serialization\..*$")
+
+
+def read_error_reason(err: BaseException) -> str:
+    """Why a file could not be read, in one short line for a message: what torch's weights-only unpickler refused
+    (without its unsafe advice), safetensors' complaint without its boilerplate, else ``Type: first line``."""
+    if isinstance(err, pickle.UnpicklingError):
+        return _unpickling_reason(err)
+    if type(err).__name__ == "SafetensorError":
+        text = " ".join(str(err).split()).replace("Error while deserializing header: ", "")
+        return f"damaged header: {text}"[:200]
+    return _reason(err)
+
+
+def _unpickling_reason(err: BaseException) -> str:
+    """What torch's weights-only unpickler found (``Trying to load unsupported GLOBAL posix.system ...``), without
+    torch's advice around it (see :data:`_TORCH_ADVICE`)."""
+    import re
+
+    text = " ".join(str(err).split())
+    for advice in _TORCH_ADVICE:
+        text = re.sub(advice, " ", text)
+    text = " ".join(text.split()).removesuffix(".")
+    if not text or "weights_only" in text or "safe_globals" in text:
+        return "its pickle holds more than tensors and plain containers"
+    return text[:200]
 
 
 def compressed_zip_records(path: str) -> list[str]:
@@ -112,7 +144,7 @@ def _torch_load_weights_only(path: str) -> dict:
     except pickle.UnpicklingError as err:
         raise ValueError(
             f"refused to load checkpoint {path!r}: it is not a plain tensor checkpoint (loading it would need to run "
-            f"pickled code, which weights_only loading does not do, or the file is damaged). Details: {_reason(err)}"
+            f"pickled code, which weights_only loading does not do, or the file is damaged): {_unpickling_reason(err)}"
         ) from None
     except Exception as err:  # noqa: BLE001 - random bytes, truncated zips, broken pickles fail in any way
         raise ValueError(f"checkpoint {path!r} could not be read as a torch checkpoint ({_reason(err)})") from None

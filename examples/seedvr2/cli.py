@@ -47,6 +47,7 @@ import torch
 
 from winsp.comm.group import abort_world, init_world_from_env, shutdown_world
 
+from .checkpoint_file import read_error_reason
 from .color_fix import COLOR_FIXES
 from .media import (
     DEFAULT_CRF,
@@ -83,8 +84,12 @@ STAGES = ("read", "load", "restore")
 EXIT_MEETING_S = 5.0
 #: a run projected (at the first batch's measured speed) to take longer than this is announced in one line
 LONG_RUN_S = 600.0
-#: outputs larger than 8K UHD (7680 x 4320 pixels) are announced before the run
+#: outputs larger than 8K UHD (7680 x 4320 pixels) are refused without --allow-large-output, with a time estimate
 LARGE_OUTPUT_PIXELS = 7680 * 4320
+#: restore seconds per megapixel-frame of the working size, fp32, one process on a 2-core CPU (benchmarks/README.md,
+#: "The whole restore at P = 2", 2026-12-02): the demo weights' whole restore stage (1280x720 x 9: 62.2 s), and for
+#: SeedVR2's weights the VAE alone at its released widths (160x120 x 17: 60.4 s), a floor since the DiT comes on top
+CPU_SECONDS_PER_MEGAPIXEL_FRAME = {"demo": 7.5, "released": 185.0}
 #: how long a collective waits for a peer before it fails (the WINSP_COLLECTIVE_TIMEOUT environment variable
 #: overrides it): far below torch's 30 minutes, far above any step of a run, so a stuck rank is named in minutes
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -101,6 +106,17 @@ class _Parser(argparse.ArgumentParser):
         # every rank parses the same command line: rank 0 alone reports its mistake
         quiet = os.environ.get("RANK", "0") not in ("", "0")
         self.exit(2, None if quiet else f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
+def _crf(text: str) -> int:
+    """``--crf``'s value, checked when the command line is parsed (before any weights are looked for)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 51:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 (lossless) to 51, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exact output size; the input is scaled to cover it and centre-cropped "
                            "(default: input size)")
     size.add_argument("--scale", type=float, help="output size = input size x S (rounded)")
+    p.add_argument("--allow-large-output", action="store_true",
+                   help="run an output larger than 8K UHD (7680x4320 pixels), which is refused without it (with an "
+                        "estimate of its time): with SeedVR2's weights such a restore takes hours on a CPU")
     p.add_argument("--model", choices=("3b", "7b"),
                    help="which SeedVR2 DiT (default: the 3B if its weights are found, else the 7B; 3b for the demo)")
     p.add_argument("--dit-checkpoint", metavar="PATH",
@@ -181,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="colour correction towards the input, frame by frame: wavelet (the input's low frequencies, "
                         "SeedVR2's own), adain (each RGB channel's mean and spread), lab (lightness and chroma in CIE "
                         "L*a*b*, hues kept), none (default: wavelet with checkpoints, none with the demo)")
-    p.add_argument("--crf", type=int, default=DEFAULT_CRF,
+    p.add_argument("--crf", type=_crf, default=DEFAULT_CRF,
                    help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
     p.add_argument("--ranks", type=int, metavar="N",
@@ -388,7 +407,8 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
             loaded = torch.load(path, map_location="cpu", weights_only=True)
             tensors = loaded if isinstance(loaded, dict) else {"pos": loaded}
     except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault, reported in one line
-        raise InputError(f"cannot read text embeddings {path}: {type(exc).__name__}: {exc}") from None
+        kind = "safetensors" if path.endswith(".safetensors") else "torch (.pt/.pth)"
+        raise InputError(f"text embeddings {path} is not a readable {kind} file ({read_error_reason(exc)})") from None
     odd = [k for k in tensors if not isinstance(k, str)]
     if odd:
         raise InputError(f"text embeddings {path} has keys that are not strings ({', '.join(map(repr, odd[:3]))}); "
@@ -570,8 +590,27 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
     """Choose the fastest settings whose estimated peak fits the memory this rank may use (see :mod:`.memory_fit`).
 
     Raises :class:`OutOfMemory` (before anything is allocated) when pinned settings do not fit, naming settings that
-    would, or when nothing fits.
+    would, or when nothing fits; when fp32 was chosen by default (the CPU's) and bf16 would fit, it says so.
     """
+    try:
+        return _plan_memory(args, pinned, geometry, num_frames, dtype, sp_size, device, demo, limit,
+                            weights_loaded=weights_loaded)
+    except OutOfMemory as exc:
+        if getattr(args, "dtype", None) is not None or dtype != torch.float32 or demo:
+            raise
+        try:
+            half = _plan_memory(argparse.Namespace(**{**vars(args), "dtype": "bf16"}), pinned, geometry, num_frames,
+                                torch.bfloat16, sp_size, device, demo, limit, weights_loaded=weights_loaded)
+        except OutOfMemory:
+            raise exc from None
+        raise OutOfMemory(f"{exc}; or add --dtype bf16, which fits (about {_gib(half.need or 0)} per rank): without "
+                          f"--dtype this {device.type} run computes in fp32, which doubles the memory of bf16 "
+                          f"weights and activations") from None
+
+
+def _plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
+                 sp_size: int, device: torch.device, demo: bool, limit=None, *,
+                 weights_loaded: bool = False) -> MemoryPlan:
     from .memory_fit import candidate_settings, fit_settings, tile_overlap
     from .memory_limits import usable_memory
     from .pipeline import estimate_restore_bytes
@@ -695,6 +734,71 @@ def _per_rank_figures(values: list[float], device: torch.device) -> list[list[fl
     return world.all_gather_rows(row, [1] * world.size).cpu().tolist()
 
 
+#: key prefixes of which a SeedVR2 checkpoint of each kind has at least one
+_CHECKPOINT_KEYS = {"DiT": ("blocks.", "vid_in."), "VAE": ("encoder.", "decoder.")}
+
+
+def _check_checkpoint_files(args: argparse.Namespace) -> None:
+    """One line for a checkpoint path that is missing or a folder, before the memory plan (whose notes would come
+    first) and before any weight is read."""
+    found = getattr(args, "found_weights", False)  # discovered, not given: name the files, not the flags
+    for flag, path in ((("the DiT weights" if found else "--dit-checkpoint"), args.dit_checkpoint),
+                       (("the VAE weights" if found else "--vae-checkpoint"), args.vae_checkpoint)):
+        if os.path.isdir(path):
+            raise InputError(f"{flag}: {path} is a directory, not a checkpoint file")
+        if not os.path.isfile(path):
+            raise InputError(f"{flag}: file not found: {path}")
+
+
+def _check_given_checkpoints(args: argparse.Namespace) -> None:
+    """Raise :class:`InputError` for a ``--dit-checkpoint`` / ``--vae-checkpoint`` the user gave that cannot be a
+    SeedVR2 checkpoint of that kind: missing, unreadable, or without any of its keys (the file's header only)."""
+    from .weight_memory import checkpoint_layout
+
+    for flag, path, what in (("--dit-checkpoint", args.dit_checkpoint, "DiT"),
+                             ("--vae-checkpoint", args.vae_checkpoint, "VAE")):
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            raise InputError(f"{flag}: {path} is a directory, not a checkpoint file")
+        if not os.path.isfile(path):
+            raise InputError(f"{flag}: file not found: {path}")
+        try:
+            keys = list(checkpoint_layout(path))
+        except ValueError as exc:
+            if "mmap" in str(exc):  # torch's legacy .pth format: no header to read without loading it all
+                continue
+            raise InputError(f"{flag} {path}: {exc}") from None
+        if not any(key.startswith(_CHECKPOINT_KEYS[what]) for key in keys):
+            example = f", e.g. {keys[0]!r}," if keys else ""
+            raise InputError(f"{flag} {path}: not a SeedVR2 {what} checkpoint (none of its {len(keys)} "
+                             f"tensors{example} is under {' or '.join(k + '*' for k in _CHECKPOINT_KEYS[what])})")
+
+
+def _txt_in_dim(model: Optional[str], demo: bool) -> int:
+    """The width of the prompt embedding the DiT a run builds expects."""
+    if demo:
+        from .demo import DEMO_DIT_CONFIGS
+
+        return DEMO_DIT_CONFIGS[model or "3b"].txt_in_dim
+    from .dit import NaDiTConfig
+
+    return NaDiTConfig.released(model or "3b").txt_in_dim
+
+
+def estimate_restore_time(geometry: Geometry, frames: int, demo: bool, device: torch.device) -> str:
+    """An up-front estimate of the restore stage's time for a message, from :data:`CPU_SECONDS_PER_MEGAPIXEL_FRAME`
+    (one 2-core CPU process; more cores or ranks go faster); no figure for a GPU, where none was measured yet."""
+    from .progress import format_seconds
+
+    if device.type != "cpu":
+        return f"no {device.type} speed has been measured yet to estimate its time; expect long and much memory"
+    megapixel_frames = geometry.work[0] * geometry.work[1] * frames / 1e6
+    seconds = megapixel_frames * CPU_SECONDS_PER_MEGAPIXEL_FRAME["demo" if demo else "released"]
+    return (f"at the speed measured on a 2-core CPU its restore takes {'about' if demo else 'at least'} "
+            f"{format_seconds(seconds)} ({megapixel_frames:.1f} megapixel-frames)")
+
+
 def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) -> tuple:
     """The checks and reads before the run, identical on every rank (no collective): the settings the user pinned,
     the SP size, the output path (and, on the writing rank, that its directory takes a new file), demo or not, dtype,
@@ -711,6 +815,9 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     if args.scale is not None:
         check_scale(args.scale)  # the number itself; the size it gives is checked against the input below
     pinned = pinned_settings(args)
+    if getattr(args, "shard_weights", False) and getattr(args, "weights", "stored") == "fp8":
+        raise InputError("--shard-weights cannot go with --weights fp8 (the fp8 conversion scales each weight by its "
+                         "whole tensor's maximum, which a rank holding a shard never reads); use --weights stored")
     sp_size = launch.world_size if args.sp_size is None else args.sp_size
     if sp_size < 1 or launch.world_size % sp_size:
         raise InputError(
@@ -726,10 +833,15 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     try:
         weights_line = resolve_cli_weights(args)
     except WeightsError as exc:
+        _check_given_checkpoints(args)  # a given file that cannot be what it is given as is the real cause
         raise InputError(str(exc)) from None
     if weights_line is not None:
         notes.append(weights_line)
     demo = args.dit_checkpoint is None and args.vae_checkpoint is None
+    if not demo:
+        _check_checkpoint_files(args)
+    if args.text_embeds:  # read again at load; checked now so that a bad file is said before any slow work
+        _read_text_embeds(args.text_embeds, _txt_in_dim(args.model, demo))
     if getattr(args, "shard_weights", False) and args.dit_checkpoint is not None:
         _check_shardable(args)
     dtype = _resolve_dtype(args.dtype, launch.device, demo)
@@ -740,6 +852,11 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     output = _default_image_output(args, output, info.is_image)
     _check_output_path(output, info.num_frames)
     geometry: Geometry = plan_geometry((info.height, info.width), resolution=resolution, scale=args.scale)
+    if geometry.output[0] * geometry.output[1] > LARGE_OUTPUT_PIXELS and not getattr(args, "allow_large_output", False):
+        raise InputError(
+            f"the output would be {geometry.output[1]}x{geometry.output[0]}, larger than 8K UHD (7680x4320): "
+            f"{estimate_restore_time(geometry, info.num_frames, demo, launch.device)}; pass --allow-large-output to "
+            f"run it, or choose a smaller --scale or --resolution")
     latent_rows = geometry.work[0] // 8
     if pinned.vae_parallel == "height" and sp_size > latent_rows:
         raise InputError(
@@ -816,7 +933,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             progress.note(f"{PROG}: note: memory: {memory.reason}")
         if geometry.output[0] * geometry.output[1] > LARGE_OUTPUT_PIXELS:
             progress.note(f"{PROG}: note: the output is {geometry.output[1]}x{geometry.output[0]}, larger than 8K "
-                          f"(7680x4320): this restore will take long and need much memory")
+                          f"(7680x4320): {estimate_restore_time(geometry, info.num_frames, demo, launch.device)}")
         coded = h264_frame_size(*geometry.output)
         if is_video_out and coded != geometry.output:
             progress.note(
@@ -859,7 +976,9 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                                              settings.overlap)))
     computed = []
     owned = [batch for batch in plan if mesh.owns(batch.index)]
-    live = RestoreProgress.for_stream(sum(b.num_frames for b in owned), len(owned),
+    progress.break_line()  # the stage bar keeps its line; the restore bar below it (on a terminal)
+    # each frame counted once: a batch adds its frames less those it shares with the previous batch
+    live = RestoreProgress.for_stream(sum(b.num_frames - b.blend for b in owned), len(owned),
                                       enabled=is_rank0 and not args.quiet).attach(models.vae, models.dit)
     tiles = 1
     if settings.vae_parallel == "tiled":
@@ -875,7 +994,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     def compute(index: int) -> torch.Tensor:
         with stage_clock.stage("input wait"):
             batch, clip = next_batch(index)
-        live.begin_batch(batch.num_frames, expected_calls(batch.num_frames, steps=len(pipe.timesteps), tiles=tiles))
+        live.begin_batch(batch.num_frames - batch.blend,
+                         expected_calls(batch.num_frames, steps=len(pipe.timesteps), tiles=tiles))
         # the colour fix and the conversion to 8-bit frames are shared by the group's ranks (see the pipeline)
         frames = pipe.restore_batch_frames(clip.transpose(0, 1), models.txt, batch.start, args.seed, color_fix,
                                            lambda v: torch.from_numpy(model_to_frames(v.cpu(), geometry)))
@@ -901,7 +1021,6 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 with stage_clock.stage("write"):
                     for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
                         writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
-                progress.frames(writer.frames_written, info.num_frames)
 
             # finished batches are cross-faded and encoded on a thread while the next one is restored
             write = background_worker(write_batch)

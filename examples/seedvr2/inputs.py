@@ -51,12 +51,22 @@ def output_name(input_path: str) -> str:
     return stem + (".png" if ext.lower() in INPUT_IMAGE_EXTENSIONS else ".mp4")
 
 
+def _looks_like_folder(path: Optional[str]) -> bool:
+    return path is not None and (path.endswith(("/", os.sep)) or not os.path.splitext(path)[1])
+
+
 def plan_jobs(inputs: Sequence[str], output: Optional[str]) -> Job:
     """The (input, output) pairs of a command line (outputs None: the single-file default, decided later).
 
-    Raises :class:`MediaError` for a folder without media, an output folder that is a file or one of the inputs'
-    folders (the outputs would replace the inputs), and two inputs that would write the same output."""
+    Raises :class:`MediaError` for a missing input of what looks like a folder command (the input or ``-o`` ends with
+    ``/`` or has no extension), a folder without media, an output folder that is a file or one of the inputs' folders
+    (the outputs would replace the inputs), and two inputs that would write the same output."""
     inputs = list(inputs)
+    if len(inputs) == 1 and any(map(_looks_like_folder, (inputs[0], output))) and not os.path.lexists(inputs[0]):
+        # a folder command whose folder is missing: said first, since what -o must be depends on it (a missing
+        # file is found later, after the output's checks, like every input problem)
+        what = "input folder" if inputs[0].endswith(("/", os.sep)) else "input"
+        raise MediaError(f"{what} not found: {inputs[0]}")
     if len(inputs) == 1 and not os.path.isdir(inputs[0]):
         return Job(((inputs[0], output),), batch=False)
     files: list[str] = []

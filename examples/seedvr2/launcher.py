@@ -92,8 +92,9 @@ def check_ranks(text: str, gpus: int, cpus: int) -> int:
         raise LaunchError(f"--ranks {ranks}: this machine has {gpus} GPU{'s' if gpus != 1 else ''} (one rank a GPU); "
                           f"use --ranks {gpus} or fewer, or torchrun across machines")
     if not gpus and ranks > 4 * cpus:
-        raise LaunchError(f"--ranks {ranks}: more than 4 ranks per CPU core ({cpus} cores) would only thrash; use "
-                          f"--ranks {cpus} or fewer")
+        raise LaunchError(f"--ranks {ranks}: more than 4 ranks per CPU core would only thrash; this machine has "
+                          f"{cpus} core{'s' if cpus != 1 else ''}, so --ranks {4 * cpus} at most (--ranks {cpus}, one "
+                          f"a core, is usually fastest)")
     return ranks
 
 

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -697,13 +698,12 @@ class Geometry:
 
 
 def parse_resolution(text: str) -> tuple[int, int]:
-    """``"WxH"`` -> ``(H, W)``; :class:`MediaError` when it is not two positive integers."""
-    parts = text.lower().replace("*", "x").split("x")
-    try:
-        width, height = (int(p) for p in parts)
-    except ValueError:
-        raise MediaError(f"--resolution must look like WIDTHxHEIGHT (e.g. 1280x720), got {text!r}") from None
-    return height, width
+    """``"WxH"`` -> ``(H, W)``: two whole numbers joined by an ``x``; :class:`MediaError` for anything else (a ``*``
+    or ``:`` between them, a sign, a fraction), so that a mistyped size is never read as another one."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if match is None:
+        raise MediaError(f"--resolution must look like WIDTHxHEIGHT (e.g. 1280x720), got {text!r}")
+    return int(match.group(2)), int(match.group(1))
 
 
 def check_scale(scale) -> float:

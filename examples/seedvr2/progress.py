@@ -1,25 +1,33 @@
 """Live progress of a restore: a tqdm bar that moves with every VAE chunk and DiT step, with elapsed time and an ETA.
 
-The bar counts the frames of the clip this rank's group restores. Within a temporal batch it advances as the work
-is done: forward hooks on the VAE's encoder and decoder (called once per causal chunk, per band or tile) and on the
-DiT (once per sampling step) move it by the batch's frames times the share of the batch that step stands for (a
-quarter for encoding, a quarter for the DiT, half for decoding, split evenly over the expected calls); the batch's
-end sets it exactly. tqdm derives the speed and the ETA from the measured time.
+The bar counts the frames of the clip this rank's group restores, each once: a batch stands for the frames it adds
+to the clip (its own, less those shared with the previous batch), so the total is the clip's length. Within a
+temporal batch the work done advances as it is done: forward hooks on the VAE's encoder and decoder (called once per
+causal chunk, per band or tile) and on the DiT (once per sampling step) move it by the batch's frames times the share
+of the batch that step stands for (a quarter for encoding, a quarter for the DiT, half for decoding, split evenly
+over the expected calls); the batch's end sets it exactly. The percentage, the speed and the ETA follow the work
+done; the frame count shows whole frames finished only.
 
 On a terminal (and not ``--quiet``) the bar is drawn in place on stderr; when stderr is a file or a pipe, one plain
-line is printed per finished batch instead; ``--quiet`` prints nothing. Only rank 0 reports.
+line is printed per finished batch, and within a batch one every :data:`LINE_INTERVAL_S` seconds (the
+``SEEDVR2_PROGRESS_SECONDS`` environment variable overrides it), so a long batch is never silent; ``--quiet``
+prints nothing. Only rank 0 reports.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from typing import Optional
 
-__all__ = ["RestoreProgress", "expected_calls", "format_seconds"]
+__all__ = ["RestoreProgress", "expected_calls", "format_seconds", "LINE_INTERVAL_S"]
 
 _SHARES = {"encode": 0.25, "dit": 0.25, "decode": 0.5}
+#: seconds between progress lines within a batch when stderr is not a terminal
+LINE_INTERVAL_S = 30.0
+LINE_INTERVAL_ENV = "SEEDVR2_PROGRESS_SECONDS"
 
 
 def format_seconds(seconds: float) -> str:
@@ -49,18 +57,32 @@ def expected_calls(frames: int, *, steps: int, temporal_chunk: Optional[int] = 4
             "decode": tiles * _chunks(latent, latent_chunk)}
 
 
+def _line_interval() -> float:
+    """:data:`LINE_INTERVAL_S`, or ``SEEDVR2_PROGRESS_SECONDS`` when it is a number of seconds >= 0."""
+    try:
+        seconds = float(os.environ.get(LINE_INTERVAL_ENV) or LINE_INTERVAL_S)
+    except ValueError:
+        return LINE_INTERVAL_S
+    return seconds if seconds >= 0 else LINE_INTERVAL_S
+
+
 class RestoreProgress:
     """The restore stage's progress over ``total`` frames (see the module docstring).
 
-    ``mode``: ``"bar"`` (tqdm on ``stream``), ``"lines"`` (one line per batch) or ``"off"``.
+    ``mode``: ``"bar"`` (tqdm on ``stream``), ``"lines"`` (a line per batch and per ``line_interval`` seconds within
+    one) or ``"off"``. ``total``: the frames of the clip the batches add, each once (see the module docstring).
     """
 
-    def __init__(self, total: int, batches: int, mode: str, stream=None) -> None:
+    def __init__(self, total: int, batches: int, mode: str, stream=None,
+                 line_interval: Optional[float] = None) -> None:
         self.total, self.batches, self.mode = total, batches, mode
         self.stream = sys.stderr if stream is None else stream
+        self.line_interval = _line_interval() if line_interval is None else line_interval
         self.done_frames = 0.0
         self.done_batches = 0
+        self.work = 0.0  # frames' worth of work done, within the current batch too
         self.started = time.perf_counter()
+        self._last_line = self.started
         self._batch_frames = 0
         self._expected: dict[str, int] = {}
         self._calls: dict[str, int] = {}
@@ -74,9 +96,8 @@ class RestoreProgress:
             size = shutil.get_terminal_size((100, 24))  # a terminal that reports 0 x 0 (a bare pty): 100 x 24
             self.bar = tqdm(total=total, unit="frame", file=self.stream, leave=False, ncols=size.columns or 100,
                             nrows=size.lines or 24,
-                            desc="restore", smoothing=0.1,
-                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.1f}/{total} frames "
-                                       "[{elapsed}<{remaining}, {rate_fmt}]")
+                            desc=f"restore {self._frames_done()}", smoothing=0.1,
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_fmt}]")
 
     @classmethod
     def for_stream(cls, total: int, batches: int, *, enabled: bool, stream=None) -> "RestoreProgress":
@@ -85,9 +106,12 @@ class RestoreProgress:
         tty = bool(getattr(stream, "isatty", lambda: False)())
         return cls(total, batches, "off" if not enabled else "bar" if tty else "lines", stream)
 
+    def _frames_done(self) -> str:
+        return f"{self.done_frames:.0f}/{self.total} frames"
+
     def attach(self, vae, dit) -> "RestoreProgress":
         """Count the VAE encoder's / decoder's and the DiT's calls (forward hooks; removed by :meth:`close`)."""
-        if self.mode != "bar":
+        if self.mode == "off":
             return self
         for kind, module in (("encode", getattr(vae, "encoder", None)), ("decode", getattr(vae, "decoder", None)),
                              ("dit", dit)):
@@ -96,32 +120,45 @@ class RestoreProgress:
         return self
 
     def begin_batch(self, frames: int, expected: dict[str, int]) -> None:
+        """A batch starts that adds ``frames`` frames to the clip (less any it shares with the previous one)."""
         self._batch_frames, self._expected = frames, dict(expected)
         self._calls = {k: 0 for k in _SHARES}
         self._batch_base = self.done_frames
 
     def _tick(self, kind: str) -> None:
-        if self.bar is None or not self._expected:
+        if self.mode == "off" or not self._expected:
             return
         self._calls[kind] += 1
         share = sum(_SHARES[k] * min(1.0, self._calls[k] / max(1, self._expected.get(k, 1))) for k in _SHARES)
-        target = self._batch_base + self._batch_frames * min(share, 0.999)
-        if target > self.bar.n:
-            self.bar.update(target - self.bar.n)
+        self.work = max(self.work, self._batch_base + self._batch_frames * min(share, 0.999))
+        if self.bar is not None:
+            if self.work > self.bar.n:
+                self.bar.update(self.work - self.bar.n)
+        elif time.perf_counter() - self._last_line >= self.line_interval:
+            self._line(f"batch {self.done_batches + 1}/{self.batches} {min(share, 0.99):.0%} done")
 
     def end_batch(self) -> None:
         self.done_frames += self._batch_frames
+        self.work = self.done_frames
         self.done_batches += 1
         self._expected = {}
         if self.bar is not None:
+            self.bar.set_description_str(f"restore {self._frames_done()}", refresh=False)
             self.bar.update(self.done_frames - self.bar.n)
+            self.bar.refresh()  # the finished count, even when the step was too small for tqdm to redraw
         elif self.mode == "lines":
-            elapsed = time.perf_counter() - self.started
-            left = elapsed / self.done_frames * (self.total - self.done_frames) if self.done_frames else 0.0
-            self.stream.write(f"restore: batch {self.done_batches}/{self.batches}, {self.done_frames:.0f}/"
-                              f"{self.total} frames, {format_seconds(elapsed)} elapsed, ETA "
-                              f"{format_seconds(left)}\n")
-            self.stream.flush()
+            self._line(f"batch {self.done_batches}/{self.batches}")
+
+    def _line(self, what: str) -> None:
+        """One progress line for a log or a pipe: the batch, whole frames finished, elapsed time and the ETA (from
+        the work done so far)."""
+        now = time.perf_counter()
+        elapsed = now - self.started
+        left = elapsed / self.work * (self.total - self.work) if self.work else None
+        self.stream.write(f"restore: {what}, {self._frames_done()}, {format_seconds(elapsed)} elapsed, ETA "
+                          f"{'?' if left is None else format_seconds(left)}\n")
+        self.stream.flush()
+        self._last_line = now
 
     def projected_seconds(self) -> Optional[float]:
         """The whole stage's time at the speed measured so far (None before the first batch)."""

@@ -38,8 +38,9 @@ def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     except ValueError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged header fails in any way inside the readers
-        reason = (str(err).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"checkpoint {path!r}: its header cannot be read ({type(err).__name__}: {reason})") from None
+        from .checkpoint_file import read_error_reason
+
+        raise ValueError(f"checkpoint {path!r}: its header cannot be read ({read_error_reason(err)})") from None
 
 
 def _layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:

@@ -228,6 +228,14 @@ class ParallelPlan:
         for name in ("stages", "attention", "make_attention"):
             if getattr(self, name) is None:
                 raise ValueError(f"ParallelPlan.{name} is required")
+        for name, optional in (("attention", False), ("layer_entry", False), ("grid_changes", True),
+                               ("per_sample", True)):
+            globs = getattr(self, name)
+            if not (optional and globs is None) and not _are_globs(globs):
+                what = ('"parent" (the attention\'s parent module) or a glob, or a tuple of globs, of one entry '
+                        "module per layer" if name == "layer_entry" else "a glob, or a tuple of globs, of module paths")
+                raise ValueError(f"ParallelPlan.{name} must be {what}{' (or None)' if optional else ''}, got "
+                                 f"{globs!r}")
         if isinstance(self.replicated, (str, int)) and not isinstance(self.replicated, bool):
             object.__setattr__(self, "replicated", Replicated(at=self.replicated))
         if self.replicated is not None and not isinstance(self.replicated, Replicated):
@@ -257,6 +265,13 @@ class ParallelPlan:
         if isinstance(self.stages, Hourglass):
             raise ValueError("ParallelPlan.num_layers: the stages of an Hourglass are read from the model")
         return sum(len(st.layers) for st in self.stages)
+
+
+def _are_globs(value) -> bool:
+    """Whether ``value`` is a non-empty glob or a non-empty tuple / list of them (what a plan's module fields take)."""
+    if isinstance(value, str):
+        return bool(value)
+    return isinstance(value, (tuple, list)) and bool(value) and all(isinstance(g, str) and g for g in value)
 
 
 def adopt(module: nn.Module, original: nn.Module) -> nn.Module:

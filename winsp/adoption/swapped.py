@@ -89,7 +89,25 @@ class Swapped(nn.Module):
 
 def swapped(fn: Callable[..., Any], *, checkpoint: bool = False) -> Callable[..., Swapped]:
     """The factory ``(original, index=None) -> Swapped(fn, original, index)`` for a plan's swaps; ``checkpoint``:
-    recompute ``fn`` in backward (module docstring)."""
+    recompute ``fn`` in backward (module docstring).
+
+    The swapped module ``m`` runs ``fn(m, *args, **kwargs)`` in place of the original's forward. ``m`` holds the
+    original's parameters, buffers, children, plain attributes and methods, and two more names for ``fn``:
+
+    - ``m.index``: which window layer this module is (``make_attention``: the i-th attention the forward runs) or
+      which stage it leads into (``make_grid_change``); None for a ``swaps`` entry;
+    - ``m.request``: the request of the region running now (:func:`winsp.current_request`), whose methods do the
+      parallel work: ``m.request.attention(q, k, v, layer=m.index)`` (rows ``[N, heads, head_dim]``, returns
+      ``(out, text_out)``), ``m.request.to_grid(x, m.index)``, ``m.request.sample_rows(cond)``.
+
+    For example, for an attention module with ``qkv``, ``proj`` and ``heads`` (``make_attention=swapped(attend)``)::
+
+        def attend(m, x):  # x: this rank's rows [N, dim], already in layer m.index's layout
+            q, k, v = m.qkv(x).unflatten(-1, (3, m.heads, -1)).unbind(-3)
+            return m.proj(m.request.attention(q, k, v, layer=m.index)[0].flatten(1))
+
+    ``m.swapped_from`` is the original's class name. Guide: docs/adopting_a_model.md.
+    """
     if not callable(fn):
         raise ValueError(f"winsp.swapped needs a function fn(module, *args), got {type(fn).__name__}")
 
