@@ -277,6 +277,8 @@ class _Recorder(TorchDispatchMode):
     """Sits above the FakeTensorMode: records collectives, syncs, transfers and storages; runs ops whose tensors are
     all real CPU tensors for real (so host planning has values)."""
 
+    supports_higher_order_operators = True  # flex_attention and friends pass through to the fake mode
+
     def __init__(self, trace: RankTrace, layers: _Layers) -> None:
         super().__init__()
         self.trace = trace
@@ -331,6 +333,13 @@ class _Recorder(TorchDispatchMode):
     # the ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - translated into what it means on a GPU
+                raise self._translate(func, _tensors((args, kwargs)), e) from e
+            self._track(out)
+            return out
         namespace = func.namespace
         if namespace in _COLLECTIVE_NAMESPACES and func._opname not in _NO_WAIT:
             self._collective(func, args, kwargs)
