@@ -1,6 +1,6 @@
 """winsp's own GPU paths on the fake GPU (winsp.testing.fake_gpu), in bf16, at every rank of P.
 
-The request/runtime with text, window plans (whole and split windows), redistribution between layouts, the replicated
+The request/runtime with text, window plans (whole windows, split windows, head parallelism: every planner), redistribution between layouts, the replicated
 text's reduction with ranks that hold no window, and each attention backend that selects on CUDA: every rank issues
 the same collectives (op, dtype, sizes, all-to-all splits that agree), with 0 device syncs and 0 device mismatches in
 compute. Sizes: small grids, and a 720p x 21-frame latent grid (6 x 45 x 80 tokens) at SeedVR2-3B's width (2560,
@@ -23,13 +23,12 @@ ONE_WINDOW = ([(2, 6, 6)], [4], 64, 2, 2, (2, 6, 6))  # one window: every rank b
 REAL_720P = ([(6, 45, 80)], [77], 2560, 20, 2, (6, 15, 16))
 
 
-def _toy_rank(rank: int, world: int, case, backend: str = "auto", split: bool = False) -> dict:
+def _toy_rank(rank: int, world: int, case, backend: str = "auto", planner: str = "auto") -> dict:
     grids, lengths, dim, heads, layers, window = case
     with torch.device("meta"):
         model = ToyWindowedDiT(dim=dim, heads=heads, layers=layers, window=window)
     model = model.to_empty(device="cuda").to(torch.bfloat16)
-    config = winsp.DiffusionParallelConfig(ulysses_degree=world, attention_backend=backend,
-                                           **({"split_windows": True} if split else {}))
+    config = winsp.DiffusionParallelConfig(ulysses_degree=world, attention_backend=backend, planner=planner)
     model.build_runtime(config)
     n = sum(t * h * w for t, h, w in grids)
     vid = torch.randn(n, dim, device="cuda", dtype=torch.bfloat16)
@@ -69,6 +68,19 @@ def test_core_small_bf16(world):
     if world > 1:
         ops = {c.op for c in report.ranks[0].collectives}
         assert {"all_to_all", "all_reduce"} <= ops, ops  # redistribution and the text reduction
+
+
+@pytest.mark.parametrize("planner", ["lpt", "locality", "split", "heads"])
+def test_every_planner_window_split_and_head_plans(planner):
+    """Whole windows (lpt, locality), windows split over ranks (split), every window over all ranks (heads), at an
+    uneven P = 3."""
+    from winsp.testing.fake_gpu import run_fake_gpu
+
+    report = run_fake_gpu(_toy_rank, 3, SMALL, "auto", planner)
+    _check_clean(report, SMALL)
+    # inside the layers: the dtype check's one small all-gather, plus the split windows' / heads' all-to-alls
+    in_layers = [c for c in report.ranks[0].collectives if c.op == "all_to_all" and ".blocks." in c.layer]
+    assert (len(in_layers) == 1) if planner in ("lpt", "locality") else (len(in_layers) > 2), in_layers
 
 
 @pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
