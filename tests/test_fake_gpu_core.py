@@ -1,10 +1,11 @@
 """winsp's own GPU paths on the fake GPU (winsp.testing.fake_gpu), in bf16, at every rank of P.
 
-The request/runtime with text, window plans (whole windows, split windows, head parallelism: every planner), redistribution between layouts, the replicated
-text's reduction with ranks that hold no window, and each attention backend that selects on CUDA: every rank issues
-the same collectives (op, dtype, sizes, all-to-all splits that agree), with 0 device syncs and 0 device mismatches in
-compute. Sizes: small grids, and a 720p x 21-frame latent grid (6 x 45 x 80 tokens) at SeedVR2-3B's width (2560,
-20 heads). Needs the CUDA build of torch (no GPU); skipped on a CPU-only build.
+The request/runtime with text, window plans (whole windows, split windows, head parallelism: every planner),
+redistribution between layouts, the replicated text's reduction with ranks that hold no window, and each attention
+backend that selects on CUDA: every rank issues the same collectives (op, dtype, sizes, all-to-all splits that
+agree), with 0 device syncs and 0 device mismatches in compute. Sizes: small grids, and a 720p x 21-frame latent grid
+(6 x 45 x 80 tokens) at SeedVR2-3B's width (2560, 20 heads). Needs the CUDA build of torch (no GPU); skipped on a
+CPU-only build.
 """
 
 from __future__ import annotations
@@ -105,16 +106,10 @@ def test_core_at_720p_21_frames_3b_width(world):
 
 
 @pytest.mark.parametrize("backend", ["grouped_sdpa", "batched_sdpa", "flex"])
-def test_backends_that_select_on_cuda(backend, monkeypatch):
-    # flex without compile: torch.compile does not trace under a (non-infra) dispatch mode such as the fake GPU's,
-    # and eager FlexAttention compiles its own call unless told not to
-    import torch.nn.attention.flex_attention as flex_attention
-
-    import winsp.attention.backends.flex as flex
+def test_backends_that_select_on_cuda(backend):
+    """flex runs uncompiled: on the fake GPU torch.compile'd functions run eagerly (compile cannot trace there)."""
     from winsp.testing.fake_gpu import run_fake_gpu
 
-    monkeypatch.setattr(flex, "_kernel", lambda device: flex._import()[0])
-    monkeypatch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     case = ONE_WINDOW if backend == "batched_sdpa" else SMALL  # batched: windows of one length
     report = run_fake_gpu(_toy_rank, 2, case, backend)
     _check_clean(report, case)

@@ -41,8 +41,9 @@ API (stable)::
     with planning_phase("what"): ...  # mark planning (host reads allowed); everything else is compute
     @plans                            # the same for every call of a function
 
-Not supported: ``backward()`` (autograd's engine needs a CUDA context for CUDA tensors, which a machine without a
-GPU has not); run the forward under ``torch.no_grad()`` or inference mode.
+``torch.compile``d functions (FlexAttention's included) run eagerly on the fake GPU: compile cannot trace under its
+recording mode. Not supported: ``backward()`` (autograd's engine needs a CUDA context for CUDA tensors, which a
+machine without a GPU has not); run the forward under ``torch.no_grad()`` or inference mode.
 
 A stopping violation (a read of a device value, which a fake tensor does not have, or a device mismatch) raises
 :class:`FakeGpuError` inside ``fn`` at the op, naming the layer; :func:`run_fake_gpu` catches it for that rank,
@@ -517,13 +518,17 @@ def _describe_collective(func, args, kwargs) -> Collective:
 
 # ---- the CUDA runtime, faked --------------------------------------------------------------------------------------
 
+_CUDA_RNG_STATE = torch.zeros(16, dtype=torch.uint8)  # a Philox state's size: seed and offset
+
+
 @contextlib.contextmanager
 def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iterator[None]:
     """``torch.cuda`` queries that code asks before choosing a kernel answer as on one GPU; ``synchronize`` is
-    recorded as a host sync."""
+    recorded as a host sync; the generator's state can be saved and restored (its values mean nothing here)."""
     cuda = torch.cuda
-    saved = {name: getattr(cuda, name) for name in ("is_available", "device_count", "current_device", "set_device",
-                                                    "get_device_capability", "synchronize")}
+    names = ("is_available", "device_count", "current_device", "set_device", "get_device_capability", "synchronize",
+             "get_rng_state", "set_rng_state")
+    saved = {name: getattr(cuda, name) for name in names}
 
     def synchronize(device=None) -> None:
         recorder.trace.host_syncs.append(HostSync("synchronize", "torch.cuda.synchronize", "cuda:0",
@@ -531,7 +536,10 @@ def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iter
 
     fakes = {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
              "set_device": lambda device: None, "get_device_capability": lambda device=None: capability,
-             "synchronize": synchronize}
+             "synchronize": synchronize,
+             # torch.random.fork_rng saves and restores the device's generator: a state of the right kind, kept
+             "get_rng_state": lambda device="cuda": _CUDA_RNG_STATE.clone(),
+             "set_rng_state": lambda state, device="cuda": None}
     for name, value in fakes.items():
         setattr(cuda, name, value)
     try:
@@ -562,6 +570,44 @@ def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
         yield
     finally:
         torch_utils.swap_tensors = original
+
+
+_ACTIVE = [0]  # fake GPUs open in this process
+
+
+@contextlib.contextmanager
+def _eager_compile() -> Iterator[None]:
+    """torch.compile does not trace under a (non-infra) dispatch mode such as the recorder, so on the fake GPU a
+    function compiled with ``torch.compile`` runs eagerly, and FlexAttention's eager path does not compile its own
+    call. A function compiled while the fake GPU is open still compiles, at its first call outside it."""
+    import torch.nn.attention.flex_attention as flex_attention
+
+    original = torch.compile
+
+    def compile_eagerly_here(model: Any = None, **options: Any) -> Any:
+        if model is None:
+            return lambda fn: compile_eagerly_here(fn, **options)
+        compiled: list = []
+
+        def run(*args, **kwargs):
+            if _ACTIVE[0]:
+                return model(*args, **kwargs)
+            if not compiled:
+                compiled.append(original(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return run
+
+    flag = flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    torch.compile = compile_eagerly_here
+    flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        _ACTIVE[0] -= 1
+        torch.compile = original
+        flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = flag
 
 
 def _forget_process_groups() -> None:
@@ -600,7 +646,8 @@ def fake_gpu(rank: int = 0, world_size: int = 1, *, capability: tuple[int, int] 
     layers.install()
     try:
         fake_mode = recorder.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode):
+        with (fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode),
+              _eager_compile()):
             yield trace
     finally:
         layers.remove()
