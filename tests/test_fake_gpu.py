@@ -36,6 +36,8 @@ class Block(torch.nn.Module):
             y = y[y > 0].view(-1, 16)
         elif self.fault == "to host":
             y = y + y.float().mean().cpu().to(y.dtype)
+        elif self.fault == "synchronize":
+            torch.cuda.synchronize()
         return y
 
 
@@ -77,6 +79,8 @@ def _rank(rank: int, world: int, fault: str | None = None, faulty_rank: int = 1)
         if fault == "order" and rank == faulty_rank:
             gathered = group.all_to_all_single(y, recv, send)
         group.all_reduce_sum(total)
+        if fault == "one more" and rank == faulty_rank:
+            group.all_reduce_sum(total)
     return {"phase": phase, "gathered": tuple(gathered.shape), "device": str(total.device)}
 
 
@@ -110,6 +114,8 @@ def test_a_clean_run_passes_and_is_recorded():
     ("split off by one", ["collective #1", "all_to_all", "rank 2 sends 2 rows", "expects 3 rows"]),
     ("mask", ["rank 2:", "data-dependent shape", "Net.blocks.1"]),
     ("to host", ["rank 2:", "device-to-host copy", "Net.blocks.1", "(compute)"]),
+    ("synchronize", ["rank 1:", "synchronize", "Net.blocks.1", "(compute)"]),
+    ("one more", ["different numbers of collectives", "rank 1's collective #3 all_reduce"]),
     ("order", ["collective #2", "ranks issue different collectives", "rank 1: all_to_all", "rank 0: all_reduce"]),
 ])
 def test_each_fault_is_refused_naming_where(fault, expected):
@@ -176,3 +182,21 @@ def test_peak_counts_freed_memory_out():
         assert trace.live_bytes == 1 << 19
         del b
     assert trace.peak_bytes == 1 << 20
+
+
+def test_measure_records_a_stage_peak():
+    from winsp.testing.fake_gpu import fake_gpu, measure
+
+    with fake_gpu() as trace:
+        weights = torch.empty(1000, device="cuda", dtype=torch.uint8)
+        with measure("step"):
+            a = torch.empty(3000, device="cuda", dtype=torch.uint8)
+            del a
+            b = torch.empty(500, device="cuda", dtype=torch.uint8)
+        with measure("step"):  # a repeated name keeps the larger peak
+            pass
+        del weights, b
+    assert trace.stage_peaks == {"step": 4000}
+    with pytest.raises(RuntimeError, match="inside a fake GPU"):
+        with measure("outside"):
+            pass

@@ -36,6 +36,7 @@ API (stable)::
     report.summary() -> str         # one line a rank: collectives, syncs, peak
     fake_gpu(rank, world_size)      # context manager: the same for one rank in the caller's code; yields its RankTrace
     layer_names(module, prefix)     # name a module tree for messages (otherwise roots are named by their class)
+    with measure("dit"): ...        # inside fn: the peak of live device bytes in the block -> trace.stage_peaks
 
     from winsp.utils.phases import planning_phase, plans
     with planning_phase("what"): ...  # mark planning (host reads allowed); everything else is compute
@@ -65,8 +66,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from winsp.utils.phases import current_phase, set_phase_observer
 
-__all__ = ["run_fake_gpu", "fake_gpu", "FakeGpuError", "FakeGpuReport", "RankTrace", "Collective", "HostSync",
-           "Transfer", "Mismatch", "layer_names", "cuda_build_available"]
+__all__ = ["run_fake_gpu", "fake_gpu", "measure", "FakeGpuError", "FakeGpuReport", "RankTrace", "Collective",
+           "HostSync", "Transfer", "Mismatch", "layer_names", "cuda_build_available"]
 
 
 class FakeGpuError(AssertionError):
@@ -165,6 +166,7 @@ class RankTrace:
     peak_layer: str = ""
     peak_phase: str = ""
     live_bytes: int = 0
+    stage_peaks: dict[str, int] = field(default_factory=dict)  # peak live bytes inside each measure(name) block
     result: Any = None
     error: str | None = None  # what stopped the rank (a violation it could not run past), and where
     error_recorded: bool = False  # the stop is the last recorded sync or mismatch
@@ -287,6 +289,7 @@ class _Recorder(TorchDispatchMode):
         self.planning_what: list[str] = []
         self._live: dict[int, int] = {}
         self.fake_mode: Any = None
+        self.stages: list[list] = []  # open measure() blocks: [name, peak]
 
     # the phase observer (winsp.utils.phases)
     def enter_planning(self, what: str) -> None:
@@ -323,6 +326,8 @@ class _Recorder(TorchDispatchMode):
             elif old != size:  # resized in place (FSDP frees unsharded parameters so)
                 self._live[key] = size
                 self.trace.live_bytes += size - old
+        for open_stage in self.stages:
+            open_stage[1] = max(open_stage[1], self.trace.live_bytes)
         if self.trace.live_bytes > self.trace.peak_bytes:
             self.trace.peak_bytes = self.trace.live_bytes
             self.trace.peak_layer, self.trace.peak_phase = self.layer, self.phase
@@ -573,6 +578,24 @@ def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
 
 
 _ACTIVE = [0]  # fake GPUs open in this process
+_RECORDERS: list[_Recorder] = []  # the open fake GPUs' recorders, innermost last
+
+
+@contextlib.contextmanager
+def measure(name: str) -> Iterator[None]:
+    """Inside :func:`fake_gpu` / :func:`run_fake_gpu`: record the peak of live device bytes during the block (what
+    was live at its start included) as ``trace.stage_peaks[name]`` (the larger one when a name repeats)."""
+    if not _RECORDERS:
+        raise RuntimeError("measure() works inside a fake GPU (winsp.testing.fake_gpu.fake_gpu or run_fake_gpu)")
+    recorder = _RECORDERS[-1]
+    entry = [name, recorder.trace.live_bytes]
+    recorder.stages.append(entry)
+    try:
+        yield
+    finally:
+        recorder.stages.remove(entry)
+        peaks = recorder.trace.stage_peaks
+        peaks[name] = max(peaks.get(name, 0), entry[1])
 
 
 @contextlib.contextmanager
@@ -644,12 +667,14 @@ def fake_gpu(rank: int = 0, world_size: int = 1, *, capability: tuple[int, int] 
     sys.excepthook = hook
     previous = set_phase_observer(recorder)
     layers.install()
+    _RECORDERS.append(recorder)
     try:
         fake_mode = recorder.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with (fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode),
               _eager_compile()):
             yield trace
     finally:
+        _RECORDERS.remove(recorder)
         layers.remove()
         set_phase_observer(previous)
         _forget_process_groups()
