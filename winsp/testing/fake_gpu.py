@@ -588,14 +588,14 @@ def measure(name: str) -> Iterator[None]:
     if not _RECORDERS:
         raise RuntimeError("measure() works inside a fake GPU (winsp.testing.fake_gpu.fake_gpu or run_fake_gpu)")
     recorder = _RECORDERS[-1]
-    entry = [name, recorder.trace.live_bytes]
+    entry: list = [name, recorder.trace.live_bytes]
     recorder.stages.append(entry)
     try:
         yield
     finally:
         recorder.stages.remove(entry)
         peaks = recorder.trace.stage_peaks
-        peaks[name] = max(peaks.get(name, 0), entry[1])
+        peaks[name] = max(peaks.get(name, 0), int(entry[1]))
 
 
 @contextlib.contextmanager
