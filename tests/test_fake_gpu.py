@@ -200,3 +200,28 @@ def test_measure_records_a_stage_peak():
     with pytest.raises(RuntimeError, match="inside a fake GPU"):
         with measure("outside"):
             pass
+
+
+def test_torch_distributed_collectives_are_recorded_alike():
+    """Collectives issued straight through torch.distributed (as FSDP2 and other libraries do) and the functional
+    ones are recorded and compared too: here an all-gather whose input size differs on one rank."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from winsp.testing.fake_gpu import FakeGpuError, run_fake_gpu
+
+    def fn(rank, world, bad):
+        n = 5 if bad and rank == 1 else 4
+        x = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(world * n, device="cuda", dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(out, x)
+        dist.reduce_scatter_tensor(x, out)
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+        dist.all_to_all_single(out, out.clone(), [n] * world, [n] * world)
+
+    report = run_fake_gpu(fn, 2, False)
+    ops = [(c.op, c.numel, c.dtype) for c in report.ranks[0].collectives]
+    assert ops == [("all_gather", 4, torch.bfloat16), ("reduce_scatter", 8, torch.bfloat16),
+                   ("all_reduce", 4, torch.bfloat16), ("all_to_all", 8, torch.bfloat16)], ops
+    with pytest.raises(FakeGpuError, match=r"collective #0 .*all_gather.*element counts differ.*rank 1: 5"):
+        run_fake_gpu(fn, 2, True)
