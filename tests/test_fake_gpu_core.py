@@ -129,7 +129,7 @@ def test_torch_varlen_where_this_torch_has_it():
 def test_flash_varlen_up_to_the_kernel_call(monkeypatch):
     """flash-attn is not installed: a stand-in kernel checks what winsp passes it (dtypes, devices, cu_seqlens)."""
     import winsp.attention.backends.flash_varlen as flash_varlen
-    from winsp.testing.fake_gpu import run_fake_gpu
+    from winsp.testing.fake_gpu import host_values, run_fake_gpu
 
     calls = []
 
@@ -141,6 +141,13 @@ def test_flash_varlen_up_to_the_kernel_call(monkeypatch):
             assert cu.device.type == "cuda" and cu.dtype == torch.int32 and cu.dim() == 1, cu
         assert cu_q is cu_k and isinstance(max_q, int) and max_q == max_k and max_q > 0
         assert dropout_p == 0.0 and causal is False and softmax_scale is None or softmax_scale > 0
+        # cu_seqlens came from planning's host tensor: its values start at 0, rise, end at the packed rows, and
+        # their longest step is max_seqlen
+        cu = host_values(cu_q)
+        assert cu is not None, "cu_seqlens was not copied from a host tensor"
+        steps = cu[1:] - cu[:-1]
+        assert int(cu[0]) == 0 and int(cu[-1]) == q.shape[0] and bool((steps > 0).all()), cu
+        assert int(steps.max()) == max_q
         calls.append((tuple(q.shape), cu_q.shape[0] - 1, max_q))
         return torch.empty_like(q)
 

@@ -37,6 +37,7 @@ API (stable)::
     fake_gpu(rank, world_size)      # context manager: the same for one rank in the caller's code; yields its RankTrace
     layer_names(module, prefix)     # name a module tree for messages (otherwise roots are named by their class)
     with measure("dit"): ...        # inside fn: the peak of live device bytes in the block -> trace.stage_peaks
+    host_values(t)                  # a device tensor copied from a host integer tensor: those values (or None)
 
     from winsp.utils.phases import planning_phase, plans
     with planning_phase("what"): ...  # mark planning (host reads allowed); everything else is compute
@@ -63,11 +64,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 from winsp.utils.phases import current_phase, set_phase_observer
 
-__all__ = ["run_fake_gpu", "fake_gpu", "measure", "FakeGpuError", "FakeGpuReport", "RankTrace", "Collective",
-           "HostSync", "Transfer", "Mismatch", "layer_names", "cuda_build_available"]
+__all__ = ["run_fake_gpu", "fake_gpu", "measure", "host_values", "FakeGpuError", "FakeGpuReport", "RankTrace",
+           "Collective", "HostSync", "Transfer", "Mismatch", "layer_names", "cuda_build_available"]
 
 
 class FakeGpuError(AssertionError):
@@ -447,6 +449,12 @@ class _Recorder(TorchDispatchMode):
                                                   phase, what))
         elif src.device.type == "cpu" and dst.device.type == "cuda" and src.dim() > 0:
             self.trace.transfers.append(Transfer(str(func), tuple(src.shape), self.layer, phase))
+            if (name == "_to_copy" and not _is_fake(src) and not src.is_floating_point()
+                    and src.numel() <= _KEPT_VALUES_NUMEL):
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    _HOST_VALUES[dst] = src.detach().clone()
 
     def _collective(self, func, args, kwargs) -> None:
         c = _describe_collective(func, args, kwargs)
@@ -578,6 +586,16 @@ def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
 
 
 _ACTIVE = [0]  # fake GPUs open in this process
+_KEPT_VALUES_NUMEL = 1 << 20
+#: a device tensor copied from a host integer tensor -> the host values it was copied from (plans' index tensors)
+_HOST_VALUES = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+
+
+def host_values(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The values of a fake device tensor that was copied from a host integer tensor (index tensors, split sizes,
+    ``cu_seqlens``: what planning moves to the device), as a CPU tensor; None for any other (a fake tensor has no
+    values of its own). Valid while nothing wrote into the device tensor after the copy. For checks in tests."""
+    return _HOST_VALUES.get(tensor)
 _RECORDERS: list[_Recorder] = []  # the open fake GPUs' recorders, innermost last
 
 
