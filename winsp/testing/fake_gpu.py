@@ -25,7 +25,8 @@ API (stable)::
 
     report = run_fake_gpu(fn, world_size, *args, ranks=None, check=True, **kwargs)
         # fn(rank, world_size, *args, **kwargs) runs inside the fake GPU for each rank in ``ranks`` (default: all);
-        # build modules on device="cuda" or "meta" (then .to_empty(device="cuda")); .to(dtype) works.
+        # build modules on "meta" then .to_empty(device="cuda"), or on the host then .to("cuda", dtype) (some
+        # initialisers, e.g. trunc_normal_, read values and fail on a fake device); .to(dtype) works on fake ones.
         # Returns a FakeGpuReport; with check=True (the default) raises FakeGpuError naming each problem (rank,
         # phase, layer, collective).
     report.ranks[r]: RankTrace      # .collectives, .host_syncs, .transfers, .mismatches, .peak_bytes,
@@ -46,6 +47,9 @@ API (stable)::
 ``torch.compile``d functions (FlexAttention's included) run eagerly on the fake GPU: compile cannot trace under its
 recording mode. Not supported: ``backward()`` (autograd's engine needs a CUDA context for CUDA tensors, which a
 machine without a GPU has not); run the forward under ``torch.no_grad()`` or inference mode.
+
+The fake GPU acts on the calling thread (torch's dispatch modes are per thread): work a function hands to other
+threads runs on the real (absent) device and fails there.
 
 A stopping violation (a read of a device value, which a fake tensor does not have, or a device mismatch) raises
 :class:`FakeGpuError` inside ``fn`` at the op, naming the layer; :func:`run_fake_gpu` catches it for that rank,
