@@ -225,3 +225,17 @@ def test_torch_distributed_collectives_are_recorded_alike():
                    ("all_reduce", 4, torch.bfloat16), ("all_to_all", 8, torch.bfloat16)], ops
     with pytest.raises(FakeGpuError, match=r"collective #0 .*all_gather.*element counts differ.*rank 1: 5"):
         run_fake_gpu(fn, 2, True)
+
+
+def test_point_to_point_messages_travel_on_the_device():
+    """send_tensor on the fake GPU sends from the device, as on NCCL (its header included): no host copy."""
+    from winsp.comm.group import send_tensor
+    from winsp.testing.fake_gpu import run_fake_gpu
+
+    def fn(rank, world):
+        if rank == 0:
+            send_tensor(torch.zeros(3, 4, device="cuda", dtype=torch.bfloat16), 1)
+
+    trace = run_fake_gpu(fn, 2).ranks[0]
+    assert [(c.op, c.dtype) for c in trace.collectives] == [("send", torch.int64), ("send", torch.bfloat16)]
+    assert trace.device_syncs_in_compute() == []
