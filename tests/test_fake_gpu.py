@@ -101,6 +101,7 @@ def test_a_clean_run_passes_and_is_recorded():
         reads = [s for s in trace.host_syncs if s.kind == "host read"]
         assert reads and all(s.phase == "planning" and s.what == "row counts" for s in reads)
         assert trace.device_syncs_in_compute() == [] and trace.mismatches == []
+        assert trace.device_ops["compute"] >= 2 * 2  # two Linear layers of two ops at least (matmul, bias)
         # weights: two 16x16 bf16 Linear layers (512 + 32 bytes each) are live at the peak, at least
         assert trace.peak_bytes >= 2 * (16 * 16 * 2 + 16 * 2)
     assert report.ranks[0].result["gathered"] == (sum(ROWS), 16)

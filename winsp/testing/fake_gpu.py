@@ -30,7 +30,8 @@ API (stable)::
         # Returns a FakeGpuReport; with check=True (the default) raises FakeGpuError naming each problem (rank,
         # phase, layer, collective).
     report.ranks[r]: RankTrace      # .collectives, .host_syncs, .transfers, .mismatches, .peak_bytes,
-                                    # .peak_layer, .result (fn's return value), .error (the violation that stopped it)
+                                    # .peak_layer, .stage_peaks, .device_ops (aten ops on the device, by phase),
+                                    # .result (fn's return value), .error (the violation that stopped it)
     report.problems() -> list[str]  # every violation and cross-rank disagreement, one line each
     report.check()                  # raise FakeGpuError if problems() is not empty
     report.peak_bytes() -> int      # the largest per-rank peak
@@ -171,6 +172,8 @@ class RankTrace:
     peak_bytes: int = 0
     peak_layer: str = ""
     peak_phase: str = ""
+    #: aten ops on device tensors, by phase (views included): a rough count of kernel launches
+    device_ops: dict[str, int] = field(default_factory=dict)
     live_bytes: int = 0
     stage_peaks: dict[str, int] = field(default_factory=dict)  # peak live bytes inside each measure(name) block
     result: Any = None
@@ -373,6 +376,9 @@ class _Recorder(TorchDispatchMode):
             raise self._translate(func, tensors, e) from e
         self._track(out)
         self._aten_after(func, tensors, out)
+        if func.namespace == "aten" and any(t.device.type == "cuda" for t in tensors):
+            phase = self.phase
+            self.trace.device_ops[phase] = self.trace.device_ops.get(phase, 0) + 1
         return out
 
     def _to_fake(self, t: torch.Tensor) -> torch.Tensor:
@@ -735,7 +741,8 @@ class FakeGpuReport:
         for r in sorted(self.ranks):
             t = self.ranks[r]
             syncs = len(t.device_syncs_in_compute())
-            lines.append(f"rank {r}: {len(t.collectives)} collectives, {syncs} device syncs in compute, "
+            lines.append(f"rank {r}: {len(t.collectives)} collectives, {t.device_ops.get('compute', 0)} device ops "
+                         f"and {syncs} device syncs in compute, "
                          f"{len(t.mismatches)} mismatches, {len(t.transfers)} host-to-device copies, peak "
                          f"{_human(t.peak_bytes)} at {t.peak_layer} ({t.peak_phase})")
         return "\n".join(lines)
