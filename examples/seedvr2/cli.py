@@ -69,7 +69,7 @@ from .terminal_text import printable
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
 from .checkpoint_dtypes import WEIGHT_MODES
-from .launcher import FAILED_ENV, PORT_TAKEN_EXIT, env_rank, launched_rank, leave_note, record_port_taken
+from .launcher import PORT_TAKEN_EXIT, env_rank, leave_note, record_port_taken, speaks_for_stop
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
 from .weights_discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 
@@ -1034,8 +1034,7 @@ def _print_error(progress: StageProgress, message: str, names: Sequence[Optional
 def _stop_message(rank: int):
     """The one line printed when a signal stops the run (by rank 0 only: the others stop silently)."""
     def message(signum: int, removed: list) -> Optional[str]:
-        marker = os.environ.get(FAILED_ENV)
-        if rank != 0 or (launched_rank() and marker and os.path.exists(marker)):  # stopped: another rank failed
+        if not speaks_for_stop(rank):  # rank 0 alone; under --ranks, not when another rank failed
             return None
         import signal
 

@@ -41,7 +41,7 @@ from .terminal_text import printable
 
 __all__ = ["LaunchError", "wants_launcher", "requested_ranks", "gpu_count", "rank_environment", "launch",
            "LAUNCHED_ENV", "FAILED_ENV", "LAUNCH_DIR_ENV", "launched_rank", "env_rank", "record_partial",
-           "leave_note", "record_port_taken", "preflight", "PORT_TAKEN_EXIT"]
+           "leave_note", "record_port_taken", "preflight", "PORT_TAKEN_EXIT", "speaks_for_stop"]
 
 PROG = "python -m examples.seedvr2"
 #: set in every rank the launcher starts, to the launcher's process id (see :func:`launched_rank`)
@@ -52,6 +52,8 @@ FAILED_ENV = "SEEDVR2_LAUNCH_FAILED"
 LAUNCH_DIR_ENV = "SEEDVR2_LAUNCH_DIR"
 #: seconds the other ranks get to stop on their own after one failed, before SIGTERM; then until SIGKILL
 GRACE_S, KILL_S = 2.0, 5.0
+#: how often a stop signal is sent again to ranks that have not ended yet
+RESEND_S = 0.5
 #: the exit code of a rank 0 that found the rendezvous port taken (the launcher then starts again on another one)
 PORT_TAKEN_EXIT = 75
 #: how many ports are tried before the launcher gives up
@@ -72,6 +74,14 @@ def launched_rank(env: Optional[Mapping[str, str]] = None) -> bool:
     inherited from a shell (or from a launcher further up) names another process and is ignored."""
     env = os.environ if env is None else env
     return bool(env.get(LAUNCHED_ENV)) and env.get(LAUNCHED_ENV) == str(os.getppid())
+
+
+def speaks_for_stop(rank: Optional[int] = None) -> bool:
+    """Whether this process prints the line of a stop signal: rank 0 (:func:`env_rank`) alone, and not when the
+    launcher is stopping the ranks because another one failed (that one said why, or the launcher does)."""
+    rank = env_rank() if rank is None else rank
+    marker = os.environ.get(FAILED_ENV)
+    return rank == 0 and not (launched_rank() and marker and os.path.exists(marker))
 
 
 def env_rank(env: Optional[Mapping[str, str]] = None) -> int:
@@ -223,8 +233,12 @@ def record_port_taken() -> bool:
     return True
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies (Linux), so no rank outlives it."""
+def _prepare_rank() -> None:
+    """In the child before exec: SIGINT ignored until the CLI installs its handling (a Ctrl-C reaches the terminal's
+    whole process group, and one that lands while the interpreter itself starts is a "Fatal Python error" traceback;
+    the launcher repeats the stop until the rank takes it), and SIGTERM when the launcher dies (Linux), so no rank
+    outlives it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
 
@@ -281,7 +295,7 @@ def launch(argv: Sequence[str], stream=None, module: str = "examples.seedvr2") -
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", module, *argv],
                     env=rank_environment(os.environ, rank, ranks, port, failed_marker, cpus),
-                    stdin=None if rank == 0 else subprocess.DEVNULL, preexec_fn=_die_with_parent))
+                    stdin=None if rank == 0 else subprocess.DEVNULL, preexec_fn=_prepare_rank))
                 if stopping:  # a signal while starting them: the ones started get it too
                     _signal_all(procs, stopping[0])
             code = _wait(procs, workdir, stopping, say)
@@ -308,6 +322,7 @@ def _wait(procs: list, workdir: str, stopping: list, say) -> Optional[int]:
     failures: list[int] = []  # the ranks that failed by themselves, in the order seen: the first is the cause
     terminated: set[int] = set()  # the ranks the launcher stopped
     failed_at = terminated_at = None
+    forwarded_at = time.monotonic()
     while True:
         codes = [p.poll() for p in procs]
         if codes[0] == PORT_TAKEN_EXIT and os.path.exists(os.path.join(workdir, _PORT_TAKEN)) and not stopping:
@@ -321,6 +336,9 @@ def _wait(procs: list, workdir: str, stopping: list, say) -> Optional[int]:
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
+        if stopping and now - forwarded_at > RESEND_S:  # a rank still starting may not have taken it yet
+            forwarded_at = now
+            _signal_all(procs, stopping[0])
         if failures and failed_at is None:
             failed_at = now
             if not stopping:  # a stop the user asked for is reported by rank 0 itself
@@ -345,16 +363,17 @@ def _wait(procs: list, workdir: str, stopping: list, say) -> Optional[int]:
         return 0
     rank = failures[0]
     code = procs[rank].returncode
+    stopped_by = _STOP_CODES.get(code) or (-code in _STOP_CODES.values() and signal.Signals(-code)) or None
+    if stopped_by:  # by a stop signal sent to this rank alone (or dead of it before its handling was in place)
+        if rank != 0 or code < 0 or removed:  # rank 0 said it itself, unless it could not
+            say(f"stopped: rank {rank} was stopped by {stopped_by.name} (sent to it alone); the other ranks were "
+                f"stopped{left}")
+        return 128 + int(stopped_by)
     if code < 0:
         name = signal.Signals(-code).name
         hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
         say(f"error: rank {rank} was killed by {name}{hint}; the other ranks were stopped{left}")
         return 2
-    if code in _STOP_CODES:
-        if rank != 0 or removed:  # rank 0 said it itself, unless it was stopped too late to remove its output
-            say(f"stopped: rank {rank} was stopped by {_STOP_CODES[code].name} (sent to it alone); the other ranks "
-                f"were stopped{left}")
-        return code
     note = os.path.join(workdir, f"note-{rank}")
     if os.path.exists(note):  # it stopped because of a rank that never said why (stopped answering, say)
         with open(note, encoding="utf-8") as f:

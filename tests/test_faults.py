@@ -1,0 +1,288 @@
+"""The attack on ``--ranks``, folder input, weights discovery, checkpoints and ``--shard-weights`` (issue 38), case by
+case: every failure is one line from rank 0 or the launcher, nothing partial is left, no process is left behind,
+and nothing falls back silently. The signal cases run the real launcher and signal its real children by PID.
+
+``R`` below is ``python -m examples.seedvr2 restore``; "rank k" is the launcher's child with ``RANK=k``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from fractions import Fraction
+
+import pytest
+
+av = pytest.importorskip("av")
+
+from examples.seedvr2 import cli  # noqa: E402
+from examples.seedvr2.launcher import LAUNCHED_ENV, env_rank, launched_rank, wants_launcher  # noqa: E402
+from tests.test_cli import PREFIX, REPO, _expect_error, leftovers, make_mp4, make_png  # noqa: E402
+from tests.test_cli_stop import _wait_for  # noqa: E402
+from tests.test_launcher import _env, _torch_debug_log  # noqa: E402
+
+TIMEOUT = 240
+STOPPED = "python -m examples.seedvr2: stopped"
+
+
+# ---- the real launcher and its real children ------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], _children(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo += _children(child)
+    return out
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the launcher's children, from the ``RANK`` in each one's environment."""
+    ranks = {}
+    for child in _children(launcher):
+        try:
+            with open(f"/proc/{child}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            ranks[int(env[b"RANK"])] = child
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Launched:
+    """``R ARGS --ranks N --quiet`` started in a session of its own (a Ctrl-C can go to its whole process group)."""
+
+    def __init__(self, *args, ranks: int = 2, **env):
+        self.proc = subprocess.Popen([sys.executable, "-m", "examples.seedvr2", "restore", *map(str, args), "--ranks",
+                                      str(ranks), "--quiet"], cwd=REPO, env=_env(**env), stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.ranks = ranks
+        self.seen: set[int] = set()  # every process of the run, to check that none outlives it
+
+    def rank(self, k: int) -> int:
+        _wait_for(lambda: len(self._note(_rank_pids(self.proc.pid))) == self.ranks or self.proc.poll() is not None,
+                  TIMEOUT, "the ranks")
+        return _rank_pids(self.proc.pid)[k]
+
+    def _note(self, pids):
+        self.seen.update(_descendants(self.proc.pid))
+        return pids
+
+    def finish(self) -> tuple[int, list[str], float]:
+        """(exit code, stderr's lines less torch's own debug log and the demo's warning, seconds to exit)."""
+        self.seen.update(_descendants(self.proc.pid))
+        started = time.monotonic()
+        try:
+            _, err = self.proc.communicate(timeout=TIMEOUT)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        took = time.monotonic() - started
+        _wait_for(lambda: not any(_alive(p) for p in self.seen), 10, "every process of the run to end")
+        lines = [line for line in err.splitlines() if line.strip() and "DEMO" not in line and not _torch_debug_log(line)]
+        assert "Traceback" not in err, err
+        return self.proc.returncode, lines, took
+
+
+def _partial_exists(directory) -> bool:
+    return any(".partial" in n for n in os.listdir(directory))
+
+
+@pytest.fixture(scope="module")
+def long_clip(tmp_path_factory):
+    """A clip that takes two ranks several batches (the output is being written for a while)."""
+    return make_mp4(tmp_path_factory.mktemp("long") / "in.mp4", t=41, h=32, w=48, fps=Fraction(12))
+
+
+def _mid_run(tmp_path, clip, **env) -> Launched:
+    run = Launched(clip, "-o", tmp_path / "out.mp4", "--batch-frames", "5", "--overlap", "0", **env)
+    run.rank(1)
+    _wait_for(lambda: _partial_exists(tmp_path) or run.proc.poll() is not None, TIMEOUT, "the partial output")
+    assert run.proc.poll() is None, "the restore ended before the fault"
+    run.seen.update(_descendants(run.proc.pid))
+    return run
+
+
+# ---- 1-3: a rank killed, stopped alone, or stopped answering mid-run ---------------------------------------------
+
+
+def test_1_rank_0_killed_leaves_no_partial_output(tmp_path, long_clip):
+    run = _mid_run(tmp_path, long_clip)
+    os.kill(run.rank(0), signal.SIGKILL)
+    code, lines, _ = run.finish()
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith(f"{PREFIX} rank 0 was killed by SIGKILL"), lines
+    assert "its partial output .out." in lines[0] and "removed" in lines[0], lines
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGQUIT, marks=pytest.mark.slow)],
+                         ids=lambda s: s.name)
+def test_2_a_signal_to_one_non_zero_rank_is_one_line(tmp_path, long_clip, signum):
+    run = _mid_run(tmp_path, long_clip)
+    os.kill(run.rank(1), signum)
+    code, lines, _ = run.finish()
+    assert code == 128 + signum, lines
+    assert lines == [f"{STOPPED}: rank 1 was stopped by {signum.name} (sent to it alone); the other ranks were "
+                     f"stopped"], lines
+    assert leftovers(tmp_path) == []
+
+
+def test_3_a_stopped_rank_is_named(tmp_path, long_clip):
+    """SIGSTOP to rank 1: after the collective timeout rank 0's roll call names it, and the launcher prints that."""
+    run = _mid_run(tmp_path, long_clip, WINSP_COLLECTIVE_TIMEOUT="3")
+    os.kill(run.rank(1), signal.SIGSTOP)
+    code, lines, took = run.finish()
+    assert code == 2, lines
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL":  # the checker's barrier fails first, naming the rank
+        assert len(lines) == 1 and "rank 0: stopped: another rank failed" in lines[0], lines
+        assert "Ranks 1 failed to pass monitoredBarrier" in lines[0], lines
+    else:
+        assert lines == ["python -m examples.seedvr2: rank 0: stopped: rank 1 stopped answering (stuck, stopped or "
+                         "gone): a collective timed out (WINSP_COLLECTIVE_TIMEOUT sets how long to wait)"], lines
+    assert took < 60, took
+    assert leftovers(tmp_path) == []
+
+
+# ---- 5, 6: stopped during start-up -------------------------------------------------------------------------------
+
+
+def test_5_ctrl_c_during_start_up_is_one_line_and_quick(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the launcher and its 3 ranks, while they import torch."""
+    run = Launched(make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png", ranks=3)
+    run.rank(2)
+    sent = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, lines, _ = run.finish()
+    assert code == 130, lines
+    assert len(lines) == 1 and lines[0].startswith(f"{STOPPED} by SIGINT"), lines
+    assert time.monotonic() - sent < 15
+    assert leftovers(tmp_path, {"in.png"}) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)],
+                         ids=lambda s: s.name)
+def test_6_a_stop_signal_during_start_up_is_one_line(tmp_path, signum):
+    run = Launched(make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png", ranks=3)
+    run.rank(2)
+    os.kill(run.proc.pid, signum)  # to the launcher, which forwards it
+    code, lines, _ = run.finish()
+    assert code == 128 + signum, lines
+    assert len(lines) == 1 and lines[0].startswith(f"{STOPPED} by {signum.name}"), lines
+    assert leftovers(tmp_path, {"in.png"}) == []
+
+
+def test_6_a_stop_signal_to_one_rank_during_start_up_is_one_line(tmp_path):
+    run = Launched(make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png")
+    os.kill(run.rank(1), signal.SIGTERM)
+    code, lines, _ = run.finish()
+    assert code == 143, lines
+    assert lines == [f"{STOPPED}: rank 1 was stopped by SIGTERM (sent to it alone); the other ranks were stopped"]
+    assert leftovers(tmp_path, {"in.png"}) == []
+
+
+# ---- 4: the launcher's port taken before rank 0 binds it ---------------------------------------------------------
+
+
+def test_4_a_taken_port_is_retried(tmp_path):
+    """The first port the launcher picks is held by another program (listening) when rank 0 binds it: the ranks are
+    started again on another port and the run succeeds, with no traceback."""
+    src = make_png(tmp_path / "in.png")
+    out = tmp_path / "o.png"
+    code = ("import socket, sys\n"
+            "from examples.seedvr2 import launcher\n"
+            "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
+            "ports = [held.getsockname()[1]]\n"
+            "free = launcher.free_port\n"
+            "launcher.free_port = lambda: ports.pop() if ports else free()\n"
+            f"sys.exit(launcher.launch(['restore', {str(src)!r}, '-o', {str(out)!r}, '--ranks', '2', '--quiet']))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "EADDRINUSE" not in done.stderr, done.stderr
+    assert out.exists() and leftovers(tmp_path, {"in.png", "o.png"}) == []
+
+
+# ---- 7: a stray RANK, an inherited SEEDVR2_LAUNCHED ---------------------------------------------------------------
+
+
+def test_7_a_stray_rank_without_a_world_is_ignored(tmp_path, capsys, monkeypatch):
+    """``RANK=1`` without ``WORLD_SIZE`` describes no world: the process is rank 0 of 1 and speaks."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert env_rank() == 0
+    _expect_error(capsys, ["restore", tmp_path / "in.png", "--crf", "abc"], "--crf", tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert env_rank() == 1
+
+
+def test_7_sigterm_with_a_stray_rank_is_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "examples.seedvr2", "restore", make_png(tmp_path / "in.png"), "-o",
+                             str(tmp_path / "o.png")], cwd=REPO, env=_env(RANK="1"), stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(0.3)  # importing torch
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 143, err
+    assert err.splitlines() == [f"{STOPPED} by SIGTERM during start-up: nothing was written"], err
+
+
+def test_7_an_inherited_launched_marker_is_ignored(tmp_path):
+    """``SEEDVR2_LAUNCHED=1`` from a shell made ``--ranks`` run one rank; it now names the launcher's process id, so
+    an inherited value is not taken for one (here the launcher itself answers ``--ranks 0``)."""
+    assert launched_rank({LAUNCHED_ENV: str(os.getppid())}) and not launched_rank({LAUNCHED_ENV: "1"})
+    assert wants_launcher(["restore", "a.mp4", "--ranks", "2"], env={LAUNCHED_ENV: "1"})
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", str(tmp_path / "in.png"), "--ranks",
+                           "0"], cwd=REPO, env=_env(**{LAUNCHED_ENV: "1"}), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"{PREFIX} --ranks must be at least 1, got 0 (see python -m examples.seedvr2 restore --help)"], done.stderr
+
+
+# ---- 8 (and issue 40): a bad checkpoint under --ranks N is one line ---------------------------------------------
+
+
+def test_8_a_missing_checkpoint_is_refused_before_the_ranks_start(tmp_path):
+    started = time.monotonic()
+    run = Launched(tmp_path / "in.png", "-o", tmp_path / "o.png", "--dit-checkpoint", tmp_path / "dit.safetensors",
+                   "--vae-checkpoint", tmp_path / "vae.safetensors", ranks=3)
+    code, lines, _ = run.finish()
+    assert code == 2 and lines == [f"{PREFIX} --dit-checkpoint: file not found: {tmp_path / 'dit.safetensors'}"]
+    assert time.monotonic() - started < 10  # no rank started (each would import torch first)
+
+
+def test_8_a_bad_checkpoint_under_ranks_is_one_line_from_rank_0(tmp_path):
+    dit, vae = tmp_path / "dit.safetensors", tmp_path / "vae.safetensors"
+    dit.write_bytes(os.urandom(4096))
+    vae.write_bytes(os.urandom(4096))
+    run = Launched(make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png", "--dit-checkpoint", dit,
+                   "--vae-checkpoint", vae)
+    code, lines, _ = run.finish()
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith(f"{PREFIX} --dit-checkpoint {dit}: checkpoint"), lines
+    assert "is not a readable safetensors file" in lines[0]
+    assert leftovers(tmp_path, {"in.png", "dit.safetensors", "vae.safetensors"}) == []
