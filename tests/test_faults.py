@@ -103,7 +103,8 @@ class Launched:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         took = time.monotonic() - started
         _wait_for(lambda: not any(_alive(p) for p in self.seen), 10, "every process of the run to end")
-        lines = [line for line in err.splitlines() if line.strip() and "DEMO" not in line and not _torch_debug_log(line)]
+        lines = [line for line in err.splitlines()
+                 if line.strip() and "DEMO" not in line and not _torch_debug_log(line)]
         assert "Traceback" not in err, err
         return self.proc.returncode, lines, took
 
@@ -286,3 +287,255 @@ def test_8_a_bad_checkpoint_under_ranks_is_one_line_from_rank_0(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"{PREFIX} --dit-checkpoint {dit}: checkpoint"), lines
     assert "is not a readable safetensors file" in lines[0]
     assert leftovers(tmp_path, {"in.png", "dit.safetensors", "vae.safetensors"}) == []
+
+
+# ---- 9-12: folders and several inputs ----------------------------------------------------------------------------
+
+
+def _must_not_run(monkeypatch):
+    """Nothing may be read or loaded: the refusal comes before anything runs."""
+    import examples.seedvr2.media as media
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("read or loaded before the refusal")
+
+    monkeypatch.setattr(media, "probe_media", must_not_run)
+    monkeypatch.setattr(cli, "load_models", must_not_run)
+
+
+def test_9_colliding_outputs_without_o_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """``R a.m4v a.ts --overwrite``: both would be written to ``a_restored.mp4`` (the second replacing the first)."""
+    src = make_mp4(tmp_path / "a.m4v")
+    os.link(src, tmp_path / "a.ts")
+    _must_not_run(monkeypatch)
+    line = _expect_error(capsys, ["restore", tmp_path / "a.m4v", tmp_path / "a.ts", "--overwrite"],
+                         f"{tmp_path / 'a.m4v'} and {tmp_path / 'a.ts'} would both be written to "
+                         f"{tmp_path / 'a_restored.mp4'}", tmp_path, keep={"a.m4v", "a.ts"})
+    assert "restore them separately" in line
+
+
+def test_9_an_output_that_is_another_input_is_refused(tmp_path, capsys, monkeypatch):
+    make_png(tmp_path / "a.png")
+    make_png(tmp_path / "a_restored.png")
+    _must_not_run(monkeypatch)
+    _expect_error(capsys, ["restore", tmp_path / "a.png", tmp_path / "a_restored.png", "--overwrite"],
+                  f"the output {tmp_path / 'a_restored.png'} of {tmp_path / 'a.png'} is the input", tmp_path,
+                  keep={"a.png", "a_restored.png"})
+
+
+def test_9_colliding_outputs_in_a_folder_are_refused(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    make_mp4(folder / "a.m4v")
+    make_mp4(folder / "a.ts")
+    _must_not_run(monkeypatch)
+    _expect_error(capsys, ["restore", folder], f"would both be written to {tmp_path / 'in_restored' / 'a.mp4'}",
+                  tmp_path, keep={"in"})
+
+
+def test_10_failing_names_with_escapes_and_newlines_are_printed_escaped(tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("a\x1b[2J.mp4", "b\nc.mp4"):
+        (folder / name).write_text("not a video\n")
+    assert cli.main(["restore", str(folder), "-o", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 3, err  # one error line a file, then the summary
+    assert f"{folder}/a\\x1b[2J.mp4" in lines[0] and f"{folder}/b\\x0ac.mp4" in lines[1], lines
+    assert lines[2].endswith("FAILED 2: a\\x1b[2J.mp4, b\\x0ac.mp4"), lines
+
+
+def test_11_an_unreadable_input_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    """A folder without read permission (simulated: root reads any folder) is named, not a PermissionError."""
+    import examples.seedvr2.inputs as inputs
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    listdir = os.listdir
+
+    def refuse(path="."):
+        if os.fspath(path) == str(folder):
+            raise PermissionError(13, "Permission denied", str(folder))
+        return listdir(path)
+
+    monkeypatch.setattr(inputs.os, "listdir", refuse)
+    _expect_error(capsys, ["restore", folder], f"cannot read the input folder {folder} (Permission denied)", tmp_path,
+                  keep={"in"})
+
+
+def test_11_an_unreadable_input_folder_for_real(tmp_path, capsys):
+    """A folder whose name is a symbolic link loop (ELOOP even for root) is one line naming it."""
+    from examples.seedvr2.inputs import media_in_folder
+    from examples.seedvr2.media import MediaError
+
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    with pytest.raises(MediaError, match=f"cannot read the input folder {loop}"):
+        media_in_folder(str(loop))
+
+
+@pytest.mark.parametrize("target", ["/proc/x", "/sys/x"])
+def test_12_an_output_folder_that_cannot_be_created_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch,
+                                                                                     target):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    make_png(folder / "a.png")
+    _must_not_run(monkeypatch)
+    _expect_error(capsys, ["restore", folder, "-o", target], f"cannot create the output folder {target}", tmp_path,
+                  keep={"in"})
+
+
+def test_12_an_output_folder_that_takes_no_files_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    make_png(folder / "a.png")
+    _must_not_run(monkeypatch)
+    _expect_error(capsys, ["restore", folder, "-o", "/proc"], "cannot write to the output directory /proc", tmp_path,
+                  keep={"in"})
+
+
+# ---- 13-15: weights discovery ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """A working directory and a Hugging Face cache of this test's own (no SEEDVR2_HOME, no other cache)."""
+    for name in ("SEEDVR2_HOME", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd, hub
+
+
+def test_13_an_undecodable_refs_main_is_one_line_naming_it(world, capsys):
+    from tests.test_weights_discovery import _hub_snapshot
+
+    cwd, hub = world
+    _hub_snapshot(str(hub), "ByteDance-Seed/SeedVR2-3B", {"seedvr2_ema_3b.pth": b"x", "ema_vae.pth": b"y"},
+                  main=False)
+    ref = hub / "models--ByteDance-Seed--SeedVR2-3B" / "refs" / "main"
+    ref.parent.mkdir()
+    ref.write_bytes(b"\xff\xfe\x80 not text")
+    _expect_error(capsys, ["restore", make_png(cwd / "in.png")], f"the hub revision file {ref} does not hold a "
+                  f"revision", cwd, keep={"in.png"})
+
+
+def test_14_an_unreadable_snapshot_is_an_error_not_the_demo(world, capsys):
+    """A snapshot that cannot be read (here a link loop, ELOOP even for root) was skipped, and the demo ran."""
+    cwd, hub = world
+    snapshots = hub / "models--ByteDance-Seed--SeedVR2-3B" / "snapshots"
+    snapshots.mkdir(parents=True)
+    os.symlink(snapshots / "abc", snapshots / "abc")
+    _expect_error(capsys, ["restore", make_png(cwd / "in.png")], f"cannot read the weights snapshot "
+                  f"{snapshots / 'abc'}", cwd, keep={"in.png"})
+
+
+def test_14_a_folder_without_permission_is_an_error(world, monkeypatch):
+    """``./ckpts`` (or a snapshot folder) that cannot be listed (simulated: root lists any folder)."""
+    import examples.seedvr2.weights_discovery as discovery
+
+    cwd, hub = world
+    (cwd / "ckpts").mkdir()
+    listdir = os.listdir
+
+    def refuse(path="."):
+        if os.fspath(path) == str(cwd / "ckpts"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(discovery.os, "listdir", refuse)
+    with pytest.raises(discovery.WeightsError, match=f"cannot read the weights folder {cwd / 'ckpts'} "
+                                                     r"\(Permission denied\)"):
+        discovery.find_weights(cwd=str(cwd))
+
+
+def test_15_the_plain_7b_anywhere_is_preferred_to_the_sharp_7b(world):
+    from examples.seedvr2.weights_discovery import find_weights
+    from tests.test_weights_discovery import _file, _hub_snapshot
+
+    cwd, hub = world
+    _file(cwd / "ckpts" / "seedvr2_ema_7b_sharp.pth")
+    _file(cwd / "ckpts" / "ema_vae.pth")
+    snapshot = _hub_snapshot(str(hub), "ByteDance-Seed/SeedVR2-7B", {"seedvr2_ema_7b.pth": b"plain"})
+    found = find_weights(cwd=str(cwd), env={"HF_HUB_CACHE": str(hub)})
+    assert (found.model, found.dit, found.vae) == ("7b", os.path.join(snapshot, "seedvr2_ema_7b.pth"),
+                                                   str(cwd / "ckpts" / "ema_vae.pth"))
+    assert find_weights("7b", cwd=str(cwd), env={"HF_HUB_CACHE": str(hub)}).dit == found.dit
+    os.remove(os.path.join(snapshot, "seedvr2_ema_7b.pth"))  # no plain 7B anywhere: the sharp one
+    assert find_weights(cwd=str(cwd), env={"HF_HUB_CACHE": str(hub)}).dit == str(cwd / "ckpts" /
+                                                                                "seedvr2_ema_7b_sharp.pth")
+
+
+# ---- 16, 17: a tensor of the wrong kind where a weight belongs ----------------------------------------------------
+
+
+def _int8_dit(tmp_path, kind="int8") -> tuple[str, str]:
+    """A small DiT file: one block bias of the released 3B's shape, stored as int8 (or bool); and a VAE file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.streamed_checkpoint import manifest
+
+    shapes = manifest("seedvr2_3b_dit")
+    key = min((k for k in shapes if k.startswith("blocks.0.") and k.endswith(".bias")), key=lambda k: shapes[k])
+    dit, vae = tmp_path / "dit.safetensors", tmp_path / "vae.safetensors"
+    save_file({key: torch.zeros(shapes[key], dtype=getattr(torch, kind))}, str(dit))
+    save_file({"x": torch.zeros(1)}, str(vae))
+    return str(dit), key
+
+
+@pytest.mark.parametrize("kind", ["int8", "bool"])
+def test_16_an_integer_weight_is_one_line(tmp_path, capsys, kind):
+    dit, key = _int8_dit(tmp_path, kind)
+    line = _expect_error(capsys, ["restore", make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png",
+                                  "--dit-checkpoint", dit, "--vae-checkpoint", tmp_path / "vae.safetensors"],
+                         f"{key}: checkpoint {kind} where the model has float32", tmp_path,
+                         keep={"in.png", "dit.safetensors", "vae.safetensors"})
+    assert "dtypes the model cannot take" in line
+
+
+def test_17_the_sharded_loader_refuses_what_the_whole_one_does_with_the_same_message(tmp_path):
+    import torch
+
+    from examples.seedvr2.dit import load_dit_checkpoint
+    from examples.seedvr2.pipeline import released_models_on_meta
+    from examples.seedvr2.sharded_weights import load_sharded_dit
+
+    dit, key = _int8_dit(tmp_path)
+    messages = []
+    for load in (load_dit_checkpoint, lambda model, path: load_sharded_dit(model, path, None)):
+        model, _ = released_models_on_meta("3b", torch.float32)
+        with pytest.raises(ValueError) as info:
+            load(model, dit)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] and f"{key}: checkpoint int8 where the model has float32" in messages[0]
+
+
+@pytest.mark.slow  # two ranks: about 20 s here
+def test_17_shard_weights_under_ranks_refuses_an_integer_weight_in_one_line(tmp_path):
+    dit, key = _int8_dit(tmp_path)
+    run = Launched(make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png", "--dit-checkpoint", dit,
+                   "--vae-checkpoint", tmp_path / "vae.safetensors", "--shard-weights")
+    code, lines, _ = run.finish()
+    assert code == 2 and len(lines) == 1 and f"{key}: checkpoint int8 where the model has float32" in lines[0], lines
+    assert leftovers(tmp_path, {"in.png", "dit.safetensors", "vae.safetensors"}) == []
+
+
+# ---- a raw pickle as --text-embeds ---------------------------------------------------------------------------------
+
+
+def test_a_raw_pickle_text_embedding_is_exactly_one_line(tmp_path, capsys):
+    import pickle
+
+    embeds = tmp_path / "txt.pt"
+    embeds.write_bytes(pickle.dumps({"pos": [1.0, 2.0]}, protocol=4))
+    _expect_error(capsys, ["restore", make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png", "--text-embeds",
+                           embeds], f"refused to read text embeddings {embeds}: it is not a plain tensor file",
+                  tmp_path, keep={"in.png", "txt.pt"})
+    assert capsys.readouterr().err == ""

@@ -24,9 +24,17 @@ Entry = tuple[Sequence[int], Kind]
 _LIMIT = 8
 
 
+#: safetensors' dtype names as torch spells them (so a header and a loaded tensor give the same message)
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
 def entry_kind(kind: Kind) -> str:
-    """A dtype or dtype name as the messages spell it: torch's name (``int8``, ``float8_e4m3fn``, ``Q4_K``)."""
-    return str(kind).replace("torch.", "")
+    """A dtype or dtype name as the messages spell it: torch's name (``int8``, ``float8_e4m3fn``), or GGUF's block
+    type (``Q4_K``)."""
+    name = str(kind).replace("torch.", "")
+    return _TORCH_NAMES.get(name, name)
 
 
 def castable_to_float(kind: Kind) -> bool:
