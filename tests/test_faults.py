@@ -539,3 +539,147 @@ def test_a_raw_pickle_text_embedding_is_exactly_one_line(tmp_path, capsys):
                            embeds], f"refused to read text embeddings {embeds}: it is not a plain tensor file",
                   tmp_path, keep={"in.png", "txt.pt"})
     assert capsys.readouterr().err == ""
+
+
+# ---- distributed checkpoints: a manifest, and no pickled code -------------------------------------------------------
+
+
+class _RunsCode:
+    """Unpickled, it creates ``path``: what a planted pickle would do (here harmless)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _state(seed: int = 0) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}, "step": 7,
+            "optim": {"lr": 0.01, "betas": (0.9, 0.99)}}
+
+
+def _empty_state() -> dict:
+    import torch
+
+    return {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(3)}, "step": 0, "optim": {"lr": 0.0, "betas": (0, 0)}}
+
+
+def _forge_manifest(path) -> None:
+    """Rewrite the manifest to match the folder as it is now (an attacker who can write the folder can do that)."""
+    from winsp.runtime.checkpoint import _files, _sha256, _write_manifest
+
+    _write_manifest(str(path), {n: (os.path.getsize(path / n), _sha256(str(path / n))) for n in _files(str(path))})
+
+
+def test_a_checkpoint_round_trips_with_its_manifest(tmp_path):
+    import json
+
+    import torch
+
+    import winsp
+
+    winsp.save_checkpoint(_state(), tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / winsp.runtime.checkpoint.MANIFEST).read_text())
+    assert set(manifest["files"]) == {n for n in os.listdir(tmp_path / "ckpt")} - {"winsp_manifest.json"}
+    assert ".metadata" in manifest["files"] and all(len(e["sha256"]) == 64 for e in manifest["files"].values())
+    state = _empty_state()
+    winsp.load_checkpoint(state, tmp_path / "ckpt")
+    want = _state()
+    assert torch.equal(state["model"]["w"], want["model"]["w"]) and torch.equal(state["model"]["b"], want["model"]["b"])
+    assert state["step"] == 7 and state["optim"] == {"lr": 0.01, "betas": (0.9, 0.99)}
+
+
+@pytest.mark.parametrize("forged", [False, True], ids=["manifest kept", "manifest forged"])
+def test_a_planted_metadata_never_runs(tmp_path, forged):
+    """A ``.metadata`` replaced by a pickle that runs code: refused by the manifest, and (manifest forged to match)
+    by the unpickler, which builds only DCP's metadata classes. torch's own dcp.load would have run it."""
+    import pickle
+
+    import winsp
+
+    ckpt, ran = tmp_path / "ckpt", tmp_path / "ran"
+    winsp.save_checkpoint(_state(), ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(ran))))
+    if forged:
+        _forge_manifest(ckpt)
+    with pytest.raises(winsp.CheckpointError) as info:
+        winsp.load_checkpoint(_empty_state(), ckpt)
+    message = str(info.value)
+    assert "\n" not in message and "'.metadata'" in message and not ran.exists(), message
+    assert ("is not DCP metadata" if forged else "replaced") in message
+
+
+def test_a_non_tensor_value_that_unpickles_code_never_runs(tmp_path):
+    """A checkpoint (with its manifest) whose non-tensor value unpickles code: torch's own ``dcp.load`` runs it (its
+    planner reads such values with ``torch.load(weights_only=False)``); ``load_checkpoint`` reads them with
+    ``weights_only=True`` and runs nothing."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    import winsp
+
+    ckpt, ran = tmp_path / "ckpt", tmp_path / "ran"
+    winsp.save_checkpoint(dict(_state(), step=_RunsCode(str(ran))), ckpt)
+    with pytest.raises(winsp.CheckpointError, match="the value of 'step' is not plain data"):
+        winsp.load_checkpoint(_empty_state(), ckpt)
+    assert not ran.exists()
+    shutil.copytree(ckpt, tmp_path / "copy")
+    dcp.load(_empty_state(), checkpoint_id=str(tmp_path / "copy"), no_dist=True)
+    assert ran.exists()  # what torch's own loader does with the same folder
+
+
+def test_a_shard_swapped_in_from_another_run_is_refused(tmp_path):
+    import winsp
+
+    winsp.save_checkpoint(_state(0), tmp_path / "a")
+    winsp.save_checkpoint(_state(1), tmp_path / "b")  # the same shapes, other values
+    shard = next(n for n in os.listdir(tmp_path / "a") if n.endswith(".distcp"))
+    os.replace(tmp_path / "b" / shard, tmp_path / "a" / shard)
+    with pytest.raises(winsp.CheckpointError, match=f"'{shard}' is not the file that was saved"):
+        winsp.load_checkpoint(_empty_state(), tmp_path / "a")
+
+
+def test_a_folder_without_a_manifest_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import winsp
+
+    dcp.save(_state(), checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    with pytest.raises(winsp.CheckpointError, match="has no winsp_manifest.json: it was not written by "
+                                                    "winsp.save_checkpoint"):
+        winsp.load_checkpoint(_empty_state(), tmp_path / "plain")
+
+
+def _dcp_two_ranks(rank: int, world: int, path: str, swap: bool) -> str:
+    import winsp
+
+    winsp.save_checkpoint(_state(rank), os.path.join(path, "a"))  # each rank's own values: two shards
+    if swap:
+        winsp.save_checkpoint(_state(10 + rank), os.path.join(path, "b"))
+        if rank == 0:
+            os.replace(os.path.join(path, "b", "__1_0.distcp"), os.path.join(path, "a", "__1_0.distcp"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    state = _empty_state()
+    try:
+        winsp.load_checkpoint(state, os.path.join(path, "a"))
+    except winsp.CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["whole", "swapped"])
+def test_two_ranks_agree_on_a_swapped_shard(tmp_path, swap):
+    from winsp.testing import run_ranks
+
+    results = run_ranks(_dcp_two_ranks, 2, str(tmp_path), swap, timeout=TIMEOUT)
+    if swap:
+        assert results[0] == results[1] and "'__1_0.distcp' is not the file that was saved" in results[0], results
+    else:
+        assert results == ["loaded", "loaded"]
