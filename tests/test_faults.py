@@ -209,6 +209,7 @@ def test_6_a_stop_signal_to_one_rank_during_start_up_is_one_line(tmp_path):
 # ---- 4: the launcher's port taken before rank 0 binds it ---------------------------------------------------------
 
 
+@pytest.mark.slow  # the ranks start twice: about 20 s on the shared 2-core machine
 def test_4_a_taken_port_is_retried(tmp_path):
     """The first port the launcher picks is held by another program (listening) when rank 0 binds it: the ranks are
     started again on another port and the run succeeds, with no traceback."""
@@ -655,31 +656,32 @@ def test_a_folder_without_a_manifest_is_refused(tmp_path):
         winsp.load_checkpoint(_empty_state(), tmp_path / "plain")
 
 
-def _dcp_two_ranks(rank: int, world: int, path: str, swap: bool) -> str:
-    import winsp
-
-    winsp.save_checkpoint(_state(rank), os.path.join(path, "a"))  # each rank's own values: two shards
-    if swap:
-        winsp.save_checkpoint(_state(10 + rank), os.path.join(path, "b"))
-        if rank == 0:
-            os.replace(os.path.join(path, "b", "__1_0.distcp"), os.path.join(path, "a", "__1_0.distcp"))
+def _dcp_two_ranks(rank: int, world: int, path: str) -> list[str]:
+    """Save on two ranks (two shards), load; then swap in rank 1's shard of another run and load again."""
     import torch.distributed as dist
 
-    dist.barrier()
-    state = _empty_state()
-    try:
-        winsp.load_checkpoint(state, os.path.join(path, "a"))
-    except winsp.CheckpointError as exc:
-        return str(exc)
-    return "loaded"
+    import winsp
+
+    outcomes = []
+    for swap in (False, True):
+        folder = os.path.join(path, f"swap{int(swap)}")
+        winsp.save_checkpoint(_state(rank), os.path.join(folder, "a"))  # each rank's own values: two shards
+        if swap:
+            winsp.save_checkpoint(_state(10 + rank), os.path.join(folder, "b"))
+            if rank == 0:
+                os.replace(os.path.join(folder, "b", "__1_0.distcp"), os.path.join(folder, "a", "__1_0.distcp"))
+        dist.barrier()
+        try:
+            winsp.load_checkpoint(_empty_state(), os.path.join(folder, "a"))
+            outcomes.append("loaded")
+        except winsp.CheckpointError as exc:
+            outcomes.append(str(exc))
+    return outcomes
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["whole", "swapped"])
-def test_two_ranks_agree_on_a_swapped_shard(tmp_path, swap):
+def test_two_ranks_load_a_whole_checkpoint_and_agree_on_a_swapped_shard(tmp_path):
     from winsp.testing import run_ranks
 
-    results = run_ranks(_dcp_two_ranks, 2, str(tmp_path), swap, timeout=TIMEOUT)
-    if swap:
-        assert results[0] == results[1] and "'__1_0.distcp' is not the file that was saved" in results[0], results
-    else:
-        assert results == ["loaded", "loaded"]
+    results = run_ranks(_dcp_two_ranks, 2, str(tmp_path), timeout=TIMEOUT)
+    assert [r[0] for r in results] == ["loaded", "loaded"], results
+    assert results[0][1] == results[1][1] and "'__1_0.distcp' is not the file that was saved" in results[0][1]

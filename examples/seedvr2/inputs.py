@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, default_output_path, same_file
+from .media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, default_output_path
 
 __all__ = ["Job", "INPUT_VIDEO_EXTENSIONS", "INPUT_IMAGE_EXTENSIONS", "media_in_folder", "plan_jobs"]
 
@@ -112,12 +112,24 @@ def _check_collisions(pairs) -> None:
     """:class:`MediaError` when two inputs would write one output, or an output would replace an input."""
     seen: dict[str, str] = {}
     inputs = {_key(f): f for f, _ in pairs}
+    files = {_identity(f): f for f, _ in pairs}  # the same file under another name: a link
+    files.pop(None, None)
     for f, out in pairs:
         key = _key(out)
         if key in seen:
             raise MediaError(f"{seen[key]} and {f} would both be written to {out}; restore them separately or "
                              f"name an output folder with -o")
-        if key in inputs or any(os.path.exists(out) and same_file(out, g) for g, _ in pairs):
-            raise MediaError(f"the output {out} of {f} is the input {inputs.get(key, out)}: it would be replaced; "
-                             f"choose an output folder with -o")
+        other = inputs.get(key) or files.get(_identity(out))
+        if other is not None:
+            raise MediaError(f"the output {out} of {f} is the input {other}: it would be replaced; choose an output "
+                             f"folder with -o")
         seen[key] = f
+
+
+def _identity(path: str):
+    """(device, inode) of an existing file, None otherwise."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
