@@ -23,6 +23,7 @@ _STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP",
 
 def _stop_now(signum, frame) -> None:
     """Until the CLI's own handling (or the launcher's forwarding) takes over: one line, and out."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)  # a second signal (Ctrl-C and the launcher's copy) adds no line
     try:
         from .launcher import speaks_for_stop
 
