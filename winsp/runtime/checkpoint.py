@@ -22,8 +22,8 @@ resharding on load) and close both holes:
   ``torch.load(weights_only=True)``. So even a folder whose manifest was forged with it cannot run code here.
 
 A folder written by plain ``dcp.save`` (or by anyone else) has no manifest and is refused: it is code to torch's
-own loader (``dcp.load``), so load one only if you trust whoever wrote it. Pure ``torch.distributed`` calls; no
-winsp state.
+own loader (``dcp.load``), so load one only if you trust whoever wrote it. As for DCP itself, the folder must be on
+storage every rank sees. Pure ``torch.distributed`` calls; no winsp state.
 """
 
 from __future__ import annotations
