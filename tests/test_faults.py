@@ -270,11 +270,34 @@ def test_7_an_inherited_launched_marker_is_ignored(tmp_path):
 
 def test_8_a_missing_checkpoint_is_refused_before_the_ranks_start(tmp_path):
     started = time.monotonic()
-    run = Launched(tmp_path / "in.png", "-o", tmp_path / "o.png", "--dit-checkpoint", tmp_path / "dit.safetensors",
-                   "--vae-checkpoint", tmp_path / "vae.safetensors", ranks=3)
+    run = Launched(make_png(tmp_path / "in.png"), "-o", tmp_path / "o.png", "--dit-checkpoint",
+                   tmp_path / "dit.safetensors", "--vae-checkpoint", tmp_path / "vae.safetensors", ranks=3)
     code, lines, _ = run.finish()
     assert code == 2 and lines == [f"{PREFIX} --dit-checkpoint: file not found: {tmp_path / 'dit.safetensors'}"]
     assert time.monotonic() - started < 10  # no rank started (each would import torch first)
+
+
+def test_8_a_missing_input_is_refused_before_the_ranks_start(tmp_path):
+    started = time.monotonic()
+    run = Launched(tmp_path / "nope.mp4", "-o", tmp_path / "o.mp4", ranks=3)
+    code, lines, _ = run.finish()
+    assert code == 2 and lines == [f"{PREFIX} input file not found: {tmp_path / 'nope.mp4'}"], lines
+    assert time.monotonic() - started < 10
+
+
+def test_8_the_launcher_tells_inputs_from_option_values_as_the_parser_does():
+    """preflight's torch-free tables hold every option of ``restore``, so that it never takes a value for an input."""
+    from examples.seedvr2.launcher import FLAG_OPTIONS, VALUE_OPTIONS, restore_inputs
+
+    parser = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["restore"]
+    takes_value = {o for a in parser._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
+    flags = {o for a in parser._actions if a.option_strings and a.nargs == 0 for o in a.option_strings}
+    assert (set(VALUE_OPTIONS), set(FLAG_OPTIONS)) == (takes_value, flags)
+    argv = ["restore", "-o", "x", "--seed", "-3", "a.mp4", "b.png", "--scale=2", "--quiet", "--ranks", "2"]
+    assert restore_inputs(argv) == ["a.mp4", "b.png"] == parser.parse_args(argv[1:]).input
+    assert restore_inputs(["restore", "--out", "x", "a.mp4"]) is None  # an abbreviation: left to the parser
+    assert restore_inputs(["restore", "a.mp4", "--quiet", "b.png"]) is None  # the parser refuses it
+    assert restore_inputs(["restore", "a", "-o", "a", "b"]) is None
 
 
 def test_8_a_bad_checkpoint_under_ranks_is_one_line_from_rank_0(tmp_path):

@@ -19,11 +19,11 @@ it could remove it) is removed by the launcher: every rank records its temporary
 The exit code is the failed rank's (2 for an error, 128 + N when stopped by signal N), or 2 when a rank was killed.
 SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and SIGALRM sent to the launcher are forwarded to the ranks
 (rank 0 prints the one line, or the launcher when rank 0 could not); if the launcher itself is killed, the kernel
-sends its ranks SIGTERM (``PR_SET_PDEATHSIG``). Missing or empty checkpoint and text-embedding files named by flags
-are refused before any rank starts (one line at once, instead of N ranks importing torch first). Should rank 0 find
-the chosen port taken when it binds it (another program got there first), the ranks are started again on another
-port. A rank knows it was started by this launcher from ``SEEDVR2_LAUNCHED``, which holds the launcher's process id
-and so cannot be inherited from a shell. For several machines keep using torchrun.
+sends its ranks SIGTERM (``PR_SET_PDEATHSIG``). A missing input, and missing or empty checkpoint and text-embedding
+files named by flags, are refused before any rank starts (one line at once, instead of N ranks importing torch
+first). Should rank 0 find the chosen port taken when it binds it (another program got there first), the ranks are
+started again on another port. A rank knows it was started by this launcher from ``SEEDVR2_LAUNCHED``, which holds
+the launcher's process id and so cannot be inherited from a shell. For several machines keep using torchrun.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .terminal_text import printable
 
 __all__ = ["LaunchError", "wants_launcher", "requested_ranks", "gpu_count", "rank_environment", "launch",
            "LAUNCHED_ENV", "FAILED_ENV", "LAUNCH_DIR_ENV", "launched_rank", "env_rank", "record_partial",
-           "leave_note", "record_port_taken", "preflight", "PORT_TAKEN_EXIT", "speaks_for_stop"]
+           "leave_note", "record_port_taken", "preflight", "restore_inputs", "PORT_TAKEN_EXIT", "speaks_for_stop"]
 
 PROG = "python -m examples.seedvr2"
 #: set in every rank the launcher starts, to the launcher's process id (see :func:`launched_rank`)
@@ -120,10 +120,52 @@ def wants_launcher(argv: Sequence[str], env: Optional[Mapping[str, str]] = None)
             and not any(a in ("-h", "--help") for a in argv))
 
 
+#: the ``restore`` options that take a value, and those that do not (tests/test_faults.py checks them against the
+#: CLI's parser): what :func:`preflight` needs to tell the inputs from the options' values without importing torch
+VALUE_OPTIONS = frozenset({"-o", "--output", "--resolution", "--scale", "--model", "--dit-checkpoint",
+                           "--vae-checkpoint", "--text-embeds", "--weights", "--seed", "--dtype", "--vae-parallel",
+                           "--vae-tile", "--batch-frames", "--overlap", "--sp-size", "--color-fix", "--crf",
+                           "--ranks"})
+FLAG_OPTIONS = frozenset({"-h", "--help", "--overwrite", "--allow-partial-input", "--demo", "--shard-weights",
+                          "--quiet"})
+
+
+def restore_inputs(argv: Sequence[str]) -> Optional[list[str]]:
+    """The INPUT arguments of ``restore ...``, or None when that cannot be told without the parser (another command,
+    an abbreviated or unknown option: the ranks' parser then decides)."""
+    if not argv or argv[0] != "restore":
+        return None
+    inputs: list[str] = []
+    i, after_inputs = 1, False
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return None if inputs else list(argv[i + 1:])
+        if arg.startswith("-") and arg != "-":
+            name = arg.split("=", 1)[0]
+            if name in VALUE_OPTIONS:
+                i += 1 if "=" in arg else 2
+            elif name in FLAG_OPTIONS and "=" not in arg:
+                i += 1
+            else:
+                return None
+            after_inputs = bool(inputs)
+            continue
+        if after_inputs:
+            return None  # a second run of inputs after options: the parser refuses it
+        inputs.append(arg)
+        i += 1
+    return inputs
+
+
 def preflight(argv: Sequence[str]) -> Optional[str]:
-    """What is wrong with the files the command's flags name, found without torch before any rank starts (None:
-    nothing): a checkpoint or text-embedding file that is missing, a folder, or empty. The ranks check the rest
-    (what the files hold) together, and rank 0 reports it."""
+    """What is wrong with the files the command names, found without torch before any rank starts (None: nothing):
+    a single input that does not exist, or a checkpoint or text-embedding file that is missing, a folder, or empty.
+    The ranks check the rest (what the files hold) together, and rank 0 reports it. (Of several inputs a missing one
+    is that file's failure, reported in its turn while the others run.)"""
+    inputs = restore_inputs(argv)
+    if inputs is not None and len(inputs) == 1 and not os.path.lexists(inputs[0]):
+        return f"input file not found: {inputs[0]}"
     for flag in ("--dit-checkpoint", "--vae-checkpoint", "--text-embeds"):
         path = _option_value(argv, flag)
         if not path:
