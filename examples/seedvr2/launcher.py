@@ -13,7 +13,7 @@ speaks for a rank that cannot: one killed without a word (the OOM killer's SIGKI
 SIGKILL``), one stopped by a signal sent to it alone (``rank 1 was stopped by SIGTERM``), and one that stopped
 answering (a rank whose collective timed out names it in a note it leaves here instead of printing it, see
 :func:`leave_note`). After the first failure the others get :data:`GRACE_S` to notice and stop on their own, then
-SIGTERM (with SIGCONT, for a stopped one; they stop silently: the launcher has marked the run failed, see
+SIGTERM (SIGKILL for a stopped one; they stop silently: the launcher has marked the run failed, see
 :data:`FAILED_ENV`) and SIGKILL after :data:`KILL_S` more. A partial output a rank left behind (it was killed before
 it could remove it) is removed by the launcher: every rank records its temporary files here (:func:`record_partial`).
 The exit code is the failed rank's (2 for an error, 128 + N when stopped by signal N), or 2 when a rank was killed.
@@ -388,8 +388,9 @@ def _wait(procs: list, workdir: str, stopping: list, say) -> Optional[int]:
         if failed_at is not None and terminated_at is None and now - failed_at > GRACE_S:
             terminated_at = now
             terminated.update(r for r, c in enumerate(codes) if c is None)
-            _signal_all(procs, signal.SIGTERM)
-            _signal_all(procs, signal.SIGCONT)  # a stopped rank (SIGSTOP) handles its SIGTERM only once continued
+            for p in procs:  # a stopped rank (SIGSTOP) is killed: continued, its timed-out calls would print a lot
+                if p.poll() is None:
+                    _signal_all([p], signal.SIGKILL if _is_stopped(p.pid) else signal.SIGTERM)
         if terminated_at is not None and now - terminated_at > KILL_S:
             _signal_all(procs, signal.SIGKILL)
         time.sleep(0.02)
@@ -423,6 +424,15 @@ def _wait(procs: list, workdir: str, stopping: list, say) -> Optional[int]:
     elif removed:
         say(f"error: rank {rank} ended with exit code {code}; removed the partial output {', '.join(removed)}")
     return code
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP; Linux ``/proc``, else False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _remove_partials(workdir: str) -> list[str]:
