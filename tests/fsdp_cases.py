@@ -363,14 +363,13 @@ def _full_params(model: nn.Module) -> dict:
 def dcp_save_case(rank: int, world: int, dp: int, sp: int, path: str) -> dict:
     """Train one step on a (dp, sp) mesh, save model and optimizer state with DCP, then train the next step
     uninterrupted; returns every parameter (whole) after it."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     quiet()
     mesh, model, optimizer = _sharded_trainer(dp, sp, seed=0)
     _train_step(mesh, model, optimizer, 0)
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    winsp.save_checkpoint({"model": model_state, "optim": optim_state}, path)
     _train_step(mesh, model, optimizer, 1)
     return _full_params(model)
 
@@ -378,7 +377,6 @@ def dcp_save_case(rank: int, world: int, dp: int, sp: int, path: str) -> dict:
 def dcp_resume_case(rank: int, world: int, dp: int, sp: int, path: str) -> dict:
     """A model initialised differently on another (dp, sp) shape, resumed from the checkpoint, then the next step;
     returns every parameter (whole) after it, and how far the fresh model was from the checkpoint."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     quiet()
@@ -386,7 +384,7 @@ def dcp_resume_case(rank: int, world: int, dp: int, sp: int, path: str) -> dict:
     model_state, optim_state = get_state_dict(model, optimizer)
     fresh = _full_params(model)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    winsp.load_checkpoint(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = _full_params(model)
     _train_step(mesh, model, optimizer, 1)

@@ -1,5 +1,5 @@
 """Distributed checkpoints of a window-parallel model sharded by FSDP2: model and optimizer state saved with
-``torch.distributed.checkpoint`` on a (dp, sp) = (2, 2) mesh, resumed on (1, 2), and the next step equals an
+``winsp.save_checkpoint`` (``torch.distributed.checkpoint`` and a manifest) on a (dp, sp) = (2, 2) mesh, resumed on (1, 2), and the next step equals an
 uninterrupted run's (and the original model's in one process)."""
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def test_requested_ranks_and_who_launches():
     assert requested_ranks(["restore", "a.mp4"]) is None
     assert requested_ranks(["restore", "--ranks"]) == ""
     assert wants_launcher(["restore", "a", "--ranks", "2"], env={})
-    assert not wants_launcher(["restore", "a", "--ranks", "2"], env={LAUNCHED_ENV: "1"})  # a rank: runs the CLI
+    assert not wants_launcher(["restore", "a", "--ranks", "2"], env={LAUNCHED_ENV: str(os.getppid())})  # a rank
+    assert wants_launcher(["restore", "a", "--ranks", "2"], env={LAUNCHED_ENV: "1"})  # inherited from a shell
     assert not wants_launcher(["restore", "--help", "--ranks", "2"], env={})
     assert not wants_launcher(["restore", "a"], env={})
 
@@ -61,7 +62,7 @@ def test_rank_environment():
     env = rank_environment({"PYTHONPATH": "/x"}, 1, 2, 12345, "/tmp/m", cpus=8)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("1", "1", "2", "2")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["OMP_NUM_THREADS"]) == ("127.0.0.1", "12345", "4")
-    assert env[LAUNCHED_ENV] == "1" and env[FAILED_ENV] == "/tmp/m"
+    assert env[LAUNCHED_ENV] == str(os.getpid()) and env[FAILED_ENV] == "/tmp/m"
     assert env["PYTHONPATH"] == REPO + os.pathsep + "/x"
     assert rank_environment({"OMP_NUM_THREADS": "3"}, 0, 2, 1, "m", cpus=8)["OMP_NUM_THREADS"] == "3"
 

@@ -264,7 +264,7 @@ def test_loader_names_missing_unexpected_and_misshaped_keys():
     message = str(info.value)
     assert "missing keys: decoder.conv_out.bias" in message
     assert "unexpected keys: decoder.extra.weight" in message
-    assert "encoder.conv_in.weight (checkpoint [16, 3, 1, 3, 3], model [16, 3, 3, 3, 3])" in message
+    assert "encoder.conv_in.weight: checkpoint (16, 3, 1, 3, 3) vs model (16, 3, 3, 3, 3)" in message
 
 
 def test_loader_reads_safetensors_and_torch_files(tmp_path):

@@ -71,12 +71,15 @@ from winsp.comm import SPGroup  # noqa: F401  (kept importable as winsp.SPGroup 
 from winsp.geometry import FixedWindows, Neighborhood, SeedVR2Windows, SwinWindows, WindowGeometry, make_geometry
 from winsp.planning import Stage
 from winsp.runtime import (
+    CheckpointError,
     DiffusionParallelConfig,
     RowDropout,
     SampleDropPath,
     WindowParallel,
     WindowRuntime,
     current_request,
+    load_checkpoint,
+    save_checkpoint,
     sync_gradients,
 )
 
@@ -88,6 +91,8 @@ __all__ = [
     "swapped", "adopt", "current_request", "RowDropout", "SampleDropPath", "shard_weights",
     # the request API
     "DiffusionParallelConfig", "WindowRuntime", "WindowParallel", "sync_gradients",
+    # training state: distributed checkpoints with a manifest, loaded without running pickled code
+    "save_checkpoint", "load_checkpoint", "CheckpointError",
     # geometry
     "WindowGeometry", "SeedVR2Windows", "FixedWindows", "SwinWindows", "Neighborhood", "make_geometry",
     # kernels

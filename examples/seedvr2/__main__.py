@@ -2,35 +2,58 @@
 
 With ``--ranks N`` this process is the launcher (:mod:`examples.seedvr2.launcher`): it starts the N ranks before
 anything imports torch here, so torch is imported once per rank and never in the launcher.
-Importing torch takes seconds; a Ctrl-C in that time (before the CLI installs its signal handling) is one line and
-exit 130 like any other stop, not a ``KeyboardInterrupt`` traceback. Nothing has been written yet then.
+Importing torch takes seconds; a stop signal in that time (Ctrl-C, SIGTERM, SIGHUP, ...: every one the CLI handles,
+before it installs its own handling) ends the process at once with one line and exit 128 + N like any other stop,
+not a ``KeyboardInterrupt`` traceback nor a silent death by the signal. Nothing has been written yet then. Of
+several ranks only rank 0 says it, and none when the launcher is stopping them because another failed.
 
-The Ctrl-C is held until the imports finish rather than raised inside them: a ``KeyboardInterrupt`` raised in the
-middle of an import that some library catches leaves a half-initialised module behind (numpy without ``multiply``),
-and the run went on with it.
+The process ends from the signal handler itself (``os._exit``), never by an exception raised inside an import: a
+``KeyboardInterrupt`` in the middle of an import that some library catches leaves a half-initialised module behind
+(numpy without ``multiply``), and the run went on with it.
 """
 
+import os
 import signal
 import sys
 
-STOPPED_LINE = "python -m examples.seedvr2: stopped by SIGINT during start-up: nothing was written"
+STOPPED_LINE = "python -m examples.seedvr2: stopped by {name} during start-up: nothing was written"
+_STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
+                                                  "SIGALRM") if hasattr(signal, name))
+
+
+def _stop_now(signum, frame) -> None:
+    """Until the CLI's own handling (or the launcher's forwarding) takes over: one line, and out."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)  # a second signal (Ctrl-C and the launcher's copy) adds no line
+    try:
+        from .launcher import speaks_for_stop
+
+        speak = speaks_for_stop()
+    except Exception:  # noqa: BLE001 - the signal came while the launcher module itself was being imported
+        speak = os.environ.get("RANK", "0") in ("", "0")
+    if speak:
+        os.write(2, (STOPPED_LINE.format(name=signal.Signals(signum).name) + "\n").encode())
+    os._exit(128 + signum)
 
 
 def _run() -> int:
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    previous = {s: signal.signal(s, _stop_now) for s in _STOPS}
     try:
         from .launcher import launch, wants_launcher
 
         launcher = wants_launcher(sys.argv[1:])
         if not launcher:
             from .cli import main
+        code = launch(sys.argv[1:]) if launcher else main()
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        print(STOPPED_LINE, file=sys.stderr)
-        return 130
-    return launch(sys.argv[1:]) if launcher else main()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code and not launcher and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        # a rank of several that failed: its process group was torn down mid-run, and finalising the interpreter
+        # beside the backend's threads can end in std::terminate (a stray "terminate called ..." line, SIGABRT)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ from .terminal_text import printable
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
 from .checkpoint_dtypes import WEIGHT_MODES
-from .launcher import FAILED_ENV, LAUNCHED_ENV
+from .launcher import PORT_TAKEN_EXIT, env_rank, leave_note, record_port_taken, speaks_for_stop
 from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
 from .weights_discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 
@@ -104,7 +104,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         # every rank parses the same command line: rank 0 alone reports its mistake
-        quiet = os.environ.get("RANK", "0") not in ("", "0")
+        quiet = env_rank() != 0
         self.exit(2, None if quiet else f"{PROG}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -404,8 +404,19 @@ def _read_text_embeds(path: str, txt_in_dim: int) -> torch.Tensor:
 
             tensors = load_file(path)
         else:
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            import pickle
+            import warnings
+
+            try:
+                with warnings.catch_warnings():  # torch warns about a raw pickle's protocol: the error says it all
+                    warnings.simplefilter("ignore")
+                    loaded = torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:
+                raise InputError(f"refused to read text embeddings {path}: it is not a plain tensor file (reading it "
+                                 f"would need to run pickled code, which is never done, or it is damaged)") from None
             tensors = loaded if isinstance(loaded, dict) else {"pos": loaded}
+    except InputError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault, reported in one line
         kind = "safetensors" if path.endswith(".safetensors") else "torch (.pt/.pth)"
         raise InputError(f"text embeddings {path} is not a readable {kind} file ({read_error_reason(exc)})") from None
@@ -582,6 +593,20 @@ def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: "Ru
     if values[smallest] >= mine:
         return MemoryLimit(limit.usable, f"rank {SPGroup.world().rank}: {limit.source}", limit.candidates)
     return MemoryLimit(int(values[smallest]), f"the limit of rank {smallest}", limit.candidates)
+
+
+def agree_loaded(error: Optional[Exception], launch: Launch, state: "RunState") -> None:
+    """The ranks' meeting after loading the models: if any rank's load failed, every rank raises (the failed ones
+    their own error, reported by the lowest of them; the others :class:`PeerFailed`), as in :func:`agree_to_start`."""
+    if launch.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    rows = _per_rank_figures([1.0 if error is not None else 0.0], launch.device)
+    failed = [rank for rank, row in enumerate(rows) if row[0]]
+    if failed:
+        state.reporter = failed[0]
+        raise error if error is not None else PeerFailed(f"rank {failed[0]} failed")
 
 
 def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
@@ -943,11 +968,20 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
             )
 
     progress.start("load")
-    state.lockstep = False
     fresh = state.models is None
     mesh = build_temporal_mesh(sp_size)
-    models = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None,
-                         group=mesh.sp) if fresh else state.models
+    if fresh:
+        # a bad checkpoint fails the same way on every rank (else on the rank that read the bad bytes): the ranks meet
+        # once more, so that it is one line, from the lowest rank that failed, and every rank stops
+        try:
+            models, error = load_models(args, launch.device, dtype, report=progress.note if is_rank0 else None,
+                                        group=mesh.sp), None
+        except InputError as exc:
+            models, error = None, exc
+        agree_loaded(error, launch, state)
+    else:
+        models = state.models
+    state.lockstep = False
     state.models = models
     if models.demo and is_rank0 and fresh:
         progress.note(
@@ -1106,17 +1140,20 @@ def _peer_failure(exc: BaseException) -> str:
     return f"another rank failed ({type(exc).__name__}: {reason})"
 
 
-def _print_error(progress: StageProgress, message: str) -> None:
+def _print_error(progress: StageProgress, message: str, names: Sequence[Optional[str]] = ()) -> None:
     progress.break_line()
-    # one line, whatever the exception carried; names from files escaped (no terminal control sequences)
+    # one line, whatever the exception carried; names from files escaped (no terminal control sequences), file
+    # ``names`` first, so that a newline in one is shown as \x0a, naming the file exactly, not joined into a space
+    for name in names:
+        if name and not name.isprintable():
+            message = message.replace(name, printable(name))
     print(printable(f"{PROG}: error: {' '.join(message.split())}"), file=sys.stderr)
 
 
 def _stop_message(rank: int):
     """The one line printed when a signal stops the run (by rank 0 only: the others stop silently)."""
     def message(signum: int, removed: list) -> Optional[str]:
-        marker = os.environ.get(FAILED_ENV)
-        if rank != 0 or (marker and os.path.exists(marker)):  # under --ranks: stopped because another rank failed
+        if not speaks_for_stop(rank):  # rank 0 alone; under --ranks, not when another rank failed
             return None
         import signal
 
@@ -1146,7 +1183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
         return 130
-    with StopOnSignals(_stop_message(int(os.environ.get("RANK", "0")))):
+    with StopOnSignals(_stop_message(env_rank())):
         try:
             return _main(args)
         except Exception:
@@ -1170,13 +1207,21 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a malformed WINSP_COLLECTIVE_TIMEOUT, say
         print(printable(f"{PROG}: error: {exc}"), file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - rank 0 could not listen on MASTER_PORT: the launcher tries another
+        if "EADDRINUSE" not in str(exc) or env_rank() != 0:
+            raise
+        if record_port_taken():
+            return PORT_TAKEN_EXIT
+        print(printable(f"{PROG}: error: rank 0 cannot listen on MASTER_PORT {os.environ.get('MASTER_PORT')}: the "
+                        f"port is taken by another program; choose another MASTER_PORT"), file=sys.stderr)
+        return 2
     failed = False
     try:
         try:
             job = plan_jobs(args.input, args.output)
         except MediaError as exc:  # the same on every rank, before any collective: rank 0 reports it
             if launch.rank == 0:
-                _print_error(StageProgress(STAGES, enabled=False), str(exc))
+                _print_error(StageProgress(STAGES, enabled=False), str(exc), names=(*args.input, args.output))
             return 2
         if not job.batch:
             args.input, args.output = job.pairs[0]
@@ -1196,7 +1241,21 @@ def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, 
     line. A file that fails is reported and the next one runs, unless the failure broke the ranks' lockstep (then the
     process group is gone and the batch stops). Returns (exit code: 2 if any file failed, whether the group broke)."""
     if job.output_dir is not None:
-        os.makedirs(job.output_dir, exist_ok=True)
+        try:  # refused before anything runs, like a single output's folder (every rank: it is the same folder)
+            os.makedirs(job.output_dir, exist_ok=True)
+        except OSError as exc:
+            error: Optional[MediaError] = MediaError(f"cannot create the output folder {job.output_dir} "
+                                                     f"({exc.strerror or exc}); choose another -o")
+        else:
+            try:
+                check_output_directory(os.path.join(job.output_dir, "probe"))
+                error = None
+            except MediaError as exc:
+                error = exc
+        if error is not None:
+            if launch.rank == 0:
+                _print_error(StageProgress(STAGES, enabled=False), str(error))
+            return 2, False
     started = time.perf_counter()
     models, failures, done, broken = None, [], 0, False
     for index, (path, output) in enumerate(job.pairs):
@@ -1214,8 +1273,8 @@ def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, 
     if launch.rank == 0:
         where = f" into {job.output_dir}" if job.output_dir is not None else ""
         failed = f"; FAILED {len(failures)}: {', '.join(failures)}" if failures else ""
-        print(f"{PROG}: restored {done} of {len(job.pairs)} files{where} in {time.perf_counter() - started:.1f}s"
-              f"{failed}", file=sys.stderr)
+        print(printable(f"{PROG}: restored {done} of {len(job.pairs)} files{where} in "
+                        f"{time.perf_counter() - started:.1f}s{failed}"), file=sys.stderr)
     return (2 if failures else 0), broken
 
 
@@ -1231,7 +1290,8 @@ def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> 
     except (MediaError, InputError, NonFiniteOutput) as exc:
         failed = not state.lockstep
         if launch.rank == state.reporter or failed:
-            _print_error(progress, (prefix if failed or state.reporter else "") + str(exc))
+            _print_error(progress, (prefix if failed or state.reporter else "") + str(exc),
+                         names=(args.input, args.output))
         return 2, failed, None
     except Exception as exc:  # noqa: BLE001 - only memory and lost-peer failures are handled; the rest re-raised
         # whatever it is, this rank leaves without meeting the others (they may be mid-collective)
@@ -1241,10 +1301,11 @@ def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> 
             _print_error(progress, prefix + message)
             return 2, True, None
         if launch.world_size > 1 and is_peer_failure(exc):
-            if os.environ.get(LAUNCHED_ENV):  # the rank that failed said why; the launcher reports a silent death
+            line = printable(f"{PROG}: {prefix}stopped: {_peer_failure(exc)}")
+            if leave_note(launch.rank, line[len(PROG) + 2:]):  # under --ranks: the launcher's to say, or not
                 return 2, True, None
             progress.break_line()
-            print(printable(f"{PROG}: {prefix}stopped: {_peer_failure(exc)}"), file=sys.stderr)
+            print(line, file=sys.stderr)
             return 2, True, None
         raise
     _write_profile(launch.rank, progress.seconds)

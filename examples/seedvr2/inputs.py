@@ -34,8 +34,12 @@ class Job:
 
 
 def media_in_folder(folder: str) -> list[str]:
-    """The videos and images directly inside ``folder``, sorted by name."""
-    names = sorted(os.listdir(folder))
+    """The videos and images directly inside ``folder``, sorted by name (:class:`MediaError` naming the folder when
+    it cannot be listed)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as exc:
+        raise MediaError(f"cannot read the input folder {folder} ({exc.strerror or exc})") from None
     wanted = INPUT_VIDEO_EXTENSIONS + INPUT_IMAGE_EXTENSIONS
     return [os.path.join(folder, n) for n in names
             if not n.startswith(".") and os.path.splitext(n)[1].lower() in wanted
@@ -59,8 +63,10 @@ def plan_jobs(inputs: Sequence[str], output: Optional[str]) -> Job:
     """The (input, output) pairs of a command line (outputs None: the single-file default, decided later).
 
     Raises :class:`MediaError` for a missing input of what looks like a folder command (the input or ``-o`` ends with
-    ``/`` or has no extension), a folder without media, an output folder that is a file or one of the inputs' folders
-    (the outputs would replace the inputs), and two inputs that would write the same output."""
+    ``/`` or has no extension), a folder without media or that cannot be read, an output folder that is a file or one
+    of the inputs' folders (the outputs would replace the inputs), two inputs that would write the same output (with
+    ``-o`` or without: ``a.m4v`` and ``a.ts`` both become ``a_restored.mp4``), and an output that is one of the
+    inputs. Decided here, before anything runs."""
     inputs = list(inputs)
     if len(inputs) == 1 and any(map(_looks_like_folder, (inputs[0], output))) and not os.path.lexists(inputs[0]):
         # a folder command whose folder is missing: said first, since what -o must be depends on it (a missing
@@ -82,7 +88,8 @@ def plan_jobs(inputs: Sequence[str], output: Optional[str]) -> Job:
     if output is None and len(inputs) == 1:
         output = os.path.normpath(inputs[0]) + "_restored"
     if output is None:
-        pairs = tuple((f, default_output_path(f)) for f in files)
+        pairs = tuple((f, _default_output(f)) for f in files)
+        _check_collisions(pairs)
         return Job(pairs, batch=True)
     if os.path.exists(output) and not os.path.isdir(output):
         raise MediaError(f"-o {output} is a file, but several inputs need an output folder; name a folder")
@@ -94,9 +101,45 @@ def plan_jobs(inputs: Sequence[str], output: Optional[str]) -> Job:
             raise MediaError(f"-o {output} is the folder of the input {f}: the outputs would replace the inputs; "
                              f"choose another output folder")
     pairs = tuple((f, os.path.join(output, output_name(f))) for f in files)
-    seen: dict[str, str] = {}
-    for f, out in pairs:
-        if out in seen:
-            raise MediaError(f"{seen[out]} and {f} would both be written to {out}; restore them separately")
-        seen[out] = f
+    _check_collisions(pairs)
     return Job(pairs, batch=True, output_dir=output)
+
+
+def _default_output(path: str) -> str:
+    """Where a file of a batch without ``-o`` goes: ``<name>_restored.<ext>`` beside it, an image whose extension
+    cannot be written as ``.png`` (as the single-file default does)."""
+    out = default_output_path(path)
+    if os.path.splitext(path)[1].lower() in INPUT_IMAGE_EXTENSIONS:
+        out = os.path.splitext(out)[0] + os.path.splitext(output_name(path))[1]
+    return out
+
+
+def _key(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
+
+
+def _check_collisions(pairs) -> None:
+    """:class:`MediaError` when two inputs would write one output, or an output would replace an input."""
+    seen: dict[str, str] = {}
+    inputs = {_key(f): f for f, _ in pairs}
+    files = {_identity(f): f for f, _ in pairs}  # the same file under another name: a link
+    files.pop(None, None)
+    for f, out in pairs:
+        key = _key(out)
+        if key in seen:
+            raise MediaError(f"{seen[key]} and {f} would both be written to {out}; restore them separately or "
+                             f"name an output folder with -o")
+        other = inputs.get(key) or files.get(_identity(out))
+        if other is not None:
+            raise MediaError(f"the output {out} of {f} is the input {other}: it would be replaced; choose an output "
+                             f"folder with -o")
+        seen[key] = f
+
+
+def _identity(path: str):
+    """(device, inode) of an existing file, None otherwise."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino

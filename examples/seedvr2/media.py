@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .launcher import record_partial
+
 __all__ = [
     "MediaError",
     "DecoderOutOfMemory",
@@ -344,6 +346,7 @@ def check_output_directory(path: str | os.PathLike) -> None:
         raise MediaError(f"cannot write to the output directory {directory} ({_why_not_writable(exc)}); choose "
                          f"another -o") from None
     os.close(fd)
+    record_partial(probe)
     with contextlib.suppress(OSError):
         os.remove(probe)
 
@@ -391,6 +394,7 @@ def atomic_output(path: str | os.PathLike, *, overwrite: bool = False) -> Iterat
             raise MediaError(f"cannot write to the output directory {directory} ({_why_not_writable(exc)})") from None
         os.close(fd)
         _PARTIALS.add(tmp)
+        record_partial(tmp)  # under --ranks: the launcher removes it should this process be killed
     try:
         yield tmp
         with _PARTIALS_LOCK:

@@ -182,9 +182,10 @@ def load_sharded_dit(model: nn.Module, path: str, group=None, *, weights: str = 
     """Load ``path`` into ``model`` (a DiT built on the meta device in its compute dtype) with its blocks sharded over
     ``group``: this rank reads only its chunk of each block (see the module docstring) and the rest whole.
 
-    The checks of :func:`~examples.seedvr2.dit.load_dit_checkpoint` (missing, unexpected, mismatched keys) run on the
-    file's header before anything is read. The shards go to ``device`` (the rest of the model stays on the CPU
-    for the caller's ``.to(device)``). Returns the gatherer. ``report`` gets one line on what was cast.
+    The checks of :func:`~examples.seedvr2.dit.load_dit_checkpoint` (missing, unexpected, mismatched keys, and
+    dtypes: the same function, the same message) run on the file's header before anything is read. The shards go to
+    ``device`` (the rest of the model stays on the CPU for the caller's ``.to(device)``). Returns the gatherer.
+    ``report`` gets one line on what was cast.
     """
     from .dit.loader import _drop_extra_blocks, _restore_exact_rope, check_dit_keys, normalize_checkpoint_keys
     from .dit.rope import RotaryEmbedding3d
@@ -203,7 +204,8 @@ def load_sharded_dit(model: nn.Module, path: str, group=None, *, weights: str = 
     shapes = _drop_extra_blocks(normalize_checkpoint_keys(placeholders), len(model.blocks), allow_truncated,
                                 getattr(config, "last_layer_video_only", True))
     expected = model.state_dict()
-    check_dit_keys({k: tuple(v.shape) for k, v in expected.items()}, {k: tuple(v.shape) for k, v in shapes.items()})
+    check_dit_keys({k: (tuple(v.shape), v.dtype) for k, v in expected.items()},
+                   {k: (tuple(v.shape), layout[file_key[k]][0]) for k, v in shapes.items()})
 
     layouts = block_layouts(model, group.size)
     reader = _RangeReader(path)

@@ -12,21 +12,27 @@ Without ``--dit-checkpoint`` / ``--vae-checkpoint`` the CLI looks, in this order
 Within a folder the file names of :data:`DIT_FILES` / :data:`VAE_FILES` are tried in their order: the released
 weights first (exact), then the fp16 repacks, then fp8, then GGUF from the most to the least precise. The first
 folder that has a file wins. The model: ``--model`` when given; else the 3B when a 3B DiT is found anywhere (the
-smaller and faster of the two, and the CLI's default), else the 7B (the sharp 7B only when no plain 7B is found).
+smaller and faster of the two, and the CLI's default), else the 7B. The sharp 7B is taken only when no plain 7B is
+found anywhere: a preference between models holds across every location (each is searched for the preferred model
+first), while between files of one model the first location wins (:data:`DIT_TIERS`).
 
 A file that is found but cannot be what it claims (a dangling link, as an interrupted hub download leaves, an empty
 file, a folder) is an error naming its path, never a reason to look further or to fall back to the demo weights; its
-content is checked by the loaders, whose errors name the path too. Pure file-system code: no torch, no network.
+content is checked by the loaders, whose errors name the path too. So is a location that exists but cannot be read (a
+folder without permission, a snapshot link that does not resolve, a ``refs/main`` that cannot be read or decoded):
+what it holds is unknown, and skipping it could pick other weights than the user's, or the demo. A location that does
+not exist is simply not there. Pure file-system code: no torch, no network.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["DIT_FILES", "VAE_FILES", "HUB_REPOS", "WeightsFound", "WeightsError", "search_folders", "find_weights",
-           "how_to_get_weights"]
+__all__ = ["DIT_FILES", "DIT_TIERS", "VAE_FILES", "HUB_REPOS", "WeightsFound", "WeightsError", "search_folders",
+           "find_weights", "how_to_get_weights"]
 
 _GGUF_LEVELS = ("Q8_0", "Q8_K_M", "Q6_K_M", "Q6_K", "Q5_K_M", "Q5_K", "Q4_K_M", "Q4_K", "Q3_K_M")
 
@@ -42,6 +48,12 @@ _FP8 = ("fp8_e4m3fn", "fp8_e4m3fn_mixed_block35_fp16")
 DIT_FILES: dict[str, tuple[str, ...]] = {
     "3b": _dit_names("seedvr2_ema_3b", _FP8),
     "7b": _dit_names("seedvr2_ema_7b", _FP8) + _dit_names("seedvr2_ema_7b_sharp", _FP8),
+}
+#: the DiT names by model in tiers of preference: every location is searched for a tier before the next (the sharp 7B
+#: only when no plain 7B is found anywhere)
+DIT_TIERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "3b": (DIT_FILES["3b"],),
+    "7b": (_dit_names("seedvr2_ema_7b", _FP8), _dit_names("seedvr2_ema_7b_sharp", _FP8)),
 }
 #: VAE file names, preferred first (the released one, then the fp16 repack)
 VAE_FILES: tuple[str, ...] = ("ema_vae.pth", "ema_vae.safetensors", "ema_vae_fp16.safetensors",
@@ -87,23 +99,50 @@ def hub_cache_dir(env: Mapping[str, str]) -> str:
     return os.path.join(home, ".cache", "huggingface", "hub")
 
 
+def _unreadable(path: str, exc: OSError, what: str = "folder") -> "WeightsError":
+    return WeightsError(f"cannot read the weights {what} {path} ({exc.strerror or exc}): fix it or its permissions, "
+                        f"or pass --dit-checkpoint and --vae-checkpoint")
+
+
 def _snapshots(repo_dir: str) -> list[str]:
-    """A hub repository's snapshot folders: the one ``refs/main`` names first, then the others, newest first."""
+    """A hub repository's snapshot folders: the one ``refs/main`` names first, then the others, newest first.
+    :class:`WeightsError` for a snapshot folder or ``refs/main`` that exists but cannot be read or decoded."""
     root = os.path.join(repo_dir, "snapshots")
     try:
         names = os.listdir(root)
-    except OSError:
-        return []
-    folders = [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
-    folders.sort(key=lambda p: os.stat(p).st_mtime, reverse=True)
+    except FileNotFoundError:
+        return []  # the repository is not in the cache
+    except OSError as exc:
+        raise _unreadable(root, exc) from None
+    folders, modified = [], {}
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            info = os.stat(path)
+        except OSError as exc:  # a link that does not resolve (a loop, a removed target), or no permission
+            raise _unreadable(path, exc, "snapshot") from None
+        if stat.S_ISDIR(info.st_mode):
+            folders.append(path)
+            modified[path] = info.st_mtime
+    folders.sort(key=modified.__getitem__, reverse=True)
+    ref = os.path.join(repo_dir, "refs", "main")
     try:
-        with open(os.path.join(repo_dir, "refs", "main")) as f:
-            main = os.path.join(root, f.read().strip())
-        if main in folders:
-            folders.remove(main)
-            folders.insert(0, main)
-    except OSError:
-        pass
+        with open(ref, "rb") as f:
+            data = f.read(4096)
+    except FileNotFoundError:
+        return folders
+    except OSError as exc:
+        raise _unreadable(ref, exc, "revision file") from None
+    try:
+        revision = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise WeightsError(f"the hub revision file {ref} does not hold a revision (bytes that are not text); delete "
+                           f"it or download the repository again, or pass --dit-checkpoint and --vae-checkpoint"
+                           ) from None
+    main = os.path.join(root, revision)
+    if main in folders:
+        folders.remove(main)
+        folders.insert(0, main)
     return folders
 
 
@@ -121,6 +160,13 @@ def search_folders(env: Optional[Mapping[str, str]] = None, cwd: Optional[str] =
 
 def _check_found(path: str) -> None:
     """A name that exists in a folder must be a readable, non-empty file (a hub link must point at its blob)."""
+    try:
+        _check_found_file(path)
+    except OSError as exc:
+        raise _unreadable(path, exc, "file") from None
+
+
+def _check_found_file(path: str) -> None:
     if os.path.islink(path) and not os.path.exists(path):
         raise WeightsError(f"found {path} but it is a broken link (to {os.readlink(path)}): an interrupted download? "
                            f"download it again, or pass the checkpoint flags")
@@ -132,13 +178,37 @@ def _check_found(path: str) -> None:
         raise WeightsError(f"found {path} but it cannot be read (permissions)")
 
 
-def _first(folders: list[str], names: tuple[str, ...]) -> Optional[str]:
+def _names_in(folder: str, listed: dict) -> frozenset:
+    """The names in ``folder`` (none when it does not exist); :class:`WeightsError` when it exists but cannot be
+    listed. ``listed`` caches each folder's names for one search."""
+    if folder not in listed:
+        try:
+            listed[folder] = frozenset(os.listdir(folder))
+        except FileNotFoundError:
+            listed[folder] = frozenset()
+        except OSError as exc:
+            raise _unreadable(folder, exc) from None
+    return listed[folder]
+
+
+def _first(folders: list[str], names: tuple[str, ...], listed: Optional[dict] = None) -> Optional[str]:
+    listed = {} if listed is None else listed
     for folder in folders:
+        present = _names_in(folder, listed)
         for name in names:
-            path = os.path.join(folder, name)
-            if os.path.lexists(path):
+            if name in present:
+                path = os.path.join(folder, name)
                 _check_found(path)
                 return path
+    return None
+
+
+def _first_dit(folders: list[str], model: str, listed: dict) -> Optional[str]:
+    """The preferred DiT of ``model``: every location searched for one tier of :data:`DIT_TIERS` before the next."""
+    for names in DIT_TIERS[model]:
+        found = _first(folders, names, listed)
+        if found is not None:
+            return found
     return None
 
 
@@ -147,21 +217,22 @@ def find_weights(model: Optional[str] = None, *, dit: Optional[str] = None, vae:
     """Find the DiT (unless ``dit`` is given) and the VAE (unless ``vae`` is given) of ``model`` (``"3b"``, ``"7b"``
     or None: the 3B if found, else the 7B). Raises :class:`WeightsError` for a found file that is broken."""
     folders = search_folders(env, cwd)
+    listed: dict = {}
     if model is None:
         if dit is not None:
             model = "7b" if "7b" in os.path.basename(dit).lower() else "3b"
         else:
             for candidate in ("3b", "7b"):
-                dit = _first(folders, DIT_FILES[candidate])
+                dit = _first_dit(folders, candidate, listed)
                 if dit is not None:
                     model = candidate
                     break
             else:
                 model = "3b"
     elif dit is None:
-        dit = _first(folders, DIT_FILES[model])
+        dit = _first_dit(folders, model, listed)
     if vae is None:
-        vae = _first(folders, VAE_FILES)
+        vae = _first(folders, VAE_FILES, listed)
     return WeightsFound(model, dit, vae, tuple(folders))
 
 

@@ -1,8 +1,9 @@
 """Strict checkpoint loading for :class:`SeedVR2NaDiT`.
 
 Exactly one key rename is applied: the reference stores each block's RoPE table as ``blocks.<i>.attn.rope.rope.freqs``
-and this port as ``blocks.<i>.attn.rope.freqs``. After that, any missing, unexpected or shape-mismatched key is an
-error, so a checkpoint that does not match the model cannot reach inference. Files are read by
+and this port as ``blocks.<i>.attn.rope.freqs``. After that, any missing, unexpected, shape-mismatched or wrongly typed
+key (an integer or bool tensor where a weight belongs) is an error (:mod:`..checkpoint_match`, the check the sharded
+loader shares), so a checkpoint that does not match the model cannot reach inference. Files are read by
 :mod:`..checkpoint_file` (``.pth``/``.pt`` through ``torch.load(weights_only=True)``, which never runs pickled code).
 
 fp16/bf16 repacks are cast to the model's dtypes; fp8 and GGUF Linear weights stay packed (``weights="stored"``, a
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from ..checkpoint_dtypes import match_model_dtypes
 from ..checkpoint_file import read_checkpoint_file, tensor_state
+from ..checkpoint_match import check_checkpoint_matches
 from ..quantized_linear import PackedWeight, linear_weight_keys, pack_linear_layers
 from .rope import RotaryEmbedding3d
 
@@ -123,24 +125,10 @@ def _restore_exact_rope(model: nn.Module, state: dict[str, Tensor]) -> int:
 
 
 def check_dit_keys(expected: Mapping[str, tuple], found: Mapping[str, tuple]) -> None:
-    """``ValueError`` naming the missing, unexpected and shape-mismatched keys of a checkpoint (``found``: key ->
-    shape, after the key rename) against the model's (``expected``); nothing when they agree."""
-    missing = set(expected) - set(found)
-    unexpected = set(found) - set(expected)
-    mismatched = [
-        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
-        for k in sorted(set(expected) & set(found))
-        if tuple(found[k]) != tuple(expected[k])
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_short(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_short(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {'; '.join(mismatched[:8])}")
-    if problems:
-        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+    """``ValueError`` naming the missing, unexpected, mis-shaped and wrongly typed keys of a checkpoint (``found``:
+    key -> (shape, dtype or dtype name), after the key rename) against the model's (``expected``); nothing when they
+    agree. The one check of the whole and the sharded loaders (:mod:`..checkpoint_match`)."""
+    check_checkpoint_matches(expected, found)
 
 
 def load_dit_checkpoint(
@@ -172,7 +160,8 @@ def load_dit_checkpoint(
         (report or _log.info)(cast)
 
     expected = model.state_dict()
-    check_dit_keys({k: tuple(v.shape) for k, v in expected.items()}, {k: tuple(v.shape) for k, v in state.items()})
+    check_dit_keys({k: (tuple(v.shape), v.dtype) for k, v in expected.items()},
+                   {k: (tuple(v.shape), v.kind if isinstance(v, PackedWeight) else v.dtype) for k, v in state.items()})
 
     on_meta = any(t.is_meta for t in expected.values())
     packed = {k: v for k, v in state.items() if isinstance(v, PackedWeight)}

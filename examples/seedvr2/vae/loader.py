@@ -13,6 +13,7 @@ from torch import nn
 
 from ..checkpoint_dtypes import match_model_dtypes
 from ..checkpoint_file import read_checkpoint_file
+from ..checkpoint_match import check_checkpoint_matches
 
 __all__ = ["load_vae_checkpoint", "check_state_dict"]
 
@@ -27,27 +28,15 @@ def _listing(names: list[str]) -> str:
 
 
 def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Raise ``ValueError`` naming every missing, unexpected, non-tensor or wrongly shaped key."""
+    """Raise ``ValueError`` naming every missing, unexpected, non-tensor, wrongly shaped or wrongly typed key."""
     expected = module.state_dict()
-    problems = []
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        problems.append(f"missing keys: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_listing(unexpected)}")
     not_tensors = sorted(k for k in set(state) & set(expected) if not isinstance(state[k], torch.Tensor))
     if not_tensors:
-        problems.append(f"values that are not tensors: {_listing(not_tensors)}")
-    mismatched = sorted(
-        f"{k} (checkpoint {list(state[k].shape)}, model {list(expected[k].shape)})"
-        for k in set(state) & set(expected)
-        if isinstance(state[k], torch.Tensor) and tuple(state[k].shape) != tuple(expected[k].shape)
-    )
-    if mismatched:
-        problems.append(f"shape mismatches: {_listing(mismatched)}")
-    if problems:
-        raise ValueError(f"checkpoint does not fit {type(module).__name__}: " + "; ".join(problems))
+        raise ValueError(f"checkpoint does not fit {type(module).__name__}: values that are not tensors: "
+                         f"{_listing(not_tensors)}")
+    # keys, shapes and dtypes: the check every loader shares (one message)
+    check_checkpoint_matches({k: (tuple(v.shape), v.dtype) for k, v in expected.items()},
+                             {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
 
 
 def load_vae_checkpoint(
