@@ -126,8 +126,8 @@ VALUE_OPTIONS = frozenset({"-o", "--output", "--resolution", "--scale", "--model
                            "--vae-checkpoint", "--text-embeds", "--weights", "--seed", "--dtype", "--vae-parallel",
                            "--vae-tile", "--batch-frames", "--overlap", "--sp-size", "--color-fix", "--crf",
                            "--ranks"})
-FLAG_OPTIONS = frozenset({"-h", "--help", "--overwrite", "--allow-partial-input", "--demo", "--shard-weights",
-                          "--quiet"})
+FLAG_OPTIONS = frozenset({"-h", "--help", "--overwrite", "--allow-partial-input", "--allow-large-output", "--demo",
+                          "--shard-weights", "--quiet"})
 
 
 def restore_inputs(argv: Sequence[str]) -> Optional[list[str]]:
