@@ -17,6 +17,10 @@ STOPPED_LINE = "python -m examples.seedvr2: stopped by SIGINT during start-up: n
 
 
 def _run() -> int:
+    if sys.argv[1:2] == ["serve"]:  # the HTTP server starts its own ranks (see .serve)
+        from .serve.server import main as serve
+
+        return serve(sys.argv[2:])
     held: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:

@@ -1,0 +1,193 @@
+"""One rank of ``serve``: load the models once, then restore the jobs the server sends, one at a time.
+
+The server starts N copies of ``python -m examples.seedvr2.serve.worker RESTORE_FLAGS...`` with torchrun's
+environment (:func:`examples.seedvr2.launcher.rank_environment`). Each rank restores a tiny image first (the weights
+load through the exact path of ``restore``), then reads jobs from its stdin, one JSON line each, the same line to
+every rank, and runs each through the CLI's own per-file function with the models kept (as a folder run does), so a
+job's output is byte for byte that of ``restore`` with the same flags.
+
+Messages go back on the original stdout, one JSON line each (the process's fd 1 is pointed at stderr, so nothing
+else can corrupt them): ``ready`` (usable memory, peak memory), ``progress`` (rank 0: frames written), ``done``
+(exit code, the one-line error the CLI printed, whether the process group broke). A job is cancelled at a temporal
+batch boundary: before each round of batches every rank looks for the job's cancel file and the ranks agree (one
+tiny all-gather over the world), so all of them stop at the same batch and stay in step for the next job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Optional, Sequence
+
+ERROR_PREFIX = "python -m examples.seedvr2: error:"
+STOPPED_PREFIX = "python -m examples.seedvr2: "
+#: the warm-up image's side: at least one latent row per rank of any SP size up to 8
+WARM_SIDE = 64
+
+
+class JobCancelled(Exception):
+    """Raised on every rank at the batch boundary where the ranks agreed a cancel was asked."""
+
+
+class _Tee(io.TextIOBase):
+    """stderr that also keeps what was written (to find the CLI's one-line error)."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        self.stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def error_line(text: str) -> Optional[str]:
+    """The last line the CLI printed as its one-line error (``error:`` or ``stopped:``), without its prefix."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(ERROR_PREFIX):
+            return line[len(ERROR_PREFIX):].strip()
+        if line.startswith(STOPPED_PREFIX) and ": stopped" in line:
+            return line[len(STOPPED_PREFIX):].strip()
+    return None
+
+
+class Channel:
+    """The JSON-lines channel to the server: the process's original stdout (fd 1 then points at stderr)."""
+
+    def __init__(self) -> None:
+        sys.stdout.flush()
+        self._out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        self._lock = threading.Lock()
+
+    def send(self, **message) -> None:
+        with self._lock:
+            self._out.write(json.dumps(message) + "\n")
+            self._out.flush()
+
+
+def _write_warm_image(path: str) -> None:
+    import numpy as np
+
+    from ..media import MediaWriter
+
+    y, x = np.mgrid[0:WARM_SIDE, 0:WARM_SIDE]
+    frame = np.stack([x * 4 % 256, y * 4 % 256, (x + y) * 2 % 256], -1).astype(np.uint8)
+    with MediaWriter(path, WARM_SIDE, WARM_SIDE) as writer:
+        writer.write(frame)
+
+
+class Rank:
+    """This rank's loop state: its launch, the models once loaded, and the channel."""
+
+    def __init__(self, base: Sequence[str], channel: Channel) -> None:
+        from .. import cli
+
+        self.cli, self.base, self.channel = cli, list(base), channel
+        self.launch = cli.Launch.from_env()
+        self.models = None
+
+    def restore(self, input_path: str, output: str, flags: Sequence[str], cancel: Optional[str],
+                job_id: Optional[str]) -> dict:
+        """Restore one file as ``restore INPUT -o OUTPUT BASE FLAGS --quiet`` would; the outcome as a message."""
+        cli, launch = self.cli, self.launch
+        tee = _Tee(sys.stderr)
+        code, broken, cancelled = 2, False, False
+        with contextlib.redirect_stderr(tee):
+            try:
+                args = cli.build_parser().parse_args(["restore", input_path, "-o", output, *self.base, *flags,
+                                                      "--quiet"])
+            except SystemExit:
+                args = None
+            if args is not None:
+                state = cli.RunState(models=self.models)
+                if cancel is not None:
+                    state.before_batch = self._cancel_check(cancel, args)
+                if launch.rank == 0 and job_id is not None:
+                    state.on_frames = lambda done, total: self.channel.send(event="progress", id=job_id,
+                                                                            frames=done, total=total)
+                try:
+                    code, broken, _ = cli._restore_file(args, launch, state)
+                except JobCancelled:
+                    cancelled = True
+                except Exception as exc:  # noqa: BLE001 - a bug: said in one line, and the ranks restarted
+                    traceback.print_exc()
+                    print(f"{ERROR_PREFIX} internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    broken = launch.world_size > 1
+                self.models = state.models
+        peak, kind = cli._peak_memory(launch.device)
+        return dict(event="done", id=job_id, rank=launch.rank, code=0 if cancelled else code, cancelled=cancelled,
+                    broken=broken, error=None if cancelled or code == 0 else error_line(tee.kept.getvalue()),
+                    peak_bytes=peak, peak_kind=kind)
+
+    def _cancel_check(self, path: str, args):
+        """``before_batch``: at each round of batches (one batch per SP group) the ranks agree whether to stop."""
+        world = self.launch.world_size
+        groups = world // (args.sp_size or world) if world > 1 else 1
+
+        def before(index: int) -> None:
+            if index % max(groups, 1):
+                return
+            asked = 1.0 if os.path.exists(path) else 0.0
+            if world > 1:
+                asked = max(row[0] for row in self.cli._per_rank_figures([asked], self.launch.device))
+            if asked:
+                raise JobCancelled(f"cancelled before temporal batch {index}")
+        return before
+
+    def warm_up(self) -> dict:
+        """Restore a tiny image: loads the weights (as ``restore`` does) and builds the run's state once."""
+        folder = tempfile.mkdtemp(prefix="seedvr2-serve-warm-")
+        try:
+            source = os.path.join(folder, "warm.png")
+            _write_warm_image(source)
+            return self.restore(source, os.path.join(folder, "warm_restored.png"), [], None, None)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    channel = Channel()
+    rank = Rank(argv, channel)
+    broken = False
+    try:
+        warm = rank.warm_up()
+        if warm["code"] != 0:
+            channel.send(event="failed", rank=rank.launch.rank, error=warm["error"] or "the warm-up restore failed")
+            broken = warm["broken"]
+            return 2
+        from ..memory_limits import usable_memory
+
+        usable = usable_memory(rank.launch.device).usable
+        channel.send(event="ready", rank=rank.launch.rank, world=rank.launch.world_size, usable=usable,
+                     device=rank.launch.device.type, peak_bytes=warm["peak_bytes"])
+        for line in sys.stdin:
+            job = json.loads(line)
+            if job.get("quit"):
+                return 0
+            outcome = rank.restore(job["input"], job["output"], job["flags"], job["cancel"], job["id"])
+            channel.send(**outcome)
+            if outcome["broken"]:
+                broken = True
+                return 2
+        return 0
+    finally:
+        rank.launch.close(failed=broken)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
