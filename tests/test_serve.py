@@ -349,3 +349,57 @@ def test_two_ranks_cancel_at_a_batch_boundary_and_survive_a_killed_rank(media, t
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert reference.read_bytes() == ours  # byte for byte what restore --ranks 2 writes
+
+
+class _Pool:
+    """What the acceptance check reads of the ranks: their device and usable memory (no process started)."""
+
+    def __init__(self, usable):
+        self.usable, self.device = usable, "cpu"
+
+
+def _server(tmp_path, usable, *flags):
+    from examples.seedvr2.serve.options import parse_serve
+    from examples.seedvr2.serve.server import Server
+
+    return Server(parse_serve(["--demo", *flags]), str(tmp_path / "state"), _Pool(usable))
+
+
+def test_a_job_is_checked_against_the_memory_estimate_and_the_limits_before_it_is_accepted(tmp_path):
+    from examples.seedvr2.serve.server import Refused
+    from tests.test_cli import make_png
+
+    src = make_png(tmp_path / "in.png", h=128, w=128)
+    tight = _server(tmp_path, 4 * 2**20)
+    with pytest.raises(Refused) as refused:  # restore's own estimate: a 128x128 frame needs well over 4 MiB
+        tight.check(tight.store.new_id(), src, "in.png", {}, True)
+    assert refused.value.status == 422 and "4 MiB" in refused.value.message, refused.value.message
+    roomy = _server(tmp_path, 2**40, "--max-pixels", str(200 * 200), "--max-frames", "5")
+    job = roomy.check(roomy.store.new_id(), src, "in.png", {"seed": 3}, True)
+    assert job.frames == 1 and job.flags == ["--seed", "3"] and job.output.endswith("result.png")
+    with pytest.raises(Refused) as refused:
+        roomy.check(roomy.store.new_id(), src, "in.png", {"scale": 2}, True)
+    assert refused.value.status == 413 and "--max-pixels" in refused.value.message
+    clip = make_mp4(tmp_path / "in.mp4", t=9, h=16, w=16)
+    with pytest.raises(Refused) as refused:
+        roomy.check(roomy.store.new_id(), clip, "in.mp4", {}, True)
+    assert refused.value.status == 413 and "--max-frames" in refused.value.message
+    with pytest.raises(Refused) as refused:
+        roomy.check(roomy.store.new_id(), src, "in.png", {"resolution": "12x"}, True)
+    assert refused.value.status == 422 and "12x" in refused.value.message
+
+
+def test_the_serve_command_line_is_checked_by_restores_parser():
+    from examples.seedvr2.serve.options import UsageError, parse_serve
+
+    config = parse_serve(["--ranks", "2", "--demo", "--batch-frames", "9", "--port", "9000"])
+    assert (config.ranks, config.port, config.host) == (2, 9000, "127.0.0.1")
+    assert config.restore_flags == ["--demo", "--batch-frames", "9"]
+    for argv, words in ((["--vae-parallel", "sideways"], "invalid choice"), (["-o", "x.mp4"], "not a serve option"),
+                        (["clip.mp4"], "no input files"), (["--max-queue", "0"], "at least 1"),
+                        (["--port", "http"], "invalid int value")):
+        with pytest.raises(UsageError, match=words):
+            parse_serve(argv)
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "serve", "--demo", "--overwrite"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "error: --overwrite" in done.stderr

@@ -29,8 +29,15 @@ class UsageError(ValueError):
     """A serve command line or job option that is wrong: one line."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are :class:`UsageError` (one line, like every other error)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
 def build_serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Keep N ranks warm (weights loaded once, plan caches warm) and restore jobs over HTTP: a job API "
                     "under /v1/restorations (OpenAPI schema at /openapi.json), a web page at /, /v1/health and "

@@ -222,10 +222,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: serve needs the serve extra ({exc.name} is missing): pip install -e \".[serve]\"",
               file=sys.stderr)
         return 2
+    from ..launcher import LaunchError, check_ranks, gpu_count
+
     try:
         config = parse_serve(argv)
-        from ..launcher import LaunchError, check_ranks, gpu_count
-
         check_ranks(str(config.ranks), gpu_count(), os.cpu_count() or 1)
         sock = _bind(config.host, config.port)
     except (UsageError, LaunchError) as exc:
