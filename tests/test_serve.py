@@ -257,8 +257,15 @@ def test_a_killed_rank_fails_its_job_and_the_ranks_come_back(server, media, tmp_
 
 
 def _chromium():
+    """Playwright, and Debian's Chromium: skipped without them, except in CI (``WINSP_REQUIRE_BROWSER``)."""
+    required = bool(os.environ.get("WINSP_REQUIRE_BROWSER"))
     if not os.path.exists("/usr/bin/chromium"):
+        assert not required, "WINSP_REQUIRE_BROWSER is set but /usr/bin/chromium is missing"
         pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+    if required:
+        import playwright.sync_api
+
+        return playwright.sync_api
     return pytest.importorskip("playwright.sync_api")
 
 
