@@ -256,6 +256,23 @@ def test_a_killed_rank_fails_its_job_and_the_ranks_come_back(server, media, tmp_
     assert "seedvr2_rank_restarts_total 1" in server.client.get("/metrics").text
 
 
+def test_the_curl_examples_of_docs_serving_run(server, media, tmp_path):
+    """docs/serving.md's curl blocks, in order, in one shell, against this server (its URL for 127.0.0.1:8000)."""
+    text = open(os.path.join(REPO, "docs", "serving.md")).read()
+    blocks = [b for b in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M) if "curl" in b]
+    assert len(blocks) >= 3
+    (tmp_path / "token.txt").write_text(TOKEN + "\n")
+    (tmp_path / "clip.mp4").write_bytes(open(media["short"], "rb").read())
+    script = "set -euo pipefail\n" + "\n".join(blocks).replace("http://127.0.0.1:8000", server.url)
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=JOB_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith('{"status":"ok"')
+    assert (tmp_path / "clip_restored.mp4").read_bytes() == _restore(media["short"], tmp_path / "ref.mp4", "--crf",
+                                                                     0, "--seed", 42)
+    assert '"cancel_requested":true' in done.stdout or '"state":"cancelled"' in done.stdout, done.stdout
+    assert '"state":"deleted"' in done.stdout and 'seedvr2_jobs{state="done"}' in done.stdout, done.stdout
+
+
 def _chromium():
     """Playwright, and Debian's Chromium: skipped without them, except in CI (``WINSP_REQUIRE_BROWSER``)."""
     required = bool(os.environ.get("WINSP_REQUIRE_BROWSER"))

@@ -183,7 +183,8 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/health", summary="Whether the server runs jobs (no token needed)")
     async def health() -> JSONResponse:
-        body = {"status": "draining" if server.draining else server.health, "ranks": config.ranks,
+        state = "restarting" if server.pool.restarting else server.health
+        body = {"status": "draining" if server.draining else state, "ranks": config.ranks,
                 "alive": server.pool.alive(), "queue": len(store.queued()),
                 "running": server.current.id if server.current is not None else None}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)

@@ -63,6 +63,7 @@ class RankPool:
         self.device = "cpu"
         self.peaks: dict[int, float] = {}
         self.restarts = 0
+        self.restarting = False
         self._workdir = tempfile.mkdtemp(prefix="seedvr2-serve-ranks-")
 
     # ---- start and stop --------------------------------------------------------------------------------------
@@ -135,9 +136,13 @@ class RankPool:
 
     def restart(self) -> None:
         """Stop every rank at once and start fresh ones (reloading the weights)."""
-        self._end(grace=0.0)
-        self.restarts += 1
-        self.start()
+        self.restarting = True
+        try:
+            self._end(grace=0.0)
+            self.restarts += 1
+            self.start()
+        finally:
+            self.restarting = False
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]

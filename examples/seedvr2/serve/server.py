@@ -77,7 +77,7 @@ class Server:
         except (UsageError, ValueError) as exc:
             raise Refused(400, str(exc)) from None
         try:
-            info = probe_media(input_path)
+            info = probe_media(input_path, allow_partial=True)  # its kind; restore's own probe follows
         except MediaError as exc:
             raise Refused(422, str(exc)) from None
         output = os.path.join(self.store.folder(job_id), "result.png" if info.is_image else "result.mp4")
