@@ -427,3 +427,37 @@ def test_the_serve_command_line_is_checked_by_restores_parser():
     done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "serve", "--demo", "--overwrite"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "error: --overwrite" in done.stderr
+
+
+def test_the_job_store_evicts_the_oldest_finished_and_requeues_the_unfinished(tmp_path):
+    from examples.seedvr2.serve.jobs import Job, JobStore
+
+    def job(store, input_bytes=0):
+        job_id = store.new_id()
+        folder = store.folder(job_id)
+        with open(os.path.join(folder, "input.mp4"), "wb") as f:
+            f.write(b"x" * input_bytes)
+        made = Job(id=job_id, state="queued", created=time.time(), input=os.path.join(folder, "input.mp4"),
+                   output=os.path.join(folder, "result.mp4"), flags=[], options={}, name="a.mp4", frames=5)
+        assert store.add(made)
+        return made
+
+    store = JobStore(str(tmp_path), max_queue=3, max_results=2, max_bytes=10_000)
+    first, second, third = (job(store, 3000) for _ in range(3))
+    assert store.queue_full() and not store.add(Job(**{**first.__dict__, "id": "x"}))  # 429 territory
+    for made in (first, second, third):
+        assert store.next(timeout=0) is made
+        with open(made.output, "wb") as f:
+            f.write(b"y" * 1000)
+        store.finish(made, "done")
+    assert first.id not in store.jobs and not os.path.exists(store.folder(first.id))  # over max_results
+    assert set(store.jobs) == {second.id, third.id}
+    big = job(store, 9000)
+    assert store.next(timeout=0) is big
+    store.finish(big, "failed", "boom")
+    assert set(store.jobs) == {big.id}  # 13 kB of files: the older ones went, the newest stays
+    was_running, was_queued = job(store), job(store)
+    assert store.next(timeout=0) is was_running
+    again = JobStore(str(tmp_path), max_queue=3, max_results=2, max_bytes=10_000)  # a restart on the same folder
+    assert again.requeued == 2 and [j.id for j in again.queued()] == [was_running.id, was_queued.id]
+    assert again.jobs[big.id].state == "failed" and again.jobs[big.id].error == "boom"

@@ -3,7 +3,8 @@
 Each job is a folder ``STATE_DIR/jobs/<id>/`` holding ``job.json`` (rewritten atomically at every change of state),
 the uploaded input (unless the job names a server path) and the result. A server started again on the same state
 folder keeps the finished jobs and puts every job that had not finished back in the queue, in the order they came.
-Finished jobs beyond ``max_results``, or whose files exceed ``max_bytes`` together, are evicted oldest first.
+Finished jobs beyond ``max_results``, or whose files exceed ``max_bytes`` together, are evicted oldest first (the
+newest finished job stays, whatever its size).
 """
 
 from __future__ import annotations
@@ -204,10 +205,11 @@ class JobStore:
 
     def _evict(self) -> None:
         """Drop the oldest finished jobs while there are more than ``max_results`` or their files exceed
-        ``max_bytes`` (called with the lock held)."""
+        ``max_bytes`` (the newest is kept whatever its size: its client has yet to fetch it) (lock held)."""
         finished = sorted((j for j in self.jobs.values() if j.state in FINISHED), key=lambda j: j.finished or 0)
         sizes = {j.id: self._bytes(j) for j in finished}
-        while finished and (len(finished) > self.max_results or sum(sizes[j.id] for j in finished) > self.max_bytes):
+        while len(finished) > self.max_results or (len(finished) > 1
+                                                    and sum(sizes[j.id] for j in finished) > self.max_bytes):
             oldest = finished.pop(0)
             self.jobs.pop(oldest.id, None)
             shutil.rmtree(self.folder(oldest.id), ignore_errors=True)

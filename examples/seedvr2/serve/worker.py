@@ -121,6 +121,7 @@ class Rank:
                                                                             frames=done, total=total)
                 try:
                     code, broken, _ = cli._restore_file(args, launch, state)
+                    broken = broken and launch.world_size > 1  # alone, a failed allocation leaves nothing behind
                 except JobCancelled:
                     cancelled = True
                 except Exception as exc:  # noqa: BLE001 - a bug: said in one line, and the ranks restarted
