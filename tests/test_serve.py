@@ -35,10 +35,12 @@ JOB_S = 240.0
 class Served:
     """A ``serve`` process started by a test: its URL, its log, and a client that carries the token."""
 
-    def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True) -> None:
+    def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True, torchrun: int = 0) -> None:
         self.log_path = os.path.join(tmp, f"serve-{time.time_ns()}.log")
-        argv = [sys.executable, "-m", "examples.seedvr2", "serve", "--port", "0", "--ranks", str(ranks), "--demo",
-                *map(str, flags)]
+        prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+                  if torchrun else [sys.executable])
+        argv = [*prefix, "-m", "examples.seedvr2", "serve", "--port", "0", "--demo", *map(str, flags)]
+        argv += [] if torchrun else ["--ranks", str(ranks)]
         if token:
             token_file = os.path.join(tmp, "token")
             with open(token_file, "w") as f:
@@ -461,3 +463,27 @@ def test_the_job_store_evicts_the_oldest_finished_and_requeues_the_unfinished(tm
     again = JobStore(str(tmp_path), max_queue=3, max_results=2, max_bytes=10_000)  # a restart on the same folder
     assert again.requeued == 2 and [j.id for j in again.queued()] == [was_running.id, was_queued.id]
     assert again.jobs[big.id].state == "failed" and again.jobs[big.id].error == "boom"
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank0_serves_and_its_jobs_are_restore_byte_for_byte(media, tmp_path):
+    served = Served(str(tmp_path), torchrun=2, token=False)
+    try:
+        long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        served.wait(long_id, states=("running",))
+        served.client.delete(f"/v1/restorations/{long_id}")
+        assert served.wait(long_id)["state"] == "cancelled"
+        good = served.submit(media["short"], crf=0, batch_frames=5).json()["id"]
+        assert served.wait(good)["state"] == "done"
+        ours = served.client.get(f"/v1/restorations/{good}/result").content
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(timeout=120)
+        assert "SIGTERM: draining" in served.text() and "serve: stopped" in served.text()
+    finally:
+        served.stop()
+    reference = tmp_path / "ranks2.mp4"
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", media["short"], "-o", reference,
+                           "--demo", "--crf", "0", "--batch-frames", "5", "--quiet", "--ranks", "2"], cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert reference.read_bytes() == ours

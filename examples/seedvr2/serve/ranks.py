@@ -54,6 +54,8 @@ def _death(rank: int, code: int) -> str:
 class RankPool:
     """N warm ranks. ``restore_flags`` are the server's model, weight, memory and SP flags of ``restore``."""
 
+    can_restart = True  # the pool starts its ranks itself (under torchrun, see .world, it cannot)
+
     def __init__(self, ranks: int, restore_flags: Sequence[str], log=None) -> None:
         self.ranks, self.flags = ranks, list(restore_flags)
         self.log = log or (lambda line: print(f"serve: {line}", file=sys.stderr, flush=True))

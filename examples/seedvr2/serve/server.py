@@ -138,11 +138,21 @@ class Server:
                                         os.path.join(self.store.folder(job.id), "cancel"),
                                         functools.partial(self.store.progress, job))
             except StartError as exc:  # the ranks died and did not come back
+                if not self.pool.can_restart:
+                    self.store.requeue(job)
+                    log(f"error: {exc}; exiting (exit code 1)")
+                    os._exit(1)
                 self.health = "down"
                 log(f"error: the ranks could not be started again: {exc}")
                 self.store.finish(job, "failed", f"the ranks failed and could not be started again: {exc}")
                 self.current = None
                 continue
+            if not self.pool.can_restart and not self.pool.alive():  # under torchrun: torchrun restarts the world
+                error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
+                                                                    self.store.folder(job.id))
+                self.store.finish(job, "failed", error)
+                log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
+                os._exit(1)
             seconds = time.perf_counter() - started
             if outcome.state == "cancelled" and self.interrupting and not job.cancel_requested:
                 self.store.requeue(job)  # stopped by the drain: the next server on this state folder runs it
@@ -210,10 +220,11 @@ def _bind(host: str, port: int) -> socket.socket:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``serve``; returns the exit code (0 after a drain, 2 for a mistake or ranks that fail)."""
     argv = list(sys.argv[2:] if argv is None else argv)
-    if os.environ.get("WORLD_SIZE") and int(os.environ["WORLD_SIZE"]) > 1:
-        print(f"{PROG}: error: serve starts its ranks itself; run it outside torchrun with --ranks N",
-              file=sys.stderr)
-        return 2
+    from ..launcher import LAUNCHED_ENV, LaunchError, check_ranks, gpu_count
+
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    torchrun = world > 1 and not os.environ.get(LAUNCHED_ENV)
+    rank = int(os.environ.get("RANK") or 0) if torchrun else 0
     try:
         import uvicorn
 
@@ -222,14 +233,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: serve needs the serve extra ({exc.name} is missing): pip install -e \".[serve]\"",
               file=sys.stderr)
         return 2
-    from ..launcher import LaunchError, check_ranks, gpu_count
-
     try:
         config = parse_serve(argv)
-        check_ranks(str(config.ranks), gpu_count(), os.cpu_count() or 1)
+        if torchrun:
+            if config.ranks not in (1, world):
+                raise UsageError(f"--ranks {config.ranks} under torchrun's {world} ranks: leave --ranks out")
+            config.ranks = world
+            if rank != 0:
+                from .world import follow
+
+                return follow(config.restore_flags)
+        else:
+            check_ranks(str(config.ranks), gpu_count(), os.cpu_count() or 1)
         sock = _bind(config.host, config.port)
     except (UsageError, LaunchError) as exc:
-        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
+        if rank == 0:
+            print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
@@ -237,7 +256,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     temporary = config.state_dir is None
     state_dir = tempfile.mkdtemp(prefix="seedvr2-serve-") if temporary else config.state_dir
     os.makedirs(state_dir, exist_ok=True)
-    pool = RankPool(config.ranks, config.restore_flags, log=log)
+    if torchrun:
+        from .world import WorldPool
+
+        pool = WorldPool(config.restore_flags, log)
+    else:
+        pool = RankPool(config.ranks, config.restore_flags, log=log)
     try:
         log(f"starting {config.ranks} rank(s) and loading the weights")
         try:

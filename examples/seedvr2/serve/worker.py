@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 ERROR_PREFIX = "python -m examples.seedvr2: error:"
 STOPPED_PREFIX = "python -m examples.seedvr2: "
@@ -160,34 +160,40 @@ class Rank:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def serve_jobs(rank: Rank, jobs: Iterator[dict], answer: Callable[[dict], None]) -> str:
+    """This rank's life: the warm-up, then each job of ``jobs`` until a ``quit`` one; every message to ``answer``
+    (``failed`` or ``ready``, then one ``done`` a job). Returns ``quit``, ``failed`` (the warm-up failed in step) or
+    ``broken`` (the process group broke: the rank must leave without meeting the others)."""
+    warm = rank.warm_up()
+    if warm["code"] != 0:
+        answer(dict(event="failed", rank=rank.launch.rank, error=warm["error"] or "the warm-up restore failed"))
+        return "broken" if warm["broken"] else "failed"
+    from ..memory_limits import usable_memory
+
+    answer(dict(event="ready", rank=rank.launch.rank, world=rank.launch.world_size,
+                usable=usable_memory(rank.launch.device).usable, device=rank.launch.device.type,
+                peak_bytes=warm["peak_bytes"]))
+    for job in jobs:
+        if job.get("quit"):
+            return "quit"
+        outcome = rank.restore(job["input"], job["output"], job["flags"], job["cancel"], job["id"])
+        answer(outcome)
+        if outcome["broken"]:
+            return "broken"
+    return "quit"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """A rank started by :class:`.ranks.RankPool`: jobs on stdin, messages on the original stdout."""
     argv = list(sys.argv[1:] if argv is None else argv)
     channel = Channel()
     rank = Rank(argv, channel)
-    broken = False
+    ended = "broken"
     try:
-        warm = rank.warm_up()
-        if warm["code"] != 0:
-            channel.send(event="failed", rank=rank.launch.rank, error=warm["error"] or "the warm-up restore failed")
-            broken = warm["broken"]
-            return 2
-        from ..memory_limits import usable_memory
-
-        usable = usable_memory(rank.launch.device).usable
-        channel.send(event="ready", rank=rank.launch.rank, world=rank.launch.world_size, usable=usable,
-                     device=rank.launch.device.type, peak_bytes=warm["peak_bytes"])
-        for line in sys.stdin:
-            job = json.loads(line)
-            if job.get("quit"):
-                return 0
-            outcome = rank.restore(job["input"], job["output"], job["flags"], job["cancel"], job["id"])
-            channel.send(**outcome)
-            if outcome["broken"]:
-                broken = True
-                return 2
-        return 0
+        ended = serve_jobs(rank, (json.loads(line) for line in sys.stdin), lambda message: channel.send(**message))
+        return 0 if ended == "quit" else 2
     finally:
-        rank.launch.close(failed=broken)
+        rank.launch.close(failed=ended == "broken")
 
 
 if __name__ == "__main__":
