@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 __all__ = ["Job", "JobStore", "STATES", "FINISHED"]
@@ -44,7 +44,6 @@ class Job:
     error: Optional[str] = None
     cancel_requested: bool = False
     sequence: int = 0
-    extra: dict = field(default_factory=dict)
 
     def status(self) -> dict:
         """What ``GET /v1/restorations/{id}`` answers."""
