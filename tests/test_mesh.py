@@ -39,8 +39,7 @@ def test_before_is_called_before_every_batch_and_can_stop_the_run():
 
     computed = []
     with pytest.raises(KeyboardInterrupt):
-        for index, _ in ordered_results(mesh, 4, lambda i: computed.append(i) or torch.zeros(1), before=stop_at_2):
-            pass
+        list(ordered_results(mesh, 4, lambda i: computed.append(i) or torch.zeros(1), before=stop_at_2))
     assert computed == [0, 1]
 
 
