@@ -104,7 +104,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="SeedVR2 one-step video/image restoration on winsp (window-parallel).")
+    parser = _Parser(prog=PROG, description="SeedVR2 one-step video/image restoration on winsp (window-parallel). "
+                                                  "`serve` restores jobs over HTTP on warm ranks (see serve --help).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("restore", help="restore a video or image", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
