@@ -28,8 +28,11 @@ from typing import Callable, Iterator, Optional, Sequence
 
 ERROR_PREFIX = "python -m examples.seedvr2: error:"
 STOPPED_PREFIX = "python -m examples.seedvr2: "
-#: the warm-up image's side: at least one latent row per rank of any SP size up to 8
-WARM_SIDE = 64
+
+
+def warm_side(world_size: int) -> int:
+    """The warm-up image's side: small (its restore is start-up time), with a latent row (8 pixels) per rank."""
+    return max(16, 8 * world_size)
 
 
 class JobCancelled(Exception):
@@ -79,14 +82,14 @@ class Channel:
             self._out.flush()
 
 
-def _write_warm_image(path: str) -> None:
+def _write_warm_image(path: str, side: int) -> None:
     import numpy as np
 
     from ..media import MediaWriter
 
-    y, x = np.mgrid[0:WARM_SIDE, 0:WARM_SIDE]
-    frame = np.stack([x * 4 % 256, y * 4 % 256, (x + y) * 2 % 256], -1).astype(np.uint8)
-    with MediaWriter(path, WARM_SIDE, WARM_SIDE) as writer:
+    y, x = np.mgrid[0:side, 0:side]
+    frame = np.stack([x * 16 % 256, y * 16 % 256, (x + y) * 8 % 256], -1).astype(np.uint8)
+    with MediaWriter(path, side, side) as writer:
         writer.write(frame)
 
 
@@ -154,7 +157,7 @@ class Rank:
         folder = tempfile.mkdtemp(prefix="seedvr2-serve-warm-")
         try:
             source = os.path.join(folder, "warm.png")
-            _write_warm_image(source)
+            _write_warm_image(source, warm_side(self.launch.world_size))
             return self.restore(source, os.path.join(folder, "warm_restored.png"), [], None, None)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
