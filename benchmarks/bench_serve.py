@@ -50,11 +50,12 @@ def restore_folder(folder: str, out: str, flags: list[str], env: dict, count: in
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "examples.seedvr2", "restore", folder, "-o", out, *flags],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    names = set(os.listdir(folder))
     first = None
     while proc.poll() is None:
-        if first is None and os.path.isdir(out) and any(n.endswith(".mp4") for n in os.listdir(out)):
-            first = time.perf_counter() - start  # outputs are published whole (renamed into place)
-        time.sleep(0.02)
+        if first is None and os.path.isdir(out) and names & set(os.listdir(out)):
+            first = time.perf_counter() - start  # published whole under its name (renamed from a partial file)
+        time.sleep(0.05)
     if proc.returncode != 0:
         raise SystemExit(f"the folder run failed: {proc.stderr.read()[-2000:]}")
     total = time.perf_counter() - start
@@ -93,17 +94,16 @@ def serve(clips: list[str], out: str, flags: list[str], env: dict) -> tuple[floa
             answer.raise_for_status()
             ids[answer.json()["id"]] = os.path.basename(clip)
         first = None
-        waiting = dict(ids)
-        while waiting:
-            for job_id, name in list(waiting.items()):
+        for job_id, name in ids.items():  # they finish in order: one request every 0.1 s, for the oldest
+            while True:
                 status = client.get(f"/v1/restorations/{job_id}").json()
                 if status["state"] == "done":
                     Path(out, name).write_bytes(client.get(status["result"]).content)
                     first = first if first is not None else time.perf_counter() - start
-                    del waiting[job_id]
-                elif status["state"] != "queued" and status["state"] != "running":
+                    break
+                if status["state"] not in ("queued", "running"):
                     raise SystemExit(f"job {name} {status['state']}: {status['error']}")
-            time.sleep(0.02)
+                time.sleep(0.1)
         end = time.perf_counter()
         return first or 0.0, end - start, end - listening
     finally:

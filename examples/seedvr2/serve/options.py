@@ -11,10 +11,11 @@ import argparse
 import contextlib
 import io
 import os
+import re
 from typing import Optional, Sequence
 
-__all__ = ["build_serve_parser", "ServeConfig", "parse_serve", "job_flags", "restore_args", "UsageError",
-           "JOB_OPTIONS"]
+__all__ = ["build_serve_parser", "ServeConfig", "parse_serve", "check_restore_flags", "job_flags", "restore_args",
+           "UsageError", "JOB_OPTIONS"]
 
 PROG = "python -m examples.seedvr2 serve"
 #: restore flags that make no sense for a server (it names the files itself; `serve --ranks` starts the ranks)
@@ -96,7 +97,8 @@ def _restore_parse(argv: Sequence[str]) -> argparse.Namespace:
         line = said.getvalue().strip().splitlines()
         text = line[-1] if line else "invalid option"
         prefix = "python -m examples.seedvr2: error: "
-        raise UsageError(text[len(prefix):] if text.startswith(prefix) else text) from None
+        text = text[len(prefix):] if text.startswith(prefix) else text
+        raise UsageError(re.sub(r" \(see [^()]*--help\)$", "", text)) from None
 
 
 def restore_args(input_path: str, output: str, flags: Sequence[str]) -> argparse.Namespace:
@@ -104,17 +106,25 @@ def restore_args(input_path: str, output: str, flags: Sequence[str]) -> argparse
     return _restore_parse([input_path, "-o", output, *flags, "--quiet"])
 
 
-def parse_serve(argv: Sequence[str]) -> ServeConfig:
-    """The serve command line; :class:`UsageError` for a mistake (argparse's own exit for its usage errors)."""
+def check_restore_flags(flags: Sequence[str]) -> None:
+    """The restore options given to serve, checked by restore's parser (imports torch: the server does it while its
+    ranks start)."""
+    checked = _restore_parse(["placeholder.mp4", *flags])
+    extra = [p for p in checked.input if p != "placeholder.mp4"]
+    if extra:
+        raise UsageError(f"serve takes no input files (got {extra[0]!r}); send jobs to POST /v1/restorations")
+
+
+def parse_serve(argv: Sequence[str], check_restore: bool = True) -> ServeConfig:
+    """The serve command line; :class:`UsageError` for a mistake. ``check_restore=False`` leaves the restore options
+    to :func:`check_restore_flags`."""
     config, rest = build_serve_parser().parse_known_args(list(argv), namespace=ServeConfig())
     for flag in rest:
         if flag.split("=", 1)[0] in SERVER_OWNED:
             raise UsageError(f"{flag.split('=', 1)[0]} is not a serve option (the server names the files and starts "
                              f"the ranks itself)")
-    checked = _restore_parse(["placeholder.mp4", *rest])
-    extra = [p for p in checked.input if p != "placeholder.mp4"]
-    if extra:
-        raise UsageError(f"serve takes no input files (got {extra[0]!r}); send jobs to POST /v1/restorations")
+    if check_restore:
+        check_restore_flags(rest)
     if config.ranks < 1:
         raise UsageError(f"--ranks must be at least 1, got {config.ranks}")
     for name in ("max_queue", "max_results", "max_frames", "max_pixels"):

@@ -72,6 +72,11 @@ class RankPool:
 
     def start(self, timeout_s: float = 3600.0) -> None:
         """Start the ranks and wait until each has loaded the weights; :class:`StartError` otherwise."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the rank processes (they load the weights meanwhile; :meth:`wait_ready` waits for them)."""
         cpus = os.cpu_count() or 1
         port = launcher.free_port()
         marker = os.path.join(self._workdir, "failed")
@@ -84,6 +89,9 @@ class RankPool:
                                     preexec_fn=launcher._die_with_parent)
             self.procs.append(proc)
             threading.Thread(target=self._read, args=(rank, proc), daemon=True).start()
+
+    def wait_ready(self, timeout_s: float = 3600.0) -> None:
+        """Wait until every rank has loaded the weights; :class:`StartError` (every rank stopped) otherwise."""
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s
         while len(ready) < self.ranks:

@@ -18,7 +18,7 @@ import time
 from typing import Optional, Sequence
 
 from .jobs import Job, JobStore
-from .options import UsageError, job_flags, parse_serve, restore_args
+from .options import UsageError, check_restore_flags, job_flags, parse_serve, restore_args
 from .ranks import RankPool, StartError
 
 __all__ = ["Server", "Refused", "main"]
@@ -199,6 +199,11 @@ class Server:
         on_drained()
 
 
+def _import_the_checks() -> None:
+    """Import what accepting a job runs (restore's checks and memory estimate) now, not on the first upload."""
+    from .. import cli, media, memory_fit, memory_limits, pipeline  # noqa: F401
+
+
 def _public(message: str, input_path: str, name: str, folder: str) -> str:
     """``message`` with the server's paths of a job replaced by the client's file name and 'the result'."""
     message = message.replace(input_path, name)
@@ -234,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        config = parse_serve(argv)
+        config = parse_serve(argv, check_restore=False)  # restore's own flags: while the ranks start (torch)
         if torchrun:
             if config.ranks not in (1, world):
                 raise UsageError(f"--ranks {config.ranks} under torchrun's {world} ranks: leave --ranks out")
@@ -263,15 +268,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         pool = RankPool(config.ranks, config.restore_flags, log=log)
     try:
-        log(f"starting {config.ranks} rank(s) and loading the weights")
+        pool.launch()
         try:
-            pool.start()
+            check_restore_flags(config.restore_flags)
+            _import_the_checks()
+        except UsageError as exc:
+            pool.stop()
+            print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
+            return 2
+        log(f"started {config.ranks} rank(s); loading the weights")
+        try:
+            pool.wait_ready()
         except StartError as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
         server = Server(config, state_dir, pool)
-        http = _HTTP(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5),
-                     server)
+        http = _http_server(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5),
+                            server)
         server.start()
         host, port = sock.getsockname()[:2]
         log(f"listening on http://{host}:{port} ({config.ranks} rank(s) ready, state in {state_dir})")
@@ -282,28 +295,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log("stopped")
         return 0
     finally:
-        pool._end(grace=0.0) if pool.alive() else None
+        if pool.alive():  # only on the way out of an unexpected error: no rank outlives the server
+            pool._end(grace=0.0)
         sock.close()
         if temporary:
             shutil.rmtree(state_dir, ignore_errors=True)
 
 
-class _HTTP:
+def _http_server(config, server: Server):
     """uvicorn's server, whose first SIGTERM / SIGINT drains (see :meth:`Server.drain`) instead of stopping at once;
     a second SIGINT stops at once."""
+    import uvicorn
 
-    def __new__(cls, config, server: Server):
-        import uvicorn
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if server.draining:
+                if sig == signal.SIGINT:
+                    self.force_exit = self.should_exit = True
+                return
+            threading.Thread(target=server.drain, args=(self._drained,), daemon=True).start()
 
-        class Drained(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:
-                if server.draining:
-                    if sig == signal.SIGINT:
-                        self.force_exit = self.should_exit = True
-                    return
-                threading.Thread(target=server.drain, args=(self._drained,), daemon=True).start()
+        def _drained(self) -> None:
+            self.should_exit = True
 
-            def _drained(self) -> None:
-                self.should_exit = True
-
-        return Drained(config)
+    return Draining(config)

@@ -40,18 +40,20 @@ class JobCancelled(Exception):
 
 
 class _Tee(io.TextIOBase):
-    """stderr that also keeps what was written (to find the CLI's one-line error)."""
+    """stderr that also keeps what was written (to find the CLI's one-line error); with ``stream`` None, only kept."""
 
     def __init__(self, stream):
         self.stream, self.kept = stream, io.StringIO()
 
     def write(self, text: str) -> int:
         self.kept.write(text)
-        self.stream.write(text)
+        if self.stream is not None:
+            self.stream.write(text)
         return len(text)
 
     def flush(self) -> None:
-        self.stream.flush()
+        if self.stream is not None:
+            self.stream.flush()
 
     def isatty(self) -> bool:
         return False
@@ -104,10 +106,11 @@ class Rank:
         self.models = None
 
     def restore(self, input_path: str, output: str, flags: Sequence[str], cancel: Optional[str],
-                job_id: Optional[str]) -> dict:
-        """Restore one file as ``restore INPUT -o OUTPUT BASE FLAGS --quiet`` would; the outcome as a message."""
+                job_id: Optional[str], echo: bool = True) -> dict:
+        """Restore one file as ``restore INPUT -o OUTPUT BASE FLAGS --quiet`` would; the outcome as a message (with
+        ``text``, what it printed, when not ``echo``-ed to stderr)."""
         cli, launch = self.cli, self.launch
-        tee = _Tee(sys.stderr)
+        tee = _Tee(sys.stderr if echo else None)
         code, broken, cancelled = 2, False, False
         with contextlib.redirect_stderr(tee):
             try:
@@ -135,7 +138,7 @@ class Rank:
         peak, kind = cli._peak_memory(launch.device)
         return dict(event="done", id=job_id, rank=launch.rank, code=0 if cancelled else code, cancelled=cancelled,
                     broken=broken, error=None if cancelled or code == 0 else error_line(tee.kept.getvalue()),
-                    peak_bytes=peak, peak_kind=kind)
+                    peak_bytes=peak, peak_kind=kind, text=None if echo else tee.kept.getvalue())
 
     def _cancel_check(self, path: str, args):
         """``before_batch``: at each round of batches (one batch per SP group) the ranks agree whether to stop."""
@@ -153,12 +156,17 @@ class Rank:
         return before
 
     def warm_up(self) -> dict:
-        """Restore a tiny image: loads the weights (as ``restore`` does) and builds the run's state once."""
+        """Restore a tiny image: loads the weights (as ``restore`` does) and builds the run's state once. What it
+        prints is held back and printed only when it worked (the server prints a failure's one line itself)."""
         folder = tempfile.mkdtemp(prefix="seedvr2-serve-warm-")
         try:
             source = os.path.join(folder, "warm.png")
             _write_warm_image(source, warm_side(self.launch.world_size))
-            return self.restore(source, os.path.join(folder, "warm_restored.png"), [], None, None)
+            outcome = self.restore(source, os.path.join(folder, "warm_restored.png"), [], None, None, echo=False)
+            if outcome["code"] == 0:  # its notes (the weights found, the DEMO warning); a failure the server says
+                sys.stderr.write(outcome["text"])
+                sys.stderr.flush()
+            return outcome
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -90,8 +90,14 @@ class WorldPool:
         self._rank = None
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="rank0", daemon=True)
         self._thread.start()
+
+    def wait_ready(self) -> None:
         ready: dict[int, dict] = {}
         while True:
             rank, event = self.events.get()
