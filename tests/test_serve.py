@@ -161,6 +161,9 @@ def test_the_token_guards_everything_but_health(server):
 def test_refusals_are_one_line_before_anything_runs(server, media, tmp_path):
     too_large = server.submit(media["big"])  # 0.02 MiB allowed
     assert too_large.status_code == 413 and "--max-upload-mb" in too_large.json()["error"]
+    unsized = server.client.post("/v1/restorations", content=iter([b"--x\r\n"]),  # chunked: no Content-Length
+                                 headers={"content-type": "multipart/form-data; boundary=x"})
+    assert unsized.status_code == 411, unsized.text
     refused = server.submit(media["broken"])  # restore's checks: it decodes fewer frames than it declares
     assert refused.status_code == 422
     message = refused.json()["error"]
