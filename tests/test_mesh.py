@@ -27,6 +27,22 @@ def test_single_process_mesh_is_one_group_of_one():
     assert [i for i, _ in seen] == [0, 1, 2] and [int(t[0]) for _, t in seen] == [0, 1, 2]
 
 
+def test_before_is_called_before_every_batch_and_can_stop_the_run():
+    mesh = build_temporal_mesh()
+    called = []
+    seen = list(ordered_results(mesh, 3, lambda i: torch.full((1,), i), before=called.append))
+    assert called == [0, 1, 2] and len(seen) == 3
+
+    def stop_at_2(index: int) -> None:
+        if index == 2:
+            raise KeyboardInterrupt("stop")
+
+    computed = []
+    with pytest.raises(KeyboardInterrupt):
+        list(ordered_results(mesh, 4, lambda i: computed.append(i) or torch.zeros(1), before=stop_at_2))
+    assert computed == [0, 1]
+
+
 def test_single_process_refuses_a_larger_sp_size():
     with pytest.raises(ValueError, match="world size 1 is not a multiple of the SP size 2"):
         build_temporal_mesh(2)

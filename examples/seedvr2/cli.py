@@ -41,7 +41,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -120,7 +120,8 @@ def _crf(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="SeedVR2 one-step video/image restoration on winsp (window-parallel).")
+    parser = _Parser(prog=PROG, description="SeedVR2 one-step video/image restoration on winsp (window-parallel). "
+                                                  "`serve` restores jobs over HTTP on warm ranks (see serve --help).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("restore", help="restore a video or image", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -908,6 +909,10 @@ class RunState:
     lockstep: bool = True
     reporter: int = 0
     models: Optional[LoadedModels] = None  # loaded by an earlier file of a batch: reused
+    # for `serve` (see .serve.worker): called on every rank before each temporal batch (may raise to stop the run
+    # there, on every rank alike), and on the writer with (frames written, frames) as batches are written
+    before_batch: Optional[Callable[[int], None]] = None
+    on_frames: Optional[Callable[[int, int], None]] = None
 
 
 def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
@@ -1042,7 +1047,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                        f"output")
         return frames
 
-    results = ordered_results(mesh, len(plan), compute)
+    results = ordered_results(mesh, len(plan), compute, before=state.before_batch)
     if mesh.is_writer:
         use_pts = is_video_out and len(info.frame_pts) == info.num_frames
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
@@ -1055,6 +1060,8 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 with stage_clock.stage("write"):
                     for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
                         writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+                if state.on_frames is not None:
+                    state.on_frames(writer.frames_written, info.num_frames)
 
             # finished batches are cross-faded and encoded on a thread while the next one is restored
             write = background_worker(write_batch)

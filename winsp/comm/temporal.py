@@ -110,7 +110,8 @@ def build_temporal_mesh(sp_size: Optional[int] = None) -> TemporalMesh:
 
 
 def ordered_results(
-    mesh: TemporalMesh, num_batches: int, compute: Callable[[int], torch.Tensor]
+    mesh: TemporalMesh, num_batches: int, compute: Callable[[int], torch.Tensor],
+    before: Optional[Callable[[int], None]] = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Run batches ``0 .. num_batches - 1`` over the mesh; on the writer, yield ``(index, result)`` in index order.
 
@@ -118,8 +119,12 @@ def ordered_results(
     it line up within the group), and must return the batch's result (a tensor, the same on every rank of the group).
     The group's leader sends it to the writer unless it is the writer; other ranks yield nothing. The writer must
     consume each result before asking for the next (it is sent, or computed, only then), which bounds memory.
+    ``before(index)``, when given, is called on every rank before batch ``index`` (whichever group owns it), so a
+    collective in it lines up over the world; an exception it raises ends the run there, on every rank that raises.
     """
     for index in range(num_batches):
+        if before is not None:
+            before(index)
         group = mesh.group_of_batch(index)
         if group == mesh.group_index:
             result = compute(index)

@@ -1,0 +1,214 @@
+"""The server's jobs: their states, their files, the queue, and what survives a restart.
+
+Each job is a folder ``STATE_DIR/jobs/<id>/`` holding ``job.json`` (rewritten atomically at every change of state),
+the uploaded input (unless the job names a server path) and the result. A server started again on the same state
+folder keeps the finished jobs and puts every job that had not finished back in the queue, in the order they came.
+Finished jobs beyond ``max_results``, or whose files exceed ``max_bytes`` together, are evicted oldest first (the
+newest finished job stays, whatever its size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+__all__ = ["Job", "JobStore", "STATES", "FINISHED"]
+
+STATES = ("queued", "running", "done", "failed", "cancelled")
+FINISHED = ("done", "failed", "cancelled")
+
+
+@dataclass
+class Job:
+    """One restoration: where its files are, the ``restore`` flags it adds, and how far it got."""
+
+    id: str
+    state: str
+    created: float
+    input: str  # the file restored: the upload in the job's folder, or an allowed server path
+    output: str
+    flags: list
+    options: dict
+    name: str  # the name the client gave the file (shown back, never used as a path)
+    input_is_upload: bool = True
+    frames: int = 0
+    frames_done: int = 0
+    started: Optional[float] = None
+    finished: Optional[float] = None
+    error: Optional[str] = None
+    cancel_requested: bool = False
+    sequence: int = 0
+
+    def status(self) -> dict:
+        """What ``GET /v1/restorations/{id}`` answers."""
+        now = time.time()
+        eta = None
+        if self.state == "running" and self.started is not None and self.frames_done:
+            elapsed = now - self.started
+            eta = round(elapsed / self.frames_done * (self.frames - self.frames_done), 2)
+        return {
+            "id": self.id, "state": self.state, "name": self.name, "options": self.options,
+            "created": self.created, "started": self.started, "finished": self.finished,
+            "progress": {"frames_done": self.frames_done, "frames": self.frames,
+                         "fraction": round(self.frames_done / self.frames, 4) if self.frames else 0.0,
+                         "eta_seconds": eta},
+            "error": self.error, "cancel_requested": self.cancel_requested,
+            "result": f"/v1/restorations/{self.id}/result" if self.state == "done" else None,
+        }
+
+
+class JobStore:
+    """Jobs by id, the FIFO queue of queued ones, persisted under ``root`` (thread-safe)."""
+
+    def __init__(self, root: str, max_queue: int, max_results: int, max_bytes: int) -> None:
+        self.root = os.path.join(root, "jobs")
+        os.makedirs(self.root, exist_ok=True)
+        self.max_queue, self.max_results, self.max_bytes = max_queue, max_results, max_bytes
+        self.jobs: dict[str, Job] = {}
+        self.lock = threading.Condition()
+        self._sequence = 0
+        self.requeued = self._load()
+
+    # ---- persistence -----------------------------------------------------------------------------------------
+
+    def folder(self, job_id: str) -> str:
+        return os.path.join(self.root, job_id)
+
+    def _save(self, job: Job) -> None:
+        path = os.path.join(self.folder(job.id), "job.json")
+        temporary = path + ".tmp"
+        with open(temporary, "w") as f:
+            json.dump(asdict(job), f)
+        os.replace(temporary, path)
+
+    def _load(self) -> int:
+        """Read the jobs a previous server left; the unfinished ones are queued again. Returns how many."""
+        requeued = 0
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name, "job.json")
+            try:
+                with open(path) as f:
+                    job = Job(**json.load(f))
+            except (OSError, ValueError, TypeError):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)  # a job whose upload never finished
+                continue
+            if job.state not in FINISHED:
+                job.state, job.frames_done, job.started, job.cancel_requested = "queued", 0, None, False
+                if os.path.lexists(job.output):
+                    os.remove(job.output)
+                for leftover in ("cancel",):
+                    if os.path.exists(os.path.join(self.folder(job.id), leftover)):
+                        os.remove(os.path.join(self.folder(job.id), leftover))
+                self._save(job)
+                requeued += 1
+            self.jobs[job.id] = job
+            self._sequence = max(self._sequence, job.sequence)
+        return requeued
+
+    # ---- the queue -------------------------------------------------------------------------------------------
+
+    def new_id(self) -> str:
+        job_id = uuid.uuid4().hex
+        os.makedirs(self.folder(job_id))
+        return job_id
+
+    def queued(self) -> list[Job]:
+        with self.lock:
+            return sorted((j for j in self.jobs.values() if j.state == "queued"), key=lambda j: j.sequence)
+
+    def queue_full(self) -> bool:
+        return len(self.queued()) >= self.max_queue
+
+    def add(self, job: Job) -> bool:
+        """Queue ``job``; False (nothing kept) when the queue is full."""
+        with self.lock:
+            if self.queue_full():
+                return False
+            self._sequence += 1
+            job.sequence = self._sequence
+            self.jobs[job.id] = job
+            self._save(job)
+            self.lock.notify_all()
+            return True
+
+    def discard(self, job_id: str) -> None:
+        """Remove a job's folder that never made it into the queue (refused upload)."""
+        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+
+    def next(self, timeout: float) -> Optional[Job]:
+        """The oldest queued job, marked running; None after ``timeout`` seconds without one."""
+        with self.lock:
+            if not self.queued():
+                self.lock.wait(timeout)
+            waiting = self.queued()
+            if not waiting:
+                return None
+            job = waiting[0]
+            job.state, job.started, job.frames_done = "running", time.time(), 0
+            self._save(job)
+            return job
+
+    def progress(self, job: Job, done: int, total: int) -> None:
+        with self.lock:
+            job.frames_done, job.frames = done, total
+
+    def finish(self, job: Job, state: str, error: Optional[str] = None) -> None:
+        with self.lock:
+            job.state, job.error, job.finished = state, error, time.time()
+            if state == "done":
+                job.frames_done = job.frames
+            elif os.path.lexists(job.output):
+                os.remove(job.output)
+            self._save(job)
+            self._evict()
+
+    def requeue(self, job: Job) -> None:
+        """Put a running job back (the server stopped before it finished): it runs again after a restart."""
+        with self.lock:
+            job.state, job.started, job.frames_done, job.cancel_requested = "queued", None, 0, False
+            if os.path.lexists(job.output):
+                os.remove(job.output)
+            self._save(job)
+
+    def cancel(self, job: Job) -> None:
+        """A queued job is cancelled at once; a running one is asked to stop (at its next batch boundary)."""
+        with self.lock:
+            if job.state == "queued":
+                job.state, job.finished = "cancelled", time.time()
+            elif job.state == "running":
+                job.cancel_requested = True
+                open(os.path.join(self.folder(job.id), "cancel"), "w").close()
+            self._save(job)
+
+    def delete(self, job: Job) -> None:
+        """Remove a finished job and its files."""
+        with self.lock:
+            self.jobs.pop(job.id, None)
+            shutil.rmtree(self.folder(job.id), ignore_errors=True)
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            return {state: sum(1 for j in self.jobs.values() if j.state == state) for state in STATES}
+
+    def _bytes(self, job: Job) -> int:
+        total = 0
+        for root, _, files in os.walk(self.folder(job.id)):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        return total
+
+    def _evict(self) -> None:
+        """Drop the oldest finished jobs while there are more than ``max_results`` or their files exceed
+        ``max_bytes`` (the newest is kept whatever its size: its client has yet to fetch it) (lock held)."""
+        finished = sorted((j for j in self.jobs.values() if j.state in FINISHED), key=lambda j: j.finished or 0)
+        sizes = {j.id: self._bytes(j) for j in finished}
+        while len(finished) > self.max_results or (len(finished) > 1
+                                                    and sum(sizes[j.id] for j in finished) > self.max_bytes):
+            oldest = finished.pop(0)
+            self.jobs.pop(oldest.id, None)
+            shutil.rmtree(self.folder(oldest.id), ignore_errors=True)

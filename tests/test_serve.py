@@ -1,0 +1,492 @@
+"""``python -m examples.seedvr2 serve``: a real server on loopback (the tiny demo weights), driven with httpx.
+
+One server (1 rank, a bearer token, small limits) serves most cases; the drain/restart and the 2-rank cases start
+their own and are ``slow``. Outputs are compared byte for byte with ``restore`` run with the same flags (lossless
+H.264, ``--crf 0``). The web page is driven in a real headless Chromium (``browser``; skipped without it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("av")
+
+from examples.seedvr2 import cli  # noqa: E402
+from tests.media_files import write_truncated_faststart  # noqa: E402
+from tests.test_cli import _frames, make_mp4  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "s3cret-token"
+START_S = 240.0
+JOB_S = 240.0
+
+
+class Served:
+    """A ``serve`` process started by a test: its URL, its log, and a client that carries the token."""
+
+    def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True, torchrun: int = 0) -> None:
+        self.log_path = os.path.join(tmp, f"serve-{time.time_ns()}.log")
+        prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+                  if torchrun else [sys.executable])
+        argv = [*prefix, "-m", "examples.seedvr2", "serve", "--port", "0", "--demo", *map(str, flags)]
+        argv += [] if torchrun else ["--ranks", str(ranks)]
+        if token:
+            token_file = os.path.join(tmp, "token")
+            with open(token_file, "w") as f:
+                f.write(TOKEN + "\n")
+            argv += ["--token-file", token_file]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SEEDVR2_LAUNCHED")}
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_S
+        self.url = None
+        while self.url is None:
+            text = self.text()
+            found = re.search(r"listening on (http://[0-9.]+:\d+)", text)
+            if found:
+                self.url = found.group(1)
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"serve did not start:\n{text}")
+            else:
+                time.sleep(0.2)
+        self.client = httpx.Client(base_url=self.url, timeout=60.0,
+                                   headers={"Authorization": f"Bearer {TOKEN}"} if token else {})
+
+    def text(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def submit(self, path, **options) -> httpx.Response:
+        with open(path, "rb") as f:
+            return self.client.post("/v1/restorations", files={"file": (os.path.basename(path), f)},
+                                    data={k: str(v) for k, v in options.items()})
+
+    def status(self, job_id: str) -> dict:
+        return self.client.get(f"/v1/restorations/{job_id}").json()
+
+    def wait(self, job_id: str, states=("done", "failed", "cancelled"), timeout: float = JOB_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status(job_id)
+            if status["state"] in states:
+                return status
+            assert time.monotonic() < deadline, f"job {job_id} still {status}:\n{self.text()}"
+            time.sleep(0.1)
+
+    def ranks(self) -> list[int]:
+        """The rank processes' ids (the server's children)."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _noise_mp4(path) -> str:
+    """A clip of random pixels: H.264 cannot make it small (well over the test server's 0.02 MiB)."""
+    import av
+    import numpy as np
+
+    frames = np.random.default_rng(0).integers(0, 256, (10, 96, 96, 3), dtype=np.uint8)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt, s.options = 96, 96, "yuv420p", {"crf": "0"}
+        for f in frames:
+            c.mux(s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        c.mux(s.encode(None))
+    assert os.path.getsize(path) > 0.02 * 2**20 + 64 * 1024
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    return {"short": make_mp4(folder / "short.mp4", t=5, h=32, w=48),
+            "long": make_mp4(folder / "long.mp4", t=41, h=32, w=48),  # 10 batches of 5: seconds (cancelled)
+            "big": _noise_mp4(folder / "big.mp4"),
+            "broken": write_truncated_faststart(str(folder / "broken.mp4"), _frames(9, 32, 48)),
+            "folder": str(folder)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, media):
+    served = Served(str(tmp_path_factory.mktemp("serve")), "--max-queue", "3", "--max-upload-mb", "0.02",
+                    "--drain-timeout", "5", "--allow-paths", media["folder"])
+    yield served
+    served.stop()
+
+
+def _restore(src, out, *flags) -> bytes:
+    assert cli.main(["restore", src, "-o", str(out), "--demo", "--quiet", *map(str, flags)]) == 0
+    with open(out, "rb") as f:
+        return f.read()
+
+
+def test_the_token_guards_everything_but_health(server):
+    bare = httpx.Client(base_url=server.url, timeout=30)
+    assert bare.get("/v1/health").status_code == 200
+    assert bare.get("/v1/health").json()["status"] == "ok"
+    for method, path in (("GET", "/v1/restorations"), ("GET", "/metrics"), ("GET", "/openapi.json"),
+                         ("DELETE", "/v1/restorations/x"), ("POST", "/v1/restorations")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            answer = bare.request(method, path, headers=headers)
+            assert answer.status_code == 401, (method, path, headers, answer.text)
+            assert answer.headers["www-authenticate"] == "Bearer"
+    assert server.client.get("/v1/restorations").status_code == 200
+    schema = server.client.get("/openapi.json").json()
+    assert {"/v1/restorations", "/v1/restorations/{job_id}", "/v1/restorations/{job_id}/result",
+            "/v1/health", "/metrics"} <= set(schema["paths"])
+
+
+def test_refusals_are_one_line_before_anything_runs(server, media, tmp_path):
+    too_large = server.submit(media["big"])  # 0.02 MiB allowed
+    assert too_large.status_code == 413 and "--max-upload-mb" in too_large.json()["error"]
+    unsized = server.client.post("/v1/restorations", content=iter([b"--x\r\n"]),  # chunked: no Content-Length
+                                 headers={"content-type": "multipart/form-data; boundary=x"})
+    assert unsized.status_code == 411, unsized.text
+    refused = server.submit(media["broken"])  # restore's checks: it decodes fewer frames than it declares
+    assert refused.status_code == 422
+    message = refused.json()["error"]
+    assert "broken.mp4" in message and "jobs" not in message  # the client's name, not where the server keeps it
+    bad_option = server.submit(media["short"], batch_frames=6)
+    assert bad_option.status_code == 422 and "4n+1" in bad_option.json()["error"], bad_option.text
+    assert server.submit(media["short"], crf=99).status_code == 400
+    both = server.client.post("/v1/restorations", data={"resolution": "64x64"})
+    assert both.status_code == 400
+    outside = server.client.post("/v1/restorations", data={"path": "../../etc/passwd"})
+    assert outside.status_code == 403
+    assert server.client.get("/v1/restorations").json()["jobs"] == []  # nothing was kept
+
+
+def test_a_job_whose_file_breaks_fails_alone_then_a_good_job_is_restore_byte_for_byte(server, media, tmp_path):
+    """A server file (--allow-paths) that passes the checks at submission but is garbage when its turn comes: the
+    job fails with restore's one line, and the next job is byte for byte what restore writes."""
+    victim = os.path.join(media["folder"], "victim.mp4")
+    with open(media["short"], "rb") as src, open(victim, "wb") as dst:
+        dst.write(src.read())
+    ahead = server.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+    server.wait(ahead, states=("running",))
+    broken = server.client.post("/v1/restorations", data={"path": "victim.mp4", "crf": "0"})
+    assert broken.status_code == 202, broken.text
+    good = server.client.post("/v1/restorations", data={"path": "short.mp4", "crf": "0", "seed": "7"})
+    assert good.status_code == 202, good.text
+    with open(victim, "wb") as f:
+        f.write(b"no longer a video" * 100)
+    server.client.delete(f"/v1/restorations/{ahead}")  # only held the queue until the file was spoiled
+    failed = server.wait(broken.json()["id"])
+    assert failed["state"] == "failed", failed
+    assert failed["error"].startswith("not a readable video or image: victim.mp4"), failed
+    done = server.wait(good.json()["id"])
+    assert done["state"] == "done" and done["progress"]["frames_done"] == 5, done
+    result = server.client.get(done["result"])
+    assert result.status_code == 200
+    assert result.content == _restore(media["short"], tmp_path / "ref.mp4", "--crf", 0, "--seed", 7)
+    assert server.client.get(f"/v1/restorations/{broken.json()['id']}/result").status_code == 409
+    assert server.wait(ahead)["state"] == "cancelled"
+
+
+def test_two_uploads_at_once_a_full_queue_and_cancels(server, media, tmp_path):
+    answers: list = [None, None]
+
+    def upload(i: int) -> None:
+        answers[i] = server.submit(media["short"] if i else media["long"], crf=0, batch_frames=5)
+
+    threads = [threading.Thread(target=upload, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert [a.status_code for a in answers] == [202, 202], [a.text for a in answers]
+    long_id, short_id = answers[0].json()["id"], answers[1].json()["id"]
+    extra = []
+    for _ in range(4):  # the queue holds 3 waiting jobs: two more at most are accepted
+        answer = server.submit(media["short"], crf=0)
+        if answer.status_code == 429:
+            break
+        extra.append(answer.json()["id"])
+    assert answer.status_code == 429 and "queue is full" in answer.json()["error"] and len(extra) <= 2
+    for job_id in extra:  # a queued job is cancelled at once
+        cancelled = server.client.delete(f"/v1/restorations/{job_id}").json()
+        assert cancelled["state"] in ("cancelled", "running")
+    # the long job (10 batches of 5 frames) is cancelled once it is running: it stops at a batch boundary
+    status = server.wait(long_id, states=("running",))
+    assert server.client.delete(f"/v1/restorations/{long_id}").json()["cancel_requested"]
+    ended = server.wait(long_id)
+    assert ended["state"] == "cancelled" and ended["progress"]["frames_done"] < 41, ended
+    assert server.client.get(f"/v1/restorations/{long_id}/result").status_code == 409
+    done = server.wait(short_id)  # the ranks went on
+    assert done["state"] == "done", done
+    reference = _restore(media["short"], tmp_path / "ref.mp4", "--crf", 0, "--batch-frames", 5)
+    assert server.client.get(done["result"]).content == reference
+    metrics = server.client.get("/metrics").text
+    assert re.search(r'^seedvr2_jobs\{state="cancelled"\} [1-9]', metrics, re.M), metrics
+    assert re.search(r'^seedvr2_rank_peak_memory_bytes\{rank="0"\} [1-9]', metrics, re.M), metrics
+    assert "seedvr2_queue_length 0" in metrics and status["progress"]["frames"] == 41
+    assert server.client.delete(f"/v1/restorations/{short_id}").json()["state"] == "deleted"  # finished: removed
+    assert server.client.get(f"/v1/restorations/{short_id}").status_code == 404
+
+
+def test_a_killed_rank_fails_its_job_and_the_ranks_come_back(server, media, tmp_path):
+    victim = server.submit(media["long"], crf=0, batch_frames=5)
+    assert victim.status_code == 202, victim.text
+    server.wait(victim.json()["id"], states=("running",))
+    (rank,) = server.ranks()
+    os.kill(rank, signal.SIGKILL)
+    failed = server.wait(victim.json()["id"])
+    assert failed["state"] == "failed" and "rank 0 was killed by SIGKILL" in failed["error"], failed
+    good = server.submit(media["short"], crf=0)
+    assert good.status_code == 202, good.text
+    done = server.wait(good.json()["id"])
+    assert done["state"] == "done", (done, server.text())
+    assert server.ranks() != [rank]
+    assert server.client.get(done["result"]).content == _restore(media["short"], tmp_path / "r.mp4", "--crf", 0)
+    assert "seedvr2_rank_restarts_total 1" in server.client.get("/metrics").text
+
+
+def test_the_curl_examples_of_docs_serving_run(server, media, tmp_path):
+    """docs/serving.md's curl blocks, in order, in one shell, against this server (its URL for 127.0.0.1:8000)."""
+    text = open(os.path.join(REPO, "docs", "serving.md")).read()
+    blocks = [b for b in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M) if "curl" in b]
+    assert len(blocks) >= 3
+    (tmp_path / "token.txt").write_text(TOKEN + "\n")
+    (tmp_path / "clip.mp4").write_bytes(open(media["short"], "rb").read())
+    script = "set -euo pipefail\n" + "\n".join(blocks).replace("http://127.0.0.1:8000", server.url)
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=JOB_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith('{"status":"ok"')
+    assert (tmp_path / "clip_restored.mp4").read_bytes() == _restore(media["short"], tmp_path / "ref.mp4", "--crf",
+                                                                     0, "--seed", 42)
+    assert '"cancel_requested":true' in done.stdout or '"state":"cancelled"' in done.stdout, done.stdout
+    assert '"state":"deleted"' in done.stdout and 'seedvr2_jobs{state="done"}' in done.stdout, done.stdout
+
+
+def _chromium():
+    """Playwright, and Debian's Chromium: skipped without them, except in CI (``WINSP_REQUIRE_BROWSER``)."""
+    required = bool(os.environ.get("WINSP_REQUIRE_BROWSER"))
+    if not os.path.exists("/usr/bin/chromium"):
+        assert not required, "WINSP_REQUIRE_BROWSER is set but /usr/bin/chromium is missing"
+        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+    if required:
+        import playwright.sync_api
+
+        return playwright.sync_api
+    return pytest.importorskip("playwright.sync_api")
+
+
+@pytest.mark.browser
+def test_the_page_uploads_shows_progress_compares_and_downloads(server, media, tmp_path):
+    playwright = _chromium()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run"]
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=flags)
+        try:
+            page = browser.new_page(accept_downloads=True)
+            page.goto(server.url + "/")
+            page.fill("#token", TOKEN)
+            page.set_input_files("#file", media["short"])
+            page.fill("#crf", "0")
+            page.click("#submit")
+            page.wait_for_function("document.getElementById('state').textContent.includes('done')",
+                                   timeout=JOB_S * 1000)
+            assert page.eval_on_selector("#bar", "b => b.value") == 1
+            page.wait_for_selector("#compare:not([hidden]) #after video", timeout=30_000)
+            assert page.eval_on_selector("#before video", "v => v.src.startsWith('blob:')")
+            with page.expect_download() as download:
+                page.click("#download")
+            saved = tmp_path / "downloaded.mp4"
+            download.value.save_as(saved)
+            assert download.value.suggested_filename == "short_restored.mp4"
+        finally:
+            browser.close()
+    assert saved.read_bytes() == _restore(media["short"], tmp_path / "ref.mp4", "--crf", 0)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_and_a_restart_on_the_state_dir_finishes_the_jobs(media, tmp_path):
+    state = tmp_path / "state"
+    first = Served(str(tmp_path), "--state-dir", state, "--drain-timeout", "1", token=False)
+    try:
+        quick = first.submit(media["short"], crf=0)
+        kept = first.wait(quick.json()["id"])
+        assert kept["state"] == "done"
+        running = first.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        waiting = first.submit(media["short"], crf=0, seed=3).json()["id"]
+        first.wait(running, states=("running",))
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(timeout=120) == 0, first.text()
+        assert "SIGTERM: draining" in first.text() and "drain timeout: cancelling job" in first.text()
+    finally:
+        first.stop()
+    second = Served(str(tmp_path), "--state-dir", state, token=False)
+    try:
+        assert "2 unfinished job(s)" in second.text()
+        assert second.status(quick.json()["id"])["state"] == "done"  # finished results are kept
+        reference = _restore(media["short"], tmp_path / "ref.mp4", "--crf", 0)
+        assert second.client.get(kept["result"]).content == reference
+        for job_id in (running, waiting):
+            assert second.wait(job_id)["state"] == "done"
+        assert second.client.get(f"/v1/restorations/{waiting}/result").content == _restore(
+            media["short"], tmp_path / "ref3.mp4", "--crf", 0, "--seed", 3)
+    finally:
+        second.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_two_ranks_cancel_at_a_batch_boundary_and_survive_a_killed_rank(media, tmp_path):
+    served = Served(str(tmp_path), ranks=2, token=False)
+    try:
+        long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        served.wait(long_id, states=("running",))
+        served.client.delete(f"/v1/restorations/{long_id}")
+        assert served.wait(long_id)["state"] == "cancelled"
+        good = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        assert served.wait(good)["state"] == "done"
+        victim = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        served.wait(victim, states=("running",))
+        os.kill(served.ranks()[1], signal.SIGKILL)
+        failed = served.wait(victim)
+        assert failed["state"] == "failed" and "rank 1 was killed by SIGKILL" in failed["error"], failed
+        again = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        assert served.wait(again)["state"] == "done"
+        ours = served.client.get(f"/v1/restorations/{good}/result").content
+        assert served.client.get(f"/v1/restorations/{again}/result").content == ours
+    finally:
+        served.stop()
+    reference = tmp_path / "ranks2.mp4"
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", media["long"], "-o", reference,
+                           "--demo", "--crf", "0", "--batch-frames", "5", "--quiet", "--ranks", "2"], cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert reference.read_bytes() == ours  # byte for byte what restore --ranks 2 writes
+
+
+class _Pool:
+    """What the acceptance check reads of the ranks: their device and usable memory (no process started)."""
+
+    def __init__(self, usable):
+        self.usable, self.device = usable, "cpu"
+
+
+def _server(tmp_path, usable, *flags):
+    from examples.seedvr2.serve.options import parse_serve
+    from examples.seedvr2.serve.server import Server
+
+    return Server(parse_serve(["--demo", *flags]), str(tmp_path / "state"), _Pool(usable))
+
+
+def test_a_job_is_checked_against_the_memory_estimate_and_the_limits_before_it_is_accepted(tmp_path):
+    from examples.seedvr2.serve.server import Refused
+    from tests.test_cli import make_png
+
+    src = make_png(tmp_path / "in.png", h=128, w=128)
+    tight = _server(tmp_path, 4 * 2**20)
+    with pytest.raises(Refused) as refused:  # restore's own estimate: a 128x128 frame needs well over 4 MiB
+        tight.check(tight.store.new_id(), src, "in.png", {}, True)
+    assert refused.value.status == 422 and "4 MiB" in refused.value.message, refused.value.message
+    roomy = _server(tmp_path, 2**40, "--max-pixels", str(200 * 200), "--max-frames", "5")
+    job = roomy.check(roomy.store.new_id(), src, "in.png", {"seed": 3}, True)
+    assert job.frames == 1 and job.flags == ["--seed", "3"] and job.output.endswith("result.png")
+    with pytest.raises(Refused) as refused:
+        roomy.check(roomy.store.new_id(), src, "in.png", {"scale": 2}, True)
+    assert refused.value.status == 413 and "--max-pixels" in refused.value.message
+    clip = make_mp4(tmp_path / "in.mp4", t=9, h=16, w=16)
+    with pytest.raises(Refused) as refused:
+        roomy.check(roomy.store.new_id(), clip, "in.mp4", {}, True)
+    assert refused.value.status == 413 and "--max-frames" in refused.value.message
+    with pytest.raises(Refused) as refused:
+        roomy.check(roomy.store.new_id(), src, "in.png", {"resolution": "12x"}, True)
+    assert refused.value.status == 422 and "12x" in refused.value.message
+
+
+def test_the_serve_command_line_is_checked_by_restores_parser():
+    from examples.seedvr2.serve.options import UsageError, parse_serve
+
+    config = parse_serve(["--ranks", "2", "--demo", "--batch-frames", "9", "--port", "9000"])
+    assert (config.ranks, config.port, config.host) == (2, 9000, "127.0.0.1")
+    assert config.restore_flags == ["--demo", "--batch-frames", "9"]
+    for argv, words in ((["--vae-parallel", "sideways"], "invalid choice"), (["-o", "x.mp4"], "not a serve option"),
+                        (["clip.mp4"], "no input files"), (["--max-queue", "0"], "at least 1"),
+                        (["--port", "http"], "invalid int value")):
+        with pytest.raises(UsageError, match=words):
+            parse_serve(argv)
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "serve", "--demo", "--overwrite"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "error: --overwrite" in done.stderr
+
+
+def test_the_job_store_evicts_the_oldest_finished_and_requeues_the_unfinished(tmp_path):
+    from examples.seedvr2.serve.jobs import Job, JobStore
+
+    def job(store, input_bytes=0):
+        job_id = store.new_id()
+        folder = store.folder(job_id)
+        with open(os.path.join(folder, "input.mp4"), "wb") as f:
+            f.write(b"x" * input_bytes)
+        made = Job(id=job_id, state="queued", created=time.time(), input=os.path.join(folder, "input.mp4"),
+                   output=os.path.join(folder, "result.mp4"), flags=[], options={}, name="a.mp4", frames=5)
+        assert store.add(made)
+        return made
+
+    store = JobStore(str(tmp_path), max_queue=3, max_results=2, max_bytes=10_000)
+    first, second, third = (job(store, 3000) for _ in range(3))
+    assert store.queue_full() and not store.add(Job(**{**first.__dict__, "id": "x"}))  # 429 territory
+    for made in (first, second, third):
+        assert store.next(timeout=0) is made
+        with open(made.output, "wb") as f:
+            f.write(b"y" * 1000)
+        store.finish(made, "done")
+    assert first.id not in store.jobs and not os.path.exists(store.folder(first.id))  # over max_results
+    assert set(store.jobs) == {second.id, third.id}
+    big = job(store, 9000)
+    assert store.next(timeout=0) is big
+    store.finish(big, "failed", "boom")
+    assert set(store.jobs) == {big.id}  # 13 kB of files: the older ones went, the newest stays
+    was_running, was_queued = job(store), job(store)
+    assert store.next(timeout=0) is was_running
+    again = JobStore(str(tmp_path), max_queue=3, max_results=2, max_bytes=10_000)  # a restart on the same folder
+    assert again.requeued == 2 and [j.id for j in again.queued()] == [was_running.id, was_queued.id]
+    assert again.jobs[big.id].state == "failed" and again.jobs[big.id].error == "boom"
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank0_serves_and_its_jobs_are_restore_byte_for_byte(media, tmp_path):
+    served = Served(str(tmp_path), torchrun=2, token=False)
+    try:
+        long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        served.wait(long_id, states=("running",))
+        served.client.delete(f"/v1/restorations/{long_id}")
+        assert served.wait(long_id)["state"] == "cancelled"
+        good = served.submit(media["short"], crf=0, batch_frames=5).json()["id"]
+        assert served.wait(good)["state"] == "done"
+        ours = served.client.get(f"/v1/restorations/{good}/result").content
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(timeout=120)
+        assert "SIGTERM: draining" in served.text() and "serve: stopped" in served.text()
+    finally:
+        served.stop()
+    reference = tmp_path / "ranks2.mp4"
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", media["short"], "-o", reference,
+                           "--demo", "--crf", "0", "--batch-frames", "5", "--quiet", "--ranks", "2"], cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert reference.read_bytes() == ours
