@@ -185,7 +185,7 @@ class Plan:
     @cached_property
     def _rank_positions(self) -> tuple[np.ndarray, ...]:
         lay = self.layout
-        out = []
+        out: list[np.ndarray] = []
         for pieces in self.rank_pieces:
             if not pieces:
                 out.append(np.empty(0, dtype=np.int64))
