@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import winsp
 from winsp.utils.compile import planning
+from winsp.utils.phases import plans
 
 from .block import NaDiTBlock
 from .config import NaDiTConfig
@@ -230,6 +231,7 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
 
     # ------------------------------------------------------------------ forward
     @planning
+    @plans
     def _prepare(self, vid, txt, vid_shape, txt_shape, timestep):
         """The planning phase of a forward: checks, patch indices, the winsp request and the per-forward context.
 
