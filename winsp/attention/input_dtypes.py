@@ -5,6 +5,11 @@ between ranks reach a collective with buffers of different sizes, which gloo ans
 NCCL with a hang. So before a request's first attention each rank encodes its input dtypes as small integers
 (:func:`dtype_codes`), the group all-gathers them (one collective per request), and every rank reads the same table
 with :func:`dtype_problem`, so that all of them raise the same error naming the tensors, dtypes and ranks.
+
+On a GPU, reading that table back would stall the device inside the first layer (a host sync in compute). There
+each rank checks its own row on the host (no device value needed) and the group compares the rows on the device
+(:meth:`winsp.comm.group.SPGroup.assert_same_ints`): a mismatch between ranks stops every rank with a device-side
+assertion instead of a hang, without a sync when they agree.
 """
 
 from __future__ import annotations
@@ -35,17 +40,19 @@ def _name(code: int) -> str:
     return "another dtype" if code == _OTHER else str(_DTYPES[code - 1]).replace("torch.", "")
 
 
-def dtype_problem(rows: Sequence[Sequence[int]], names: Sequence[str] = QKV_NAMES) -> Optional[str]:
+def dtype_problem(rows: Sequence[Sequence[int]], names: Sequence[str] = QKV_NAMES, first_rank: int = 0
+                  ) -> Optional[str]:
     """What is wrong with every rank's input dtypes (``rows[rank]`` from :func:`dtype_codes`), or None.
 
     Refused: a tensor that is not real floating point (float8 included: the backends compute in 16 bits and more),
-    inputs of one rank in different dtypes, and dtypes that differ between ranks."""
-    for rank, row in enumerate(rows):
+    inputs of one rank in different dtypes, and dtypes that differ between ranks. ``first_rank``: the rank of
+    ``rows[0]`` (a single rank's row checks that rank alone)."""
+    for rank, row in enumerate(rows, start=first_rank):
         for name, code in zip(names, row, strict=True):
             if code != _ABSENT and (code == _OTHER or _DTYPES[code - 1] not in _FLOATING):
                 return (f"attention inputs must be floating point (float32, float64, float16, bfloat16): {name} is "
                         f"{_name(code)} on rank {rank}")
-    for rank, row in enumerate(rows):
+    for rank, row in enumerate(rows, start=first_rank):
         present = {code for code in row if code != _ABSENT}
         if len(present) > 1:
             listed = ", ".join(f"{n} {_name(c)}" for n, c in zip(names, row, strict=True) if c != _ABSENT)

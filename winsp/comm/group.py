@@ -290,6 +290,17 @@ class SPGroup:
             return row.tolist()
         return _all_gather_rows_eager(row, [1] * self.size, self.group).cpu().tolist()
 
+    def assert_same_ints(self, values: Sequence[int], device: torch.device | str, message: str) -> None:
+        """Check that every rank passes the same ``values`` without reading anything back to the host: one small
+        all-gather on ``device`` and a device-side assertion (``torch._assert_async``) that fails on every rank at
+        once when they differ (on CUDA the assertion's text is not shown; ``message`` is where the CPU shows it).
+        For checks inside a forward, where a host read would stall the GPU."""
+        if self.is_single:
+            return
+        row = torch.tensor([list(values)], dtype=torch.int64).to(device)
+        table = _all_gather_rows_eager(row, [1] * self.size, self.group)
+        torch._assert_async((table == table[:1]).all(), message)
+
     # ---- point-to-point and subgroups (eager; for pipelines such as the VAE's temporal wavefront) -------------
 
     def global_rank(self, rank: int) -> int:

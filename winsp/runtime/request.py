@@ -541,8 +541,19 @@ class WindowRequest:
 
     def _check_dtypes(self, tensors: tuple) -> None:
         """Once per request, at its first attention, on every rank of the group at once (one small all-gather): q/k/v
-        real floating point, one dtype, the same on every rank (:mod:`winsp.attention.input_dtypes`)."""
-        rows = self.group.all_gather_ints(dtype_codes(tensors), self.device)
+        real floating point, one dtype, the same on every rank (:mod:`winsp.attention.input_dtypes`). On a CPU the
+        table is read back, so every rank raises the same error; on a GPU (where that read would stall the device in
+        the first layer) each rank checks its own row and the group compares rows on the device."""
+        codes = dtype_codes(tensors)
+        if self.device.type != "cpu":
+            problem = dtype_problem([codes], first_rank=self.group.rank)
+            if problem is not None:
+                raise ValueError(f"rank {self.group.rank}: {problem}")
+            self.group.assert_same_ints(codes, self.device, "winsp: attention inputs have different dtypes on the "
+                                        "ranks of the SP group (run on CPU ranks for the table of dtypes)")
+            self._dtypes_checked = True
+            return
+        rows = self.group.all_gather_ints(codes, self.device)
         problem = dtype_problem(rows)
         if problem is not None:
             raise ValueError(f"rank {self.group.rank}: {problem}")

@@ -45,6 +45,7 @@ from winsp.runtime.local import LayoutTensors, LocalWindows, layout_tensors
 from winsp.runtime.request import CheckedRequest, PreparedRequest, WindowRequest
 from winsp.runtime.store import CacheInfo, RuntimeStore
 from winsp.utils.compile import planning
+from winsp.utils.phases import plans as planning_block
 
 __all__ = ["WindowRuntime", "WindowRequest", "CheckedRequest", "StagedRuntime", "StagedRequest", "LocalWindows",
            "LayoutTensors", "PreparedRequest", "as_stages"]
@@ -304,6 +305,7 @@ class WindowRuntime:
             self.stages, grids, self.world_size, self.planner, split_windows=split_windows, costs=self.costs))
 
     @planning  # also reached lazily from a step (a jump between non-neighbouring layouts) inside a compiled block
+    @planning_block
     def _step(self, src: Plan, dst: Plan, device: torch.device) -> RankTransitionTensors:
         key = ("transition", src.key or id(src), dst.key or id(dst), self.rank, str(device))
         return self.store.get(key, lambda: Transition(src, dst).for_rank(self.rank).to(device))
@@ -375,6 +377,7 @@ class WindowRuntime:
         return self.store.get(("request", grids, text_lengths, self.rank, str(device), split_windows), build)
 
     @planning
+    @planning_block
     def request(
         self,
         grids: Sequence[Sequence[int]],

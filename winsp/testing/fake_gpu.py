@@ -25,8 +25,9 @@ API (stable)::
 
     report = run_fake_gpu(fn, world_size, *args, ranks=None, check=True, **kwargs)
         # fn(rank, world_size, *args, **kwargs) runs inside the fake GPU for each rank in ``ranks`` (default: all);
-        # build modules with device="cuda" (``module.cuda()`` fails under FakeTensorMode). Returns a FakeGpuReport;
-        # with check=True (the default) raises FakeGpuError naming each problem (rank, phase, layer, collective).
+        # build modules on device="cuda" or "meta" (then .to_empty(device="cuda")); .to(dtype) works.
+        # Returns a FakeGpuReport; with check=True (the default) raises FakeGpuError naming each problem (rank,
+        # phase, layer, collective).
     report.ranks[r]: RankTrace      # .collectives, .host_syncs, .transfers, .mismatches, .peak_bytes,
                                     # .peak_layer, .result (fn's return value), .error (the violation that stopped it)
     report.problems() -> list[str]  # every violation and cross-rank disagreement, one line each
@@ -59,7 +60,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from winsp.utils.phases import current_phase, set_phase_observer
 
@@ -282,7 +283,7 @@ class _Recorder(TorchDispatchMode):
         self.layers = layers
         self.planning_what: list[str] = []
         self._live: dict[int, int] = {}
-        self._backward = False
+        self.fake_mode: Any = None
 
     # the phase observer (winsp.utils.phases)
     def enter_planning(self, what: str) -> None:
@@ -341,6 +342,10 @@ class _Recorder(TorchDispatchMode):
 
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
+        if self.fake_mode is not None and not all(_is_fake(t) for t in tensors):
+            # real host tensors entering a device op become fake ones (without the fake mode's constant folding,
+            # which would run the op for real, on a device this machine has not)
+            args, kwargs = tree_map_only(torch.Tensor, self._to_fake, (args, kwargs))
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - translated into what it means on a GPU
@@ -348,6 +353,14 @@ class _Recorder(TorchDispatchMode):
         self._track(out)
         self._aten_after(func, tensors, out)
         return out
+
+    def _to_fake(self, t: torch.Tensor) -> torch.Tensor:
+        if _is_fake(t):
+            return t
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return self.fake_mode.from_tensor(t, static_shapes=True)
 
     @staticmethod
     def _runs_real(func, tensors: list[torch.Tensor], kwargs) -> bool:
@@ -519,6 +532,29 @@ def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iter
             setattr(cuda, name, value)
 
 
+@contextlib.contextmanager
+def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
+    """``module.to(...)``, ``.cuda()`` and ``.to_empty(...)`` swap a fake parameter for its converted copy, and
+    ``torch.utils.swap_tensors`` refuses a tensor that is weakly referenced; the fake mode's memo of the tensors it
+    made holds such a reference. The memo is a cache: the two tensors' entries are dropped before the swap."""
+    import torch.utils as torch_utils
+
+    original = torch_utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        memo = fake_mode.fake_tensor_converter.tensor_memo
+        for key, value in list(memo.items()):
+            if value is t1 or value is t2:
+                del memo[key]
+        return original(t1, t2)
+
+    torch_utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch_utils.swap_tensors = original
+
+
 def _forget_process_groups() -> None:
     """Tear down the fake world and winsp's cache of subgroups made in it (the next rank makes its own)."""
     from winsp.comm import group as group_mod
@@ -554,7 +590,8 @@ def fake_gpu(rank: int = 0, world_size: int = 1, *, capability: tuple[int, int] 
     previous = set_phase_observer(recorder)
     layers.install()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), recorder, _fake_cuda_runtime(recorder, capability):
+        fake_mode = recorder.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode):
             yield trace
     finally:
         layers.remove()
