@@ -20,6 +20,10 @@ def _run() -> int:
     held: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
+        if sys.argv[1:2] == ["plan"]:  # the memory planner: no launcher, no restore CLI
+            from .plan import main as plan
+        else:
+            plan = None
         from .launcher import launch, wants_launcher
 
         launcher = wants_launcher(sys.argv[1:])
@@ -30,6 +34,8 @@ def _run() -> int:
     if held:
         print(STOPPED_LINE, file=sys.stderr)
         return 130
+    if plan is not None:
+        return plan(sys.argv[2:])
     return launch(sys.argv[1:]) if launcher else main()
 
 
