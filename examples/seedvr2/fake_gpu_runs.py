@@ -3,8 +3,8 @@ and depth in bf16 on fake CUDA tensors, for the tests and for the memory planner
 
 Each ``*_rank`` function has the signature ``fn(rank, world_size, ...)`` that
 :func:`winsp.testing.fake_gpu.run_fake_gpu` calls inside a fake GPU: it builds what it runs on the fake device
-(weights have shapes, no values), runs one stage, and returns the output's shape and dtype. Host inputs (shape tensors, noise, the input video) are real CPU tensors,
-as in a real run. Needs the CUDA build of torch (no GPU).
+(weights have shapes, no values), runs one stage, and returns the output's shape and dtype. Host inputs (shape
+tensors, noise, the input video) are real CPU tensors, as in a real run. Needs the CUDA build of torch (no GPU).
 """
 
 from __future__ import annotations
