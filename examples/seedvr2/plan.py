@@ -219,7 +219,7 @@ def format_result(result: PlanResult) -> str:
     for settings, shard, peaks in too_big[:4]:
         stage = max(peaks.stages().items(), key=lambda kv: kv[1] if kv[0] != "weights" else -1)
         lines.append(f"  no: {settings.describe()}{', sharded weights' if shard else ''}: {stage[0]} needs "
-                     f"{stage[1] / GiB:.1f} GiB ({(stage[1] - r.gpu_memory) / GiB:+.1f} GiB)")
+                     f"{stage[1] / GiB:.2f} GiB ({(stage[1] - r.gpu_memory) / GiB:+.2f} GiB)")
     lines.append("assumes: " + ASSUMPTIONS)
     return "\n".join(lines)
 
