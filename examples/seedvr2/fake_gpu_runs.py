@@ -10,6 +10,7 @@ tensors, noise, the input video) are real CPU tensors, as in a real run. Needs t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -46,8 +47,9 @@ CLIPS = {"720p": Clip(21, 720, 1280), "1080p": Clip(61, 1072, 1920), "4k": Clip(
 
 
 def _on_fake_cuda(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A module built on the meta device, materialised (without values) on the fake CUDA device in ``dtype``."""
-    return module.to_empty(device="cuda").to(dtype).eval()
+    """A module built on the meta device, materialised (without values) on the fake CUDA device in ``dtype``: cast on
+    the meta device first, so the device never holds a float32 copy (as a checkpoint load into a bf16 model)."""
+    return module.to(dtype).to_empty(device="cuda").eval()
 
 
 def build_dit(model: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
@@ -77,8 +79,10 @@ def _world_group():
 
 
 def dit_rank(rank: int, world: int, model: str, latent: tuple[int, int, int], *, shard_weights: bool = False,
-             dtype: torch.dtype = torch.bfloat16) -> tuple:
-    """One DiT forward (one Euler step) over a latent of ``latent`` (frames, rows, columns) on ``world`` ranks."""
+             dtype: torch.dtype = torch.bfloat16, on_built: Optional[Callable[[], None]] = None) -> tuple:
+    """One DiT forward (one Euler step) over a latent of ``latent`` (frames, rows, columns) on ``world`` ranks.
+    ``on_built`` is called once the model is built (and sharded), before the forward (the planner resets the peak
+    there: ``--shard-weights`` here shards a whole model, which a checkpoint load never holds)."""
     import winsp
 
     dit = build_dit(model, dtype)
@@ -88,6 +92,8 @@ def dit_rank(rank: int, world: int, model: str, latent: tuple[int, int, int], *,
 
         shard_loaded_dit(dit, group)
     dit.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world), group=group)
+    if on_built is not None:
+        on_built()
     cfg = dit.config
     t, h, w = latent
     vid = torch.randn(t * h * w, cfg.vid_in_channels, device="cuda", dtype=dtype)

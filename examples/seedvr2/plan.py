@@ -93,7 +93,7 @@ class Tracer:
     model: str
     sp: int
     dtype: object
-    cache: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # shared between tracers: keys name the model and SP degree
 
     def _trace(self, key, fn, *args, world: Optional[int] = None, **kwargs) -> int:
         if key not in self.cache:
@@ -107,10 +107,19 @@ class Tracer:
         return self.cache[key]
 
     def dit(self, latent: tuple[int, int, int], shard: bool) -> int:
+        """The DiT step's peak (resident weights included), counted from the built model on: a sharded model is built
+        whole here and then sharded, which a checkpoint load (``load_sharded_dit``) never holds."""
+        from winsp.testing.fake_gpu import fake_gpu
+
         from .fake_gpu_runs import dit_rank
 
-        return self._trace(("dit", latent, shard), dit_rank, self.model, latent, shard_weights=shard,
-                           dtype=self.dtype)
+        key = ("dit", self.model, self.sp, str(self.dtype), latent, shard)
+        if key not in self.cache:
+            with fake_gpu(0, self.sp) as trace:
+                restart = lambda: setattr(trace, "peak_bytes", trace.live_bytes)  # noqa: E731
+                dit_rank(0, self.sp, self.model, latent, shard_weights=shard, dtype=self.dtype, on_built=restart)
+            self.cache[key] = trace.peak_bytes
+        return self.cache[key]
 
     def vae(self, stage: str, mode: str, clip, tile: Optional[int]) -> int:
         from .fake_gpu_runs import Clip, vae_rank
@@ -120,15 +129,19 @@ class Tracer:
             size = tile or 256
             tile_clip = Clip(clip.frames, min(size, clip.height), min(size, clip.width))
             # every rank runs every tile: one rank's trace
-            one = self._trace(("vae", stage, "replicated", tile_clip, None, 1), vae_rank, "replicated", tile_clip,
-                              world=1, dtype=self.dtype, stage=stage)
+            one = self._trace(("vae", 1, str(self.dtype), stage, "replicated", tile_clip, None), vae_rank,
+                              "replicated", tile_clip, world=1, dtype=self.dtype, stage=stage)
             t, h, w = clip.latent
             frames = 4 * (t - 1) + 1
             pixels = frames * clip.height * clip.width * 3 * 2  # bf16 video
             latents = t * h * w * 16 * 2 * 2  # moments
             blend = (clip.height * clip.width if stage == "decode" else h * w) * 8
-            return one + 2 * (pixels if stage == "decode" else latents) + pixels + blend
-        return self._trace(("vae", stage, mode, clip, tile), vae_rank, mode, clip, dtype=self.dtype, stage=stage)
+            # encode: the whole video in, the moments' accumulator and result; decode: the video's accumulator and
+            # result (the tile's own input and output are in its trace)
+            return one + blend + (2 * pixels if stage == "decode" else pixels + 2 * latents)
+        sp = 1 if mode == "replicated" else self.sp  # a replicated VAE traces the same at every SP degree
+        return self._trace(("vae", sp, str(self.dtype), stage, mode, clip, tile), vae_rank, mode, clip, world=sp,
+                           dtype=self.dtype, stage=stage)
 
 def _weights(model: str, dtype, sp: int, shard: bool) -> tuple[int, int]:
     """(DiT bytes a rank holds between blocks, VAE bytes), from the models' parameters on the meta device."""
@@ -166,60 +179,96 @@ def stage_peaks(tracer: Tracer, request: PlanRequest, settings, shard: bool) -> 
 
 
 @dataclass
+class Candidate:
+    """One way to run: SP degree (ranks a group; ``gpus // sp`` groups take whole temporal batches), the run settings
+    (a :class:`.memory_fit.RunSettings`), whether the DiT's weights are sharded, and the traced stage peaks."""
+
+    sp: int
+    settings: object
+    shard: bool
+    peaks: StagePeaks
+
+    def flags(self, gpus: int) -> str:
+        return (f"{self.settings.flags()}{' --shard-weights' if self.shard else ''} --sp-size {self.sp}"
+                f" (--ranks {gpus})")
+
+    def describe(self) -> str:
+        return f"SP {self.sp}, {self.settings.describe()}{', sharded weights' if self.shard else ''}"
+
+
+@dataclass
 class PlanResult:
     request: PlanRequest
-    sp: int
-    tried: list  # (settings, shard, StagePeaks)
-    chosen: Optional[tuple]
+    tried: list  # Candidate, in the order tried
+    chosen: Optional[Candidate]
 
 
-def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, report=None) -> PlanResult:
-    """Try settings fastest first on ``request.gpus`` ranks (one SP group) until one fits ``request.gpu_memory``."""
+def sp_degrees(gpus: int, batches: int) -> list[int]:
+    """The SP degrees (divisors of ``gpus``) fastest first for a clip of ``batches`` temporal batches: groups of ``sp``
+    ranks take whole batches, so a batch round costs ``1/sp`` (ideal SP) and there are ``ceil(batches / groups)``
+    rounds; ties go to the smaller degree (less communication)."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    return sorted(divisors, key=lambda d: (-(-batches // (gpus // d)) / d, d))
+
+
+def _batch_count(frames: int, batch: int, overlap: int) -> int:
+    if frames <= batch:
+        return 1
+    return 1 + -(-(frames - batch) // (batch - overlap))
+
+
+def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, report=None,
+                 cache: Optional[dict] = None) -> PlanResult:
+    """Try the ways to run on ``request.gpus`` GPUs fastest first until one fits ``request.gpu_memory``: SP degree
+    (:func:`sp_degrees`), then whole DiT weights before sharded, then :func:`.memory_fit.candidate_settings`' order
+    (longest batch, then the VAE mode, then tiles of 512 and 256 pixels). ``cache`` (a dict) keeps traces between
+    calls (the traces do not depend on the GPU count or memory)."""
     import torch
 
     from .memory_fit import PinnedSettings, candidate_settings
     from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
 
     dtype = getattr(torch, _DTYPES[request.dtype])
-    sp = request.gpus
-    tracer = Tracer(request.model, sp, dtype)
-    tried = []
-    shard_options = [False, True] if sp > 1 else [False]
-    for shard in shard_options:
-        for settings in candidate_settings(request.frames, request.height // 8, sp, PinnedSettings(),
-                                           default_batch=max_batch or DEFAULT_BATCH_FRAMES,
-                                           default_overlap=DEFAULT_OVERLAP,
-                                           frame_size=(request.height, request.width)):
-            if settings.vae_parallel == "tiled" and settings.vae_tile not in (512, 256):
-                continue  # two tile sizes keep the search short; smaller tiles only trade quality
-            peaks = stage_peaks(tracer, request, settings, shard)
-            tried.append((settings, shard, peaks))
-            if report is not None:
-                report(f"  tried {settings.describe()}{', sharded weights' if shard else ''}: "
-                       f"peak {peaks.peak / GiB:.1f} GiB")
-            if peaks.peak <= request.gpu_memory:
-                return PlanResult(request, sp, tried, (settings, shard, peaks))
-    return PlanResult(request, sp, tried, None)
+    default_batch = max_batch or DEFAULT_BATCH_FRAMES
+    batches = _batch_count(request.frames, default_batch, DEFAULT_OVERLAP)
+    cache = {} if cache is None else cache
+    tried: list[Candidate] = []
+    for sp in sp_degrees(request.gpus, batches):
+        tracer = Tracer(request.model, sp, dtype, cache)
+        for shard in ([False, True] if sp > 1 else [False]):
+            for settings in candidate_settings(request.frames, request.height // 8, sp, PinnedSettings(),
+                                               default_batch=default_batch, default_overlap=DEFAULT_OVERLAP,
+                                               frame_size=(request.height, request.width)):
+                if settings.vae_parallel == "tiled" and settings.vae_tile not in (512, 256):
+                    continue  # two tile sizes keep the search short; smaller tiles only trade quality
+                candidate = Candidate(sp, settings, shard, stage_peaks(tracer, request, settings, shard))
+                tried.append(candidate)
+                if report is not None:
+                    report(f"  tried {candidate.describe()}: peak {candidate.peaks.peak / GiB:.1f} GiB")
+                if candidate.peaks.peak <= request.gpu_memory:
+                    return PlanResult(request, tried, candidate)
+    return PlanResult(request, tried, None)
 
 
 def format_result(result: PlanResult) -> str:
     r = result.request
     lines = [f"plan: SeedVR2-{r.model.upper()} {r.dtype}, {r.width}x{r.height} x {r.frames} frames on {r.gpus} GPU(s) "
-             f"of {r.gpu_memory / GiB:.0f} GiB (SP degree {result.sp}, 1 group)"]
-    if result.chosen is not None:
-        settings, shard, peaks = result.chosen
-        lines.append(f"fits: {settings.flags()}{' --shard-weights' if shard else ''} (--ranks {r.gpus})")
+             f"of {r.gpu_memory / GiB:.0f} GiB"]
+    chosen = result.chosen
+    if chosen is not None:
+        groups = r.gpus // chosen.sp
+        lines.append(f"fits: {chosen.describe()} ({groups} group{'s' if groups > 1 else ''} of {chosen.sp})")
+        lines.append(f"flags: {chosen.flags(r.gpus)}")
         lines.append("peak per rank: " + ", ".join(f"{name} {nbytes / GiB:.1f} GiB"
-                                                   for name, nbytes in peaks.stages().items()))
+                                                   for name, nbytes in chosen.peaks.stages().items()))
     else:
-        _, _, best = min(result.tried, key=lambda t: t[2].peak)
-        lines.append(f"does not fit: the smallest setting tried needs {best.peak / GiB:.1f} GiB a rank, "
-                     f"{(best.peak - r.gpu_memory) / GiB:.1f} GiB more than a GPU has")
-    too_big = [t for t in result.tried if t[2].peak > r.gpu_memory]
-    for settings, shard, peaks in too_big[:4]:
-        stage = max(peaks.stages().items(), key=lambda kv: kv[1] if kv[0] != "weights" else -1)
-        lines.append(f"  no: {settings.describe()}{', sharded weights' if shard else ''}: {stage[0]} needs "
-                     f"{stage[1] / GiB:.2f} GiB ({(stage[1] - r.gpu_memory) / GiB:+.2f} GiB)")
+        best = min(result.tried, key=lambda c: c.peaks.peak)
+        lines.append(f"does not fit: the smallest setting tried ({best.describe()}) needs {best.peaks.peak / GiB:.1f} "
+                     f"GiB a rank, {(best.peaks.peak - r.gpu_memory) / GiB:.1f} GiB more than a GPU has")
+    for c in [c for c in result.tried if c.peaks.peak > r.gpu_memory][:6]:
+        stage, need = max(((k, v) for k, v in c.peaks.stages().items() if k != "weights"), key=lambda kv: kv[1])
+        over = (need - r.gpu_memory) / GiB
+        lines.append(f"  no: {c.describe()}: {stage} needs {need / GiB:.2f} GiB ({over:+.2f} GiB)")
     lines.append("assumes: " + ASSUMPTIONS)
     return "\n".join(lines)
 
