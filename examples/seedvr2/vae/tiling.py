@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from winsp.utils.compile import planning
+from winsp.utils.phases import plans
 
 from .model import CausalVideoVAE, moments_to_latent
 
@@ -68,6 +69,7 @@ class _Tile:
 
 
 @planning
+@plans
 def _plan_tiles(h: int, w: int, tile: tuple[int, int], overlap: tuple[int, int], scale: tuple[int, int],
                 device: torch.device) -> tuple[list[_Tile], torch.Tensor, tuple[int, int]]:
     """The tiles of an ``h x w`` input, their blend weights and the weights' sum over the output (float64), built on
