@@ -78,3 +78,23 @@ def test_dtypes_that_differ_between_ranks_are_refused_on_every_rank():
     for rank, message in enumerate(run_ranks(_rank_dtypes, 2, timeout=120)):
         assert message == (f"rank {rank}: attention inputs must have the same dtype on every rank of the SP group (the "
                            f"collectives exchange their bytes), but they are: rank 0 float32, rank 1 float64")
+
+
+def test_one_rank_s_row_is_named_by_its_rank():
+    """On a GPU each rank checks its own row (the cross-rank comparison stays on the device)."""
+    f32, i64 = dtype_codes([torch.zeros(1)])[0], dtype_codes([torch.zeros(1, dtype=torch.int64)])[0]
+    assert "k_vid is int64 on rank 3" in dtype_problem([[f32, i64, f32, -1, -1, -1]], first_rank=3)
+
+
+def _same_ints(rank: int, world_size: int, differ: bool):
+    try:
+        SPGroup.world().assert_same_ints([7, 1 + (rank if differ else 0)], "cpu", "the ranks' values differ")
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_assert_same_ints_stops_every_rank_when_values_differ(differ):
+    out = run_ranks(_same_ints, 2, differ, timeout=120)
+    assert out == (["the ranks' values differ"] * 2 if differ else [None, None]), out

@@ -36,6 +36,8 @@ class Block(torch.nn.Module):
             y = y[y > 0].view(-1, 16)
         elif self.fault == "to host":
             y = y + y.float().mean().cpu().to(y.dtype)
+        elif self.fault == "synchronize":
+            torch.cuda.synchronize()
         return y
 
 
@@ -77,6 +79,8 @@ def _rank(rank: int, world: int, fault: str | None = None, faulty_rank: int = 1)
         if fault == "order" and rank == faulty_rank:
             gathered = group.all_to_all_single(y, recv, send)
         group.all_reduce_sum(total)
+        if fault == "one more" and rank == faulty_rank:
+            group.all_reduce_sum(total)
     return {"phase": phase, "gathered": tuple(gathered.shape), "device": str(total.device)}
 
 
@@ -97,6 +101,7 @@ def test_a_clean_run_passes_and_is_recorded():
         reads = [s for s in trace.host_syncs if s.kind == "host read"]
         assert reads and all(s.phase == "planning" and s.what == "row counts" for s in reads)
         assert trace.device_syncs_in_compute() == [] and trace.mismatches == []
+        assert trace.device_ops["compute"] >= 2 * 2  # two Linear layers of two ops at least (matmul, bias)
         # weights: two 16x16 bf16 Linear layers (512 + 32 bytes each) are live at the peak, at least
         assert trace.peak_bytes >= 2 * (16 * 16 * 2 + 16 * 2)
     assert report.ranks[0].result["gathered"] == (sum(ROWS), 16)
@@ -110,6 +115,8 @@ def test_a_clean_run_passes_and_is_recorded():
     ("split off by one", ["collective #1", "all_to_all", "rank 2 sends 2 rows", "expects 3 rows"]),
     ("mask", ["rank 2:", "data-dependent shape", "Net.blocks.1"]),
     ("to host", ["rank 2:", "device-to-host copy", "Net.blocks.1", "(compute)"]),
+    ("synchronize", ["rank 1:", "synchronize", "Net.blocks.1", "(compute)"]),
+    ("one more", ["different numbers of collectives", "rank 1's collective #3 all_reduce"]),
     ("order", ["collective #2", "ranks issue different collectives", "rank 1: all_to_all", "rank 0: all_reduce"]),
 ])
 def test_each_fault_is_refused_naming_where(fault, expected):
@@ -176,3 +183,60 @@ def test_peak_counts_freed_memory_out():
         assert trace.live_bytes == 1 << 19
         del b
     assert trace.peak_bytes == 1 << 20
+
+
+def test_measure_records_a_stage_peak():
+    from winsp.testing.fake_gpu import fake_gpu, measure
+
+    with fake_gpu() as trace:
+        weights = torch.empty(1000, device="cuda", dtype=torch.uint8)
+        with measure("step"):
+            a = torch.empty(3000, device="cuda", dtype=torch.uint8)
+            del a
+            b = torch.empty(500, device="cuda", dtype=torch.uint8)
+        with measure("step"):  # a repeated name keeps the larger peak
+            pass
+        del weights, b
+    assert trace.stage_peaks == {"step": 4000}
+    with pytest.raises(RuntimeError, match="inside a fake GPU"):
+        with measure("outside"):
+            pass
+
+
+def test_torch_distributed_collectives_are_recorded_alike():
+    """Collectives issued straight through torch.distributed (as FSDP2 and other libraries do) and the functional
+    ones are recorded and compared too: here an all-gather whose input size differs on one rank."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from winsp.testing.fake_gpu import FakeGpuError, run_fake_gpu
+
+    def fn(rank, world, bad):
+        n = 5 if bad and rank == 1 else 4
+        x = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(world * n, device="cuda", dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(out, x)
+        dist.reduce_scatter_tensor(x, out)
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+        dist.all_to_all_single(out, out.clone(), [n] * world, [n] * world)
+
+    report = run_fake_gpu(fn, 2, False)
+    ops = [(c.op, c.numel, c.dtype) for c in report.ranks[0].collectives]
+    assert ops == [("all_gather", 4, torch.bfloat16), ("reduce_scatter", 8, torch.bfloat16),
+                   ("all_reduce", 4, torch.bfloat16), ("all_to_all", 8, torch.bfloat16)], ops
+    with pytest.raises(FakeGpuError, match=r"collective #0 .*all_gather.*element counts differ.*rank 1: 5"):
+        run_fake_gpu(fn, 2, True)
+
+
+def test_point_to_point_messages_travel_on_the_device():
+    """send_tensor on the fake GPU sends from the device, as on NCCL (its header included): no host copy."""
+    from winsp.comm.group import send_tensor
+    from winsp.testing.fake_gpu import run_fake_gpu
+
+    def fn(rank, world):
+        if rank == 0:
+            send_tensor(torch.zeros(3, 4, device="cuda", dtype=torch.bfloat16), 1)
+
+    trace = run_fake_gpu(fn, 2).ranks[0]
+    assert [(c.op, c.dtype) for c in trace.collectives] == [("send", torch.int64), ("send", torch.bfloat16)]
+    assert trace.device_syncs_in_compute() == []

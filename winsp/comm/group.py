@@ -423,7 +423,9 @@ _DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch
 def _comm_device() -> torch.device:
     import torch.distributed as dist
 
-    if dist.get_backend() == "nccl":
+    # "fake": the fake process group of winsp.testing.fake_gpu, which stands for NCCL when it fakes a GPU
+    backend = dist.get_backend()
+    if backend == "nccl" or (backend == "fake" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -25,24 +25,32 @@ API (stable)::
 
     report = run_fake_gpu(fn, world_size, *args, ranks=None, check=True, **kwargs)
         # fn(rank, world_size, *args, **kwargs) runs inside the fake GPU for each rank in ``ranks`` (default: all);
-        # build modules on device="cuda" or "meta" (then .to_empty(device="cuda")); .to(dtype) works.
+        # build modules on "meta" then .to_empty(device="cuda"), or on the host then .to("cuda", dtype) (some
+        # initialisers, e.g. trunc_normal_, read values and fail on a fake device); .to(dtype) works on fake ones.
         # Returns a FakeGpuReport; with check=True (the default) raises FakeGpuError naming each problem (rank,
         # phase, layer, collective).
     report.ranks[r]: RankTrace      # .collectives, .host_syncs, .transfers, .mismatches, .peak_bytes,
-                                    # .peak_layer, .result (fn's return value), .error (the violation that stopped it)
+                                    # .peak_layer, .stage_peaks, .device_ops (aten ops on the device, by phase),
+                                    # .result (fn's return value), .error (the violation that stopped it)
     report.problems() -> list[str]  # every violation and cross-rank disagreement, one line each
     report.check()                  # raise FakeGpuError if problems() is not empty
     report.peak_bytes() -> int      # the largest per-rank peak
     report.summary() -> str         # one line a rank: collectives, syncs, peak
     fake_gpu(rank, world_size)      # context manager: the same for one rank in the caller's code; yields its RankTrace
     layer_names(module, prefix)     # name a module tree for messages (otherwise roots are named by their class)
+    with measure("dit"): ...        # inside fn: the peak of live device bytes in the block -> trace.stage_peaks
+    host_values(t)                  # a device tensor copied from a host integer tensor: those values (or None)
 
     from winsp.utils.phases import planning_phase, plans
     with planning_phase("what"): ...  # mark planning (host reads allowed); everything else is compute
     @plans                            # the same for every call of a function
 
-Not supported: ``backward()`` (autograd's engine needs a CUDA context for CUDA tensors, which a machine without a
-GPU has not); run the forward under ``torch.no_grad()`` or inference mode.
+``torch.compile``d functions (FlexAttention's included) run eagerly on the fake GPU: compile cannot trace under its
+recording mode. Not supported: ``backward()`` (autograd's engine needs a CUDA context for CUDA tensors, which a
+machine without a GPU has not); run the forward under ``torch.no_grad()`` or inference mode.
+
+The fake GPU acts on the calling thread (torch's dispatch modes are per thread): work a function hands to other
+threads runs on the real (absent) device and fails there.
 
 A stopping violation (a read of a device value, which a fake tensor does not have, or a device mismatch) raises
 :class:`FakeGpuError` inside ``fn`` at the op, naming the layer; :func:`run_fake_gpu` catches it for that rank,
@@ -61,11 +69,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 from winsp.utils.phases import current_phase, set_phase_observer
 
-__all__ = ["run_fake_gpu", "fake_gpu", "FakeGpuError", "FakeGpuReport", "RankTrace", "Collective", "HostSync",
-           "Transfer", "Mismatch", "layer_names", "cuda_build_available"]
+__all__ = ["run_fake_gpu", "fake_gpu", "measure", "host_values", "FakeGpuError", "FakeGpuReport", "RankTrace",
+           "Collective", "HostSync", "Transfer", "Mismatch", "layer_names", "cuda_build_available"]
 
 
 class FakeGpuError(AssertionError):
@@ -163,7 +172,10 @@ class RankTrace:
     peak_bytes: int = 0
     peak_layer: str = ""
     peak_phase: str = ""
+    #: aten ops on device tensors, by phase (views included): a rough count of kernel launches
+    device_ops: dict[str, int] = field(default_factory=dict)
     live_bytes: int = 0
+    stage_peaks: dict[str, int] = field(default_factory=dict)  # peak live bytes inside each measure(name) block
     result: Any = None
     error: str | None = None  # what stopped the rank (a violation it could not run past), and where
     error_recorded: bool = False  # the stop is the last recorded sync or mismatch
@@ -277,6 +289,8 @@ class _Recorder(TorchDispatchMode):
     """Sits above the FakeTensorMode: records collectives, syncs, transfers and storages; runs ops whose tensors are
     all real CPU tensors for real (so host planning has values)."""
 
+    supports_higher_order_operators = True  # flex_attention and friends pass through to the fake mode
+
     def __init__(self, trace: RankTrace, layers: _Layers) -> None:
         super().__init__()
         self.trace = trace
@@ -284,6 +298,7 @@ class _Recorder(TorchDispatchMode):
         self.planning_what: list[str] = []
         self._live: dict[int, int] = {}
         self.fake_mode: Any = None
+        self.stages: list[list] = []  # open measure() blocks: [name, peak]
 
     # the phase observer (winsp.utils.phases)
     def enter_planning(self, what: str) -> None:
@@ -320,6 +335,8 @@ class _Recorder(TorchDispatchMode):
             elif old != size:  # resized in place (FSDP frees unsharded parameters so)
                 self._live[key] = size
                 self.trace.live_bytes += size - old
+        for open_stage in self.stages:
+            open_stage[1] = max(open_stage[1], self.trace.live_bytes)
         if self.trace.live_bytes > self.trace.peak_bytes:
             self.trace.peak_bytes = self.trace.live_bytes
             self.trace.peak_layer, self.trace.peak_phase = self.layer, self.phase
@@ -331,6 +348,13 @@ class _Recorder(TorchDispatchMode):
     # the ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - translated into what it means on a GPU
+                raise self._translate(func, _tensors((args, kwargs)), e) from e
+            self._track(out)
+            return out
         namespace = func.namespace
         if namespace in _COLLECTIVE_NAMESPACES and func._opname not in _NO_WAIT:
             self._collective(func, args, kwargs)
@@ -352,6 +376,9 @@ class _Recorder(TorchDispatchMode):
             raise self._translate(func, tensors, e) from e
         self._track(out)
         self._aten_after(func, tensors, out)
+        if func.namespace == "aten" and any(t.device.type == "cuda" for t in tensors):
+            phase = self.phase
+            self.trace.device_ops[phase] = self.trace.device_ops.get(phase, 0) + 1
         return out
 
     def _to_fake(self, t: torch.Tensor) -> torch.Tensor:
@@ -432,6 +459,12 @@ class _Recorder(TorchDispatchMode):
                                                   phase, what))
         elif src.device.type == "cpu" and dst.device.type == "cuda" and src.dim() > 0:
             self.trace.transfers.append(Transfer(str(func), tuple(src.shape), self.layer, phase))
+            if (name == "_to_copy" and not _is_fake(src) and not src.is_floating_point()
+                    and src.numel() <= _KEPT_VALUES_NUMEL):
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    _HOST_VALUES[dst] = src.detach().clone()
 
     def _collective(self, func, args, kwargs) -> None:
         c = _describe_collective(func, args, kwargs)
@@ -508,13 +541,17 @@ def _describe_collective(func, args, kwargs) -> Collective:
 
 # ---- the CUDA runtime, faked --------------------------------------------------------------------------------------
 
+_CUDA_RNG_STATE = torch.zeros(16, dtype=torch.uint8)  # a Philox state's size: seed and offset
+
+
 @contextlib.contextmanager
 def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iterator[None]:
     """``torch.cuda`` queries that code asks before choosing a kernel answer as on one GPU; ``synchronize`` is
-    recorded as a host sync."""
+    recorded as a host sync; the generator's state can be saved and restored (its values mean nothing here)."""
     cuda = torch.cuda
-    saved = {name: getattr(cuda, name) for name in ("is_available", "device_count", "current_device", "set_device",
-                                                    "get_device_capability", "synchronize")}
+    names = ("is_available", "device_count", "current_device", "set_device", "get_device_capability", "synchronize",
+             "get_rng_state", "set_rng_state")
+    saved = {name: getattr(cuda, name) for name in names}
 
     def synchronize(device=None) -> None:
         recorder.trace.host_syncs.append(HostSync("synchronize", "torch.cuda.synchronize", "cuda:0",
@@ -522,7 +559,10 @@ def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iter
 
     fakes = {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
              "set_device": lambda device: None, "get_device_capability": lambda device=None: capability,
-             "synchronize": synchronize}
+             "synchronize": synchronize,
+             # torch.random.fork_rng saves and restores the device's generator: a state of the right kind, kept
+             "get_rng_state": lambda device="cuda": _CUDA_RNG_STATE.clone(),
+             "set_rng_state": lambda state, device="cuda": None}
     for name, value in fakes.items():
         setattr(cuda, name, value)
     try:
@@ -553,6 +593,72 @@ def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
         yield
     finally:
         torch_utils.swap_tensors = original
+
+
+_ACTIVE = [0]  # fake GPUs open in this process
+_KEPT_VALUES_NUMEL = 1 << 20
+#: a device tensor copied from a host integer tensor -> the host values it was copied from (plans' index tensors)
+_HOST_VALUES = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+
+
+def host_values(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The values of a fake device tensor that was copied from a host integer tensor (index tensors, split sizes,
+    ``cu_seqlens``: what planning moves to the device), as a CPU tensor; None for any other (a fake tensor has no
+    values of its own). Valid while nothing wrote into the device tensor after the copy. For checks in tests."""
+    return _HOST_VALUES.get(tensor)
+_RECORDERS: list[_Recorder] = []  # the open fake GPUs' recorders, innermost last
+
+
+@contextlib.contextmanager
+def measure(name: str) -> Iterator[None]:
+    """Inside :func:`fake_gpu` / :func:`run_fake_gpu`: record the peak of live device bytes during the block (what
+    was live at its start included) as ``trace.stage_peaks[name]`` (the larger one when a name repeats)."""
+    if not _RECORDERS:
+        raise RuntimeError("measure() works inside a fake GPU (winsp.testing.fake_gpu.fake_gpu or run_fake_gpu)")
+    recorder = _RECORDERS[-1]
+    entry: list = [name, recorder.trace.live_bytes]
+    recorder.stages.append(entry)
+    try:
+        yield
+    finally:
+        recorder.stages.remove(entry)
+        peaks = recorder.trace.stage_peaks
+        peaks[name] = max(peaks.get(name, 0), int(entry[1]))
+
+
+@contextlib.contextmanager
+def _eager_compile() -> Iterator[None]:
+    """torch.compile does not trace under a (non-infra) dispatch mode such as the recorder, so on the fake GPU a
+    function compiled with ``torch.compile`` runs eagerly, and FlexAttention's eager path does not compile its own
+    call. A function compiled while the fake GPU is open still compiles, at its first call outside it."""
+    import torch.nn.attention.flex_attention as flex_attention
+
+    original = torch.compile
+
+    def compile_eagerly_here(model: Any = None, **options: Any) -> Any:
+        if model is None:
+            return lambda fn: compile_eagerly_here(fn, **options)
+        compiled: list = []
+
+        def run(*args, **kwargs):
+            if _ACTIVE[0]:
+                return model(*args, **kwargs)
+            if not compiled:
+                compiled.append(original(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return run
+
+    flag = flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    torch.compile = compile_eagerly_here
+    flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        _ACTIVE[0] -= 1
+        torch.compile = original
+        flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = flag
 
 
 def _forget_process_groups() -> None:
@@ -589,11 +695,14 @@ def fake_gpu(rank: int = 0, world_size: int = 1, *, capability: tuple[int, int] 
     sys.excepthook = hook
     previous = set_phase_observer(recorder)
     layers.install()
+    _RECORDERS.append(recorder)
     try:
         fake_mode = recorder.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode):
+        with (fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode),
+              _eager_compile()):
             yield trace
     finally:
+        _RECORDERS.remove(recorder)
         layers.remove()
         set_phase_observer(previous)
         _forget_process_groups()
@@ -632,7 +741,8 @@ class FakeGpuReport:
         for r in sorted(self.ranks):
             t = self.ranks[r]
             syncs = len(t.device_syncs_in_compute())
-            lines.append(f"rank {r}: {len(t.collectives)} collectives, {syncs} device syncs in compute, "
+            lines.append(f"rank {r}: {len(t.collectives)} collectives, {t.device_ops.get('compute', 0)} device ops "
+                         f"and {syncs} device syncs in compute, "
                          f"{len(t.mismatches)} mismatches, {len(t.transfers)} host-to-device copies, peak "
                          f"{_human(t.peak_bytes)} at {t.peak_layer} ({t.peak_phase})")
         return "\n".join(lines)

@@ -129,8 +129,9 @@ def _natten_boxes(request, layer: int):
     from winsp.attention.halo.layer import halo_tensors
     from winsp.attention.halo.natten import natten_boxes
 
+    # planning reads the halo's host copy: no device-to-host copy (winsp's planning/compute rule, docs/design.md)
     return request.runtime.store.get(("halo-natten", _layer_key(request, layer)), lambda: natten_boxes(
-        halo_tensors(request, layer), request.runtime.schedule[layer], request.plan(layer).layout.grids,
+        halo_tensors(request, layer, "cpu"), request.runtime.schedule[layer], request.plan(layer).layout.grids,
         request.text_lengths, request.device))
 
 
@@ -185,6 +186,6 @@ def neighborhood_runner(request, layer: int, q: torch.Tensor, mods: Optional[Sco
     from winsp.attention.halo.layer import _text_samples, halo_tensors
 
     data = store.get(("halo-flex", _layer_key(request, layer)), lambda: build_flex_neighborhood(
-        halo_tensors(request, layer), request.runtime.schedule[layer], request.plan(layer).layout.grids,
-        _text_samples(request), request.device))
+        halo_tensors(request, layer, "cpu"), request.runtime.schedule[layer], request.plan(layer).layout.grids,
+        _text_samples(request, "cpu"), request.device))
     return partial(_flex_runner, data)

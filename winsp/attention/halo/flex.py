@@ -113,7 +113,8 @@ def build_flex_neighborhood(halo: HaloTensors, geometry: Neighborhood, grids, te
                             device: torch.device) -> FlexNeighborhood:
     """The block mask and orders of one rank's neighborhood layer (built once per request shape, on ``device``).
 
-    ``grids`` are the plan's (laid) grids, ``text_sample`` [L_txt] each text row's sample.
+    ``halo`` and ``text_sample`` [L_txt] (each text row's sample) are host tensors: this is planning, which reads
+    them with numpy and moves its results to ``device``; ``grids`` are the plan's (laid) grids.
     """
     if _import() is None:
         raise ValueError("the flex neighborhood backend needs torch.nn.attention.flex_attention (torch >= 2.5)")
@@ -167,7 +168,7 @@ def build_flex_neighborhood(halo: HaloTensors, geometry: Neighborhood, grids, te
     return FlexNeighborhood(
         q_order=q_order_t, q_order_padded=torch.from_numpy(_pad(q_order, q_pad, 0)).to(device),
         k_order=k_order_t, k_order_padded=torch.from_numpy(_pad(k_order, kv_pad, 0)).to(device),
-        row_slot=halo.row_slot, block_mask=block_mask, num_video_keys=num_video_keys, num_text=int(nt))
+        row_slot=halo.row_slot.to(device), block_mask=block_mask, num_video_keys=num_video_keys, num_text=int(nt))
 
 
 def _flex_score_mod(data: FlexNeighborhood, mods: Optional[ScoreMods]):

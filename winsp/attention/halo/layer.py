@@ -290,8 +290,9 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, halo: HaloTensors, g
     return vid, _text_queries(q_txt, k_txt, v_txt, txt_sample, k, v, halo, group, scale)
 
 
-def halo_tensors(request, layer: int) -> HaloTensors:
-    """This rank's prepared halo data for neighborhood layer ``layer`` of ``request`` (built once, in the store).
+def halo_tensors(request, layer: int, device: torch.device | str | None = None) -> HaloTensors:
+    """This rank's prepared halo data for neighborhood layer ``layer`` of ``request`` (built once, in the store), on
+    ``device`` (default: the request's; ``"cpu"`` for planning that reads it on the host, without a device copy).
 
     ``query_coords`` / ``key_coords`` are the grid (t, h, w) of local rows and of key rows (local, then halo),
     ``row_sample`` / ``key_sample`` their samples: what a score_mod on a neighborhood layer indexes.
@@ -304,8 +305,11 @@ def halo_tensors(request, layer: int) -> HaloTensors:
         raise ValueError(f"layer {layer} attends in {geometry!r}, not a winsp.Neighborhood: it has no halos")
     plan = request.plan(layer)
     runtime = request.runtime
-    key = ("halo", plan.key or id(plan), geometry.fingerprint, runtime.rank, str(request.device))
-    return runtime.store.get(key, lambda: HaloExchange(plan, runtime.rank, geometry).to(request.device))
+    device = request.device if device is None else torch.device(device)
+    plan_key = ("halo-plan", plan.key or id(plan), geometry.fingerprint, runtime.rank)
+    key = ("halo", plan.key or id(plan), geometry.fingerprint, runtime.rank, str(device))
+    return runtime.store.get(key, lambda: runtime.store.get(
+        plan_key, lambda: HaloExchange(plan, runtime.rank, geometry)).to(device))
 
 
 def neighborhood_rpb_score_mod(table: Tensor, halo: HaloTensors, geometry: Neighborhood):
@@ -331,11 +335,12 @@ def neighborhood_rpb_score_mod(table: Tensor, halo: HaloTensors, geometry: Neigh
     return score_mod
 
 
-def _text_samples(request) -> Tensor:
-    key = ("halo-text", request.text_lengths, str(request.device))
+def _text_samples(request, device: torch.device | str | None = None) -> Tensor:
+    device = request.device if device is None else torch.device(device)
+    key = ("halo-text", request.text_lengths, str(device))
     lengths = torch.tensor(request.text_lengths, dtype=torch.int64)
     return request.runtime.store.get(key, lambda: torch.repeat_interleave(
-        torch.arange(len(lengths)), lengths).to(request.device))
+        torch.arange(len(lengths)), lengths).to(device))
 
 
 def _text_index_of(request) -> tuple[Tensor, Tensor]:
