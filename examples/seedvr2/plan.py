@@ -123,6 +123,8 @@ class Tracer:
         return self.cache[key]
 
     def vae(self, stage: str, mode: str, clip, tile: Optional[int]) -> int:
+        import torch
+
         from .fake_gpu_runs import Clip, vae_rank
 
         if mode == "tiled":
@@ -134,8 +136,9 @@ class Tracer:
                               "replicated", tile_clip, world=1, dtype=self.dtype, stage=stage)
             t, h, w = clip.latent
             frames = 4 * (t - 1) + 1
-            pixels = frames * clip.height * clip.width * 3 * 2  # bf16 video
-            latents = t * h * w * 16 * 2 * 2  # moments
+            element = torch.finfo(self.dtype).bits // 8
+            pixels = frames * clip.height * clip.width * 3 * element  # the video
+            latents = t * h * w * 16 * 2 * element  # the moments (mean and log-variance)
             blend = (clip.height * clip.width if stage == "decode" else h * w) * 8
             # encode: the whole video in, the moments' accumulator and result; decode: the video's accumulator and
             # result (the tile's own input and output are in its trace)
@@ -143,6 +146,7 @@ class Tracer:
         sp = 1 if mode == "replicated" else self.sp  # a replicated VAE traces the same at every SP degree
         return self._trace(("vae", sp, str(self.dtype), stage, mode, clip, tile), vae_rank, mode, clip, world=sp,
                            dtype=self.dtype, stage=stage)
+
 
 def _weights(model: str, dtype, sp: int, shard: bool) -> tuple[int, int]:
     """(DiT bytes a rank holds between blocks, VAE bytes), from the models' parameters on the meta device."""
