@@ -3,10 +3,9 @@
 The released DiT and VAE are built at full width and depth on fake CUDA tensors (:mod:`winsp.testing.fake_gpu`:
 shapes and dtypes, no values, no GPU) and one temporal batch is run through each stage as rank 0 of the SP group. The
 trace's peak of live device bytes per stage, plus the resident weights of the other model, plus stated constants, is
-the stage's need per rank. Settings are tried fastest first, exact before approximate: the longest temporal batch
-first, for each batch every SP degree (fastest for the clip's batch count first), the VAE modes in
-:func:`.memory_fit.candidate_settings`' order, whole weights before ``--shard-weights``; then the same with the tiled
-VAE. The first that fits is printed, with each stage's peak and what does not fit by how much.
+the stage's need per rank. Settings are tried fastest first: the longest temporal batch first; for each batch the
+exact VAE modes on every SP degree (fastest for the clip's batch count first), in
+:func:`.memory_fit.candidate_settings`' order, whole weights before ``--shard-weights``; then the tiled VAE likewise. The first that fits is printed, with each stage's peak and what does not fit by how much.
 
 Assumptions, stated (and printed): each GPU also holds the CUDA context, cuBLAS workspaces and, with several ranks,
 NCCL's buffers (the ``*_BYTES`` constants below; ``benchmarks/gpu_check.py`` measures them on a real GPU); the CUDA
@@ -224,10 +223,10 @@ def _batch_count(frames: int, batch: int, overlap: int) -> int:
 
 def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, report=None,
                  cache: Optional[dict] = None) -> PlanResult:
-    """Try the ways to run on ``request.gpus`` GPUs fastest first until one fits ``request.gpu_memory``: the exact VAE
-    modes first, the longest temporal batch first, for each batch every SP degree (:func:`sp_degrees`), each VAE mode
-    in :func:`.memory_fit.candidate_settings`' order and whole DiT weights before sharded; then the same with the
-    approximate tiled VAE (tiles of 512, then 256 pixels). ``cache`` (a dict) keeps traces between
+    """Try the ways to run on ``request.gpus`` GPUs fastest first until one fits ``request.gpu_memory``: the longest
+    temporal batch first; for each batch the exact VAE modes on every SP degree (:func:`sp_degrees`), in
+    :func:`.memory_fit.candidate_settings`' order, whole DiT weights before sharded, then the approximate tiled VAE
+    (tiles of 512, then 256 pixels) likewise. ``cache`` (a dict) keeps traces between
     calls (the traces do not depend on the GPU count or memory)."""
     import torch
 
@@ -245,8 +244,8 @@ def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, repor
                                              frame_size=(request.height, request.width))) for sp in degrees}
     batch_order = list(dict.fromkeys(s.batch_frames for sp in degrees for s in by_degree[sp]))
     batch_order.sort(reverse=True)
-    for tiled in (False, True):  # the exact VAE modes before the approximate tiled one
-        for batch in batch_order:  # a shorter batch recomputes more overlap frames: more ranks a group first
+    for batch in batch_order:  # a shorter batch recomputes more overlap frames: more ranks a group first
+        for tiled in (False, True):  # the exact VAE modes on every SP degree before the approximate tiled one
             for sp in degrees:
                 tracer = Tracer(request.model, sp, dtype, cache)
                 for settings in by_degree[sp]:
