@@ -5,7 +5,8 @@ shapes and dtypes, no values, no GPU) and one temporal batch is run through each
 trace's peak of live device bytes per stage, plus the resident weights of the other model, plus stated constants, is
 the stage's need per rank. Settings are tried fastest first: the longest temporal batch first; for each batch the
 exact VAE modes on every SP degree (fastest for the clip's batch count first), in
-:func:`.memory_fit.candidate_settings`' order, whole weights before ``--shard-weights``; then the tiled VAE likewise. The first that fits is printed, with each stage's peak and what does not fit by how much.
+:func:`.memory_fit.candidate_settings`' order, whole weights before ``--shard-weights``; then the tiled VAE likewise.
+The first that fits is printed, with each stage's peak and what does not fit by how much.
 
 Assumptions, stated (and printed): each GPU also holds the CUDA context, cuBLAS workspaces and, with several ranks,
 NCCL's buffers (the ``*_BYTES`` constants below; ``benchmarks/gpu_check.py`` measures them on a real GPU); the CUDA
