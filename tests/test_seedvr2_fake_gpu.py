@@ -4,9 +4,9 @@ P. Each run must show no device sync in compute, no device mismatch and the same
 (``report.check()``), bf16 on every data collective and the expected output on every rank.
 
 Default (``-m "fake_gpu and not slow"``, 41 s on 2 cores, about 4 minutes when they are busy): the 3B DiT at
-720p x 21 on 2 ranks, the VAE replicated and height-sharded, ``--shard-weights``. Everything else is also marked ``slow`` (``-m "fake_gpu and
-slow"``; 20-200 s a case on 2 busy cores): both models x 720p/1080p x P = 1, 2, 4, 8, ranks with no window, every VAE
-mode at 2 and 4 ranks, the pipeline's per-batch step in each VAE mode.
+720p x 21 on 2 ranks, the VAE replicated and height-sharded, ``--shard-weights``. Everything else is also marked
+``slow`` (``-m "fake_gpu and slow"``; 20-360 s a case on 2 busy cores): both models x 720p/1080p x P = 1, 2, 4, 8,
+ranks with no window, every VAE mode at 2 and 4 ranks, the pipeline's per-batch step in each VAE mode.
 Needs the CUDA build of torch (no GPU); skipped on a CPU-only build.
 """
 
