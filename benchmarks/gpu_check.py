@@ -19,6 +19,9 @@ Sections, each timed with CUDA events (wall clock on the CPU), median of the tim
   (``torch_varlen``, ``flash_varlen`` when flash-attn is installed), ``flex`` without and with a ``score_mod`` (an
   ALiBi-like decay over the rows' grid positions); ms, TFLOP/s and the max difference from the float32 per-window
   reference (with the same score_mod for the flex one). A backend that cannot run says why.
+* ``memory_constants``: the constants the memory planner (``python -m examples.seedvr2 plan``) states, measured: CUDA
+  context, cuBLAS workspaces, and the caching allocator's overhead (the 720p x 21 DiT forward's reserved peak over the
+  fake-GPU trace's peak of live bytes for the same forward).
 * ``neighborhood``: one neighborhood layer (3D kernel, dilation, causal time, text rows) as rank 1 of a 2-rank plan
   sees it (its own rows and received halo), without a process group: the ``flex`` backend (compiled FlexAttention,
   block mask) against the tiled path, forward and backward, bf16 and float32 (and float32 with a relative position
@@ -161,8 +164,9 @@ def _dit_inputs(latent, config: NaDiTConfig, device, dtype, seed: int):
     t, h, w = latent
     vid = torch.randn(t * h * w, config.vid_in_channels, generator=g).to(device, dtype)
     txt = torch.randn(TEXT_TOKENS, config.txt_in_dim, generator=g).to(device, dtype)
-    return (vid, txt, torch.tensor([[t, h, w]], device=device), torch.tensor([[TEXT_TOKENS]], device=device),
-            torch.tensor([1000.0], device=device))
+    # the shapes are host tensors (the DiT plans with their values); the timestep lives on the device
+    return (vid, txt, torch.tensor([[t, h, w]]), torch.tensor([[TEXT_TOKENS]]),
+            torch.full((1,), 1000.0, device=device))
 
 
 def _build_dit(sizes: Sizes, device, dtype) -> SeedVR2NaDiT:
@@ -428,8 +432,67 @@ def section_neighborhood(sizes, device, clock, memory, state) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- report
 
+def section_memory_constants(sizes, device, clock, memory, state) -> dict:
+    """What the planner (``python -m examples.seedvr2 plan``) states as constants, measured: the CUDA context (memory
+    the driver reports used beyond what the caching allocator reserved), the cuBLAS workspaces (allocated by a first
+    bf16 matmul after the workspaces are released), and the allocator's overhead on the DiT forward (reserved peak
+    over the fake-GPU trace's peak of live bytes for the same forward, when this torch can trace)."""
+    from examples.seedvr2 import plan
+
+    result = {"stated": {"cuda_context_mib": plan.CUDA_CONTEXT_BYTES / 2**20,
+                         "cublas_workspace_mib": plan.CUBLAS_WORKSPACE_BYTES / 2**20,
+                         "nccl_mib": plan.NCCL_BYTES / 2**20, "allocator_overhead": plan.ALLOCATOR_OVERHEAD},
+              "nccl": "not measured (one process; run the planner's figure against a multi-rank restore)"}
+    if device.type != "cuda":
+        result["measured"] = "nothing: no CUDA device (dry run)"
+        return result
+    memory.reset()
+    free, total = torch.cuda.mem_get_info(device)
+    result["cuda_context_mib"] = round((total - free - torch.cuda.memory_reserved(device)) / 2**20, 1)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+        before = torch.cuda.memory_allocated(device)
+        a = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+        (a @ a).sum().item()
+        result["cublas_workspace_mib"] = round((torch.cuda.memory_allocated(device) - before - 2 * a.nbytes - 2)
+                                               / 2**20, 1)
+        del a
+    # the allocator's overhead: a real forward's reserved peak against the trace's live-byte peak
+    config = NaDiTConfig.seedvr2_at_size(**sizes.dit)
+    model = _build_dit(sizes, device, torch.bfloat16)
+    inputs = _dit_inputs(sizes.video_latent, config, device, torch.bfloat16, seed=1)
+    memory.reset()
+    with torch.no_grad():
+        model(*inputs)
+    torch.cuda.synchronize(device)
+    allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    result["dit_720p"] = {"max_allocated_gib": _gib(allocated), "max_reserved_gib": _gib(reserved)}
+    del model, inputs
+    memory.reset()
+    try:
+        from winsp.testing.fake_gpu import run_fake_gpu
+
+        def traced(rank, world):
+            with torch.device("meta"):
+                dit = SeedVR2NaDiT(config)
+            dit = dit.to_empty(device="cuda").to(torch.bfloat16).eval()
+            fake_inputs = _dit_inputs(sizes.video_latent, config, "cuda", torch.bfloat16, seed=1)
+            with torch.no_grad():
+                dit(*fake_inputs)
+
+        peak = run_fake_gpu(traced, 1, check=False).ranks[0].peak_bytes
+        result["dit_720p"]["traced_peak_gib"] = _gib(peak)
+        result["allocator_overhead"] = round(reserved / peak - 1, 3)
+        result["traced_vs_allocated"] = round(allocated / peak - 1, 3)
+    except Exception as error:  # noqa: BLE001 - the measured figures above still stand
+        result["trace_error"] = f"{type(error).__name__}: {error}"
+    return result
+
+
 SECTIONS = (("dit", section_dit), ("bf16_vs_fp32", section_bf16_vs_fp32), ("attention", section_attention),
-            ("neighborhood", section_neighborhood), ("vae", section_vae))
+            ("neighborhood", section_neighborhood), ("vae", section_vae),
+            ("memory_constants", section_memory_constants))
 
 
 def markdown(report: dict) -> str:

@@ -42,6 +42,10 @@ def _run() -> int:
         return serve(sys.argv[2:])
     previous = {s: signal.signal(s, _stop_now) for s in _STOPS}
     try:
+        if sys.argv[1:2] == ["plan"]:  # the memory planner: no launcher, no restore CLI
+            from .plan import main as plan
+
+            return plan(sys.argv[2:])
         from .launcher import launch, wants_launcher
 
         launcher = wants_launcher(sys.argv[1:])

@@ -46,6 +46,7 @@ __all__ = [
     "vae_work_area",
     "NonFiniteOutput",
     "check_finite",
+    "FiniteChecks",
 ]
 
 SCALING_FACTOR = 0.9152
@@ -60,12 +61,35 @@ class NonFiniteOutput(ValueError):
 
 
 def check_finite(values: torch.Tensor, stage: str) -> torch.Tensor:
-    """``values`` unchanged, or :class:`NonFiniteOutput` naming ``stage`` when any value is NaN or infinite."""
-    if not bool(torch.isfinite(values).all()):
-        bad = int((~torch.isfinite(values)).sum())
-        raise NonFiniteOutput(f"{stage} produced {bad} non-finite values (NaN or inf) of {values.numel()}: its "
-                              f"weights are damaged or are not this model's; nothing was written")
+    """``values`` unchanged, or :class:`NonFiniteOutput` naming ``stage`` when any value is NaN or infinite (reads the
+    answer on the host at once: a device sync; :class:`FiniteChecks` defers it)."""
+    checks = FiniteChecks()
+    checks.add(values, stage)
+    checks.raise_if_any()
     return values
+
+
+class FiniteChecks:
+    """NaN/inf counts of a batch's stages, counted on the device as the stages finish and read on the host once, with
+    the batch's result (so the stages themselves never wait for the host)."""
+
+    def __init__(self) -> None:
+        self._stages: list[tuple[str, int, torch.Tensor]] = []
+
+    def add(self, values: torch.Tensor, stage: str) -> torch.Tensor:
+        """Count ``values``' non-finite elements on their device (no sync); returns ``values``."""
+        self._stages.append((stage, values.numel(), (~torch.isfinite(values)).sum()))
+        return values
+
+    def raise_if_any(self) -> None:
+        """:class:`NonFiniteOutput` naming the first stage with a non-finite value (one host read of all counts)."""
+        if not self._stages:
+            return
+        counts = torch.stack([bad.to(self._stages[0][2].device) for _, _, bad in self._stages]).tolist()
+        for (stage, numel, _), bad in zip(self._stages, counts, strict=True):
+            if bad:
+                raise NonFiniteOutput(f"{stage} produced {bad} non-finite values (NaN or inf) of {numel}: its "
+                                      f"weights are damaged or are not this model's; nothing was written")
 
 
 # ---- pure functions -----------------------------------------------------------------------------------------------
@@ -457,8 +481,9 @@ class SeedVR2Pipeline:
         device = self.device
         latent, noise, txt = latent.to(device), noise.to(device, torch.float32), txt.to(device)
         condition = sr_condition(latent.float())
-        vid_shape = torch.tensor([list(latent.shape[:3])], dtype=torch.long, device=device)
-        txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long, device=device)
+        # shapes are host values the DiT plans with: built on the host, never read back from the device
+        vid_shape = torch.tensor([list(latent.shape[:3])], dtype=torch.long)
+        txt_shape = torch.tensor([[txt.shape[0]]], dtype=torch.long)
 
         def predict(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             vid = torch.cat([x_t, condition], dim=-1).reshape(-1, condition.shape[-1] + x_t.shape[-1])
@@ -491,15 +516,30 @@ class SeedVR2Pipeline:
         not given. ``trace`` (a dict) receives the intermediates (``latent``, ``condition``, ``dit_vid``,
         ``timestep``, ``velocity``, ``restored_latent``).
         """
+        restored, checks = self.restore_on_device(video, txt, noise=noise, generator=generator, trace=trace)
+        checks.raise_if_any()
+        return restored
+
+    def restore_on_device(
+        self,
+        video: torch.Tensor,
+        txt: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+        trace: Optional[dict] = None,
+    ) -> tuple[torch.Tensor, FiniteChecks]:
+        """:meth:`restore`'s compute: encode, denoise and decode on the device without reading a value back; returns
+        the restored video and the stages' pending :class:`FiniteChecks` (``raise_if_any`` reads them: the batch's one
+        host sync, taken where its result leaves the device anyway)."""
+        checks = FiniteChecks()
         with stage_clock.stage("VAE encode"):
-            latent = check_finite(self.encode(video), "the VAE encoder")
+            latent = checks.add(self.encode(video), "the VAE encoder")
         with stage_clock.stage("DiT"):
-            restored = check_finite(self.denoise(latent, txt, noise=noise, generator=generator, trace=trace),
-                                    "the DiT")
+            restored = checks.add(self.denoise(latent, txt, noise=noise, generator=generator, trace=trace), "the DiT")
         if trace is not None:
             trace.update(latent=latent, restored_latent=restored)
         with stage_clock.stage("VAE decode"):
-            return check_finite(self.decode(restored, video.shape[1]), "the VAE decoder")
+            return checks.add(self.decode(restored, video.shape[1]), "the VAE decoder"), checks
 
     # ---- long clips -------------------------------------------------------------------------------------------
     def restore_batch(

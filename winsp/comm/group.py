@@ -285,9 +285,9 @@ class SPGroup:
         """Every rank's ``values`` (the same count on every rank), one list per rank, in one eager collective (for
         checks that every rank must reach the same verdict on, e.g. the dtypes of attention's inputs). ``device``:
         where the backend takes tensors (CUDA for NCCL)."""
+        if self.is_single:  # nothing to gather: the host values themselves (no tensor to read back)
+            return [[int(v) for v in values]]
         row = torch.tensor([list(values)], dtype=torch.int64, device=device)
-        if self.is_single:
-            return row.tolist()
         return _all_gather_rows_eager(row, [1] * self.size, self.group).cpu().tolist()
 
     def assert_same_ints(self, values: Sequence[int], device: torch.device | str, message: str) -> None:

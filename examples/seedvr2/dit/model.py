@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import winsp
 from winsp.utils.compile import planning
+from winsp.utils.phases import plans
 
 from .block import NaDiTBlock
 from .config import NaDiTConfig
@@ -135,26 +136,17 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
             self.vid_out_ada = None
         self.vid_out = PatchOut(cfg.vid_out_channels, cfg.patch_size, dim)
         self._patch_plans: "OrderedDict[tuple, PatchPlan]" = OrderedDict()
-        self._rope_groups: tuple[tuple, tuple[int, ...]] = ((), ())
 
     def rope_groups(self) -> tuple[int, ...]:
         """For each block, the first block whose RoPE frequency buffer holds the same values (-1 without RoPE).
 
-        Compared once per change of the buffers (new storage, in-place update, device or dtype move), not per forward,
-        so the forward never reads device values to decide whether two blocks can share RoPE tables.
+        Decided from each buffer's host-side :meth:`RotaryEmbedding3d.frequency_key` (values are read only after a
+        load or an in-place change, once), so the forward never reads device values to decide whether two blocks can
+        share RoPE tables.
         """
-        ropes = [block.attn.rope for block in self.blocks]
-        freqs = [r.freqs if r is not None else None for r in ropes]
-        stamp = tuple(None if f is None else (f.data_ptr(), f._version, f.device, f.dtype, tuple(f.shape))
-                      for f in freqs)
-        if self._rope_groups[0] != stamp:
-            groups = []
-            for i, f in enumerate(freqs):
-                same = (j for j in range(i) if f is not None and freqs[j] is not None
-                        and freqs[j].shape == f.shape and torch.equal(freqs[j], f))
-                groups.append(-1 if f is None else next(same, i))
-            self._rope_groups = (stamp, tuple(groups))
-        return self._rope_groups[1]
+        keys = [None if block.attn.rope is None else block.attn.rope.frequency_key() for block in self.blocks]
+        first: dict = {}
+        return tuple(-1 if key is None else first.setdefault(key, i) for i, key in enumerate(keys))
 
     # ------------------------------------------------------------------ runtime
     def window_schedule(self) -> list:
@@ -209,6 +201,8 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
         b = vid_shape.shape[0]
         if txt_shape.dim() != 2 or txt_shape.shape != (b, 1):
             raise ValueError(f"txt_shape must be [{b}, 1] (one text length per sample), got {tuple(txt_shape.shape)}")
+        # host reads of the whole input tensors (no indexing op first: under a fake mode that would make a tensor
+        # without values)
         shapes = tuple(tuple(int(v) for v in row) for row in vid_shape.tolist())
         for s, shape in enumerate(shapes):
             if min(shape) < 1:
@@ -221,7 +215,7 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
         total = sum(t * h * w for t, h, w in shapes)
         if total != vid.shape[0]:
             raise ValueError(f"vid has {vid.shape[0]} rows but vid_shape describes {total} (sum of T*H*W)")
-        text_lengths = tuple(int(v) for v in txt_shape[:, 0].tolist())
+        text_lengths = tuple(int(row[0]) for row in txt_shape.tolist())
         if any(n < 0 for n in text_lengths):
             raise ValueError(f"txt_shape has negative lengths: {text_lengths}")
         if sum(text_lengths) != txt.shape[0]:
@@ -237,6 +231,7 @@ class SeedVR2NaDiT(winsp.WindowParallel, nn.Module):
 
     # ------------------------------------------------------------------ forward
     @planning
+    @plans
     def _prepare(self, vid, txt, vid_shape, txt_shape, timestep):
         """The planning phase of a forward: checks, patch indices, the winsp request and the per-forward context.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -38,7 +39,11 @@ class PatchPlan:
 
 
 def plan_patches(shapes: tuple[Triple, ...], patch_size: Triple) -> PatchPlan:
-    """Build the patchify/un-patchify indices for pre-patch ``shapes``; H and W must divide by the patch size."""
+    """Build the patchify/un-patchify indices for pre-patch ``shapes``; H and W must divide by the patch size.
+
+    Planning code: the indices are computed with numpy on the host (no torch op whose values a fake or device mode
+    would hide) and handed over as CPU tensors for one move to the device.
+    """
     pt, ph, pw = patch_size
     volume = pt * ph * pw
     gathers, scatters, grids = [], [], []
@@ -52,9 +57,9 @@ def plan_patches(shapes: tuple[Triple, ...], patch_size: Triple) -> PatchPlan:
         gt, gh, gw = (t + pad) // pt, h // ph, w // pw
         grids.append((gt, gh, gw))
         # padded frame index of each (T', i) -> source frame (frames before `pad` repeat frame 0)
-        frame = (torch.arange(gt)[:, None] * pt + torch.arange(pt)[None, :] - pad).clamp_min(0)  # [T', pt]
-        row = torch.arange(gh)[:, None] * ph + torch.arange(ph)[None, :]                            # [H', ph]
-        col = torch.arange(gw)[:, None] * pw + torch.arange(pw)[None, :]                            # [W', pw]
+        frame = np.maximum(np.arange(gt)[:, None] * pt + np.arange(pt)[None, :] - pad, 0)  # [T', pt]
+        row = np.arange(gh)[:, None] * ph + np.arange(ph)[None, :]                          # [H', ph]
+        col = np.arange(gw)[:, None] * pw + np.arange(pw)[None, :]                          # [W', pw]
         # pre-patch row id, shaped [T', H', W', pt, ph, pw]
         pre = (
             frame[:, None, None, :, None, None] * (h * w)
@@ -63,15 +68,17 @@ def plan_patches(shapes: tuple[Triple, ...], patch_size: Triple) -> PatchPlan:
         )
         gathers.append(pre.reshape(-1, volume) + pre_offset)
         # inverse: element (token, p) of the output view feeds pre-patch row `pre` unless it is a padding frame
-        element = torch.arange(gt * gh * gw * volume).reshape(gt, gh, gw, pt, ph, pw)
-        padded_frame = torch.arange(gt)[:, None] * pt + torch.arange(pt)[None, :]               # [T', pt]
-        keep = (padded_frame >= pad)[:, None, None, :, None, None].expand_as(element)
-        order = torch.argsort(pre[keep])
+        element = np.arange(gt * gh * gw * volume, dtype=np.int64).reshape(gt, gh, gw, pt, ph, pw)
+        padded_frame = np.arange(gt)[:, None] * pt + np.arange(pt)[None, :]               # [T', pt]
+        keep = np.broadcast_to((padded_frame >= pad)[:, None, None, :, None, None], element.shape)
+        order = np.argsort(pre[keep], kind="stable")  # kept rows are distinct: any sort gives the same order
         scatters.append(element[keep][order] + post_offset * volume)
         pre_offset += t * h * w
         post_offset += gt * gh * gw
     return PatchPlan(
-        shapes=tuple(shapes), grids=tuple(grids), gather=torch.cat(gathers), scatter=torch.cat(scatters),
+        shapes=tuple(shapes), grids=tuple(grids),
+        gather=torch.from_numpy(np.concatenate(gathers).astype(np.int64)),
+        scatter=torch.from_numpy(np.concatenate(scatters).astype(np.int64)),
     )
 
 

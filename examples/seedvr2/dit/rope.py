@@ -120,6 +120,8 @@ class RotaryEmbedding3d(nn.Module):
             raise ValueError(f"unsupported RoPE kind {kind!r}; supported: {list(ROPE_KINDS)}")
         self.rope_dim, self.kind = rope_dim, kind
         self.register_buffer("freqs", self.exact_frequencies(), persistent=True)
+        # (buffer, its version, key): what frequency_key() last found, valid while the buffer is that tensor unchanged
+        self._key_for: tuple | None = (self.freqs, self.freqs._version, ("exact", kind, rope_dim))
 
     def exact_frequencies(self) -> Tensor:
         """The float32 frequencies this kind and ``rope_dim`` define (what released checkpoints store), on the CPU."""
@@ -136,11 +138,31 @@ class RotaryEmbedding3d(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         before = self.freqs
+        known = self._key_for
         super()._apply(fn, recurse)
         after = self.freqs
         if after is not None and before is not None and after.dtype != before.dtype and before.dtype == torch.float32:
             self.freqs = before.to(device=after.device)  # keep float32, follow the device change only
+        if known is not None and known[0] is before and known[1] == before._version and self.freqs is not None:
+            self._key_for = (self.freqs, self.freqs._version, known[2])  # a move or cast keeps the values
         return self
+
+    def frequency_key(self) -> tuple:
+        """A host value naming this buffer's values: two buffers with equal keys hold equal frequencies.
+
+        Known without reading the buffer while it is the tensor built at construction (or a move of it) and not
+        changed in place; after a load or an in-place change it is read once (planning: a host read of a small buffer,
+        never in the forward's compute), so a model on a device or on fake tensors groups its blocks without a sync.
+        """
+        freqs = self.freqs
+        known = self._key_for
+        if known is not None and known[0] is freqs and known[1] == freqs._version:
+            return known[2]
+        values = tuple(freqs.detach().cpu().tolist())
+        exact = tuple(self.exact_frequencies().tolist())
+        key = ("exact", self.kind, self.rope_dim) if values == exact else ("values", values)
+        self._key_for = (freqs, freqs._version, key)
+        return key
 
     def tables(self, positions: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
         """``cos``/``sin`` ``[N, width or span]`` for ``positions [N, 3]`` (see :func:`rope_tables`)."""

@@ -11,9 +11,14 @@ int (square) or an (height, width) pair. Temporal chunking applies inside each t
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from winsp.utils.compile import planning
+from winsp.utils.phases import plans
 
 from .model import CausalVideoVAE, moments_to_latent
 
@@ -51,6 +56,41 @@ def _ramp(length: int, start: int, size: int, overlap: int) -> torch.Tensor:
     return weight
 
 
+@dataclass(frozen=True)
+class _Tile:
+    """One tile: its input window (top, left, height, width) and output offset, with its blend weights."""
+
+    top: int
+    left: int
+    size: tuple[int, int]
+    out_top: int
+    out_left: int
+    weight: torch.Tensor  # [th, tw] float64 on the run's device
+
+
+@planning
+@plans
+def _plan_tiles(h: int, w: int, tile: tuple[int, int], overlap: tuple[int, int], scale: tuple[int, int],
+                device: torch.device) -> tuple[list[_Tile], torch.Tensor, tuple[int, int]]:
+    """The tiles of an ``h x w`` input, their blend weights and the weights' sum over the output (float64), built on
+    the host (they depend on shapes only) and moved to ``device`` here, once; plus the output's (height, width)."""
+    num, den = scale
+    out_h, out_w = h * num // den, w * num // den
+    weight_sum = torch.zeros((out_h, out_w), dtype=torch.float64)
+    tiles = []
+    for top in tile_starts(h, tile[0], overlap[0]):
+        for left in tile_starts(w, tile[1], overlap[1]):
+            th, tw = min(tile[0], h - top) * num // den, min(tile[1], w - left) * num // den
+            o_top, o_left = top * num // den, left * num // den
+            wy = _ramp(th, o_top, out_h, overlap[0] * num // den)
+            wx = _ramp(tw, o_left, out_w, overlap[1] * num // den)
+            weight = wy[:, None] * wx[None, :]
+            weight_sum[o_top:o_top + th, o_left:o_left + tw] += weight
+            tiles.append(_Tile(top, left, (th, tw), o_top, o_left, weight))
+    tiles = [dataclasses.replace(t, weight=t.weight.to(device)) for t in tiles]
+    return tiles, weight_sum.to(device), (out_h, out_w)
+
+
 def _run_tiles(
     x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], *, tile: tuple[int, int],
     overlap: tuple[int, int], in_unit: int, out_unit: int,
@@ -58,21 +98,16 @@ def _run_tiles(
     """Apply ``fn`` to overlapping tiles of ``x``'s last two dims and blend the outputs (scaled by
     ``out_unit / in_unit``). ``tile`` and ``overlap`` are in input elements."""
     h, w = x.shape[-2:]
-    scale_num, scale_den = out_unit, in_unit
-    out = weight_sum = None
-    for top in tile_starts(h, tile[0], overlap[0]):
-        for left in tile_starts(w, tile[1], overlap[1]):
-            part = fn(x[..., top:top + tile[0], left:left + tile[1]])
-            th, tw = part.shape[-2:]
-            if out is None:
-                out = part.new_zeros(part.shape[:-2] + (h * scale_num // scale_den, w * scale_num // scale_den))
-                weight_sum = torch.zeros(out.shape[-2:], dtype=torch.float64)
-            o_top, o_left = top * scale_num // scale_den, left * scale_num // scale_den
-            wy = _ramp(th, o_top, out.shape[-2], overlap[0] * scale_num // scale_den)
-            wx = _ramp(tw, o_left, out.shape[-1], overlap[1] * scale_num // scale_den)
-            weight = wy[:, None] * wx[None, :]
-            out[..., o_top:o_top + th, o_left:o_left + tw] += part * weight.to(part.dtype)
-            weight_sum[o_top:o_top + th, o_left:o_left + tw] += weight
+    tiles, weight_sum, out_hw = _plan_tiles(h, w, tile, overlap, (out_unit, in_unit), x.device)
+    out = None
+    for t in tiles:
+        part = fn(x[..., t.top:t.top + tile[0], t.left:t.left + tile[1]])
+        th, tw = t.size
+        if tuple(part.shape[-2:]) != (th, tw):
+            raise ValueError(f"a tile at ({t.top}, {t.left}) gave {tuple(part.shape[-2:])}, expected {(th, tw)}")
+        if out is None:
+            out = part.new_zeros(part.shape[:-2] + out_hw)
+        out[..., t.out_top:t.out_top + th, t.out_left:t.out_left + tw] += part * t.weight.to(part.dtype)
     return out / weight_sum.to(out.dtype)
 
 

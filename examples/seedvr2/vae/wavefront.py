@@ -31,6 +31,7 @@ from torch import nn
 
 from winsp.comm.group import SPGroup
 from winsp.comm.spatial import band_offsets, band_sizes, take_band
+from winsp.utils.phases import plans
 
 from .context import CausalCache, RunContext
 from .model import CausalVideoVAE, _chunk_bounds, moments_to_latent
@@ -93,11 +94,14 @@ class RelayCache(CausalCache):
     """
 
     def __init__(self, group: SPGroup, *, first: bool, last: bool, prev: int, next: int,
-                 stats: WaveStats | None = None) -> None:
+                 stats: WaveStats | None = None, carried: dict[nn.Module, int] | None = None) -> None:
         super().__init__(first=first)
         self.group, self.last, self.prev, self.next = group, last, prev, next
         self.stats = stats if stats is not None else WaveStats()
         self._pending: list[tuple[object, torch.Tensor]] = []
+        # frames the previous chunk leaves at each convolution, known on the host (:func:`carried_frames`), so the
+        # receiver never reads the count back from the device
+        self.carried = carried
 
     @staticmethod
     def _frame_numel(conv: nn.Module, x: torch.Tensor) -> tuple[int, int]:
@@ -113,7 +117,12 @@ class RelayCache(CausalCache):
         self.group.recv_(buffer, self.prev)
         self.stats.wait_s += time.perf_counter() - start
         self.stats.received += 1
-        frames = int(buffer[-1].item())
+        if self.carried is not None:
+            frames = self.carried.get(conv, 0)
+            if buffer.device.type == "cpu" and int(buffer[-1]) != frames:  # free to check on the host
+                raise AssertionError(f"the previous chunk sent {int(buffer[-1])} frames, the plan says {frames}")
+        else:
+            frames = int(buffer[-1].item())
         if frames == 0:
             return None
         b, c, _, h, w = x.shape
@@ -233,10 +242,12 @@ def _run(
         # has taken it, which that rank does layer by layer while this one goes on. The messages travel on the
         # group's point-to-point twin (every rank, idle ones too, reaches this line), not among its collectives.
         relay = group.point_to_point()
+        carried = carried_frames(step, band, plan.bounds, in_scale)
         previous = None
         for c in plan.owners[t_rank]:
             start, stop = plan.bounds[c]
-            cache = RelayCache(relay, first=c == 0, last=c == last, prev=prev, next=nxt, stats=stats)
+            cache = RelayCache(relay, first=c == 0, last=c == last, prev=prev, next=nxt, stats=stats,
+                               carried=carried[c - 1] if c > 0 else None)
             outputs.append(step(band[:, :, start:stop], RunContext(cache=cache, bands=bands)))
             if previous is not None:
                 previous.finish()
@@ -271,6 +282,37 @@ def _run(
                 piece[:, :, f:f + n]
             f += n
     return full
+
+
+class _CarryCounts(CausalCache):
+    """A local chunk cache that records how many frames each chunk leaves at each causal convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: list[dict[nn.Module, int]] = []
+
+    def keep(self, conv: nn.Module, x: torch.Tensor, start: int) -> None:
+        if getattr(conv, "time_lookback", 0):
+            self.counts[-1][conv] = max(0, x.shape[2] - start)
+        super().keep(conv, x, start)
+
+
+@plans
+def carried_frames(step: Callable, x: torch.Tensor, bounds: list[tuple[int, int]],
+                   unit: int) -> list[dict[nn.Module, int]]:
+    """For each chunk, the frames it leaves for the next at each causal convolution: shapes only, from the chunks run
+    one after another on a one-latent-pixel sliver of ``x`` (``unit`` input pixels a latent pixel; the frame counts
+    do not depend on the frame's size), so a rank knows on the host what its predecessor sends and never reads a count
+    back from the device."""
+    cache = _CarryCounts()
+    side = min(x.shape[-2], x.shape[-1], unit)
+    sliver = x[..., :side, :side]
+    with torch.no_grad():
+        for c, (start, stop) in enumerate(bounds):
+            cache.first = c == 0
+            cache.counts.append({})
+            step(sliver[:, :, start:stop], RunContext(cache=cache))
+    return cache.counts
 
 
 def _plan(group: SPGroup, frames: int, chunk: int | None, latent_rows: int, split: VAESplit | None,

@@ -1,0 +1,332 @@
+"""``python -m examples.seedvr2 plan``: will a restore fit on N GPUs? Answered from a fake-GPU trace of the real model.
+
+The released DiT and VAE are built at full width and depth on fake CUDA tensors (:mod:`winsp.testing.fake_gpu`:
+shapes and dtypes, no values, no GPU) and one temporal batch is run through each stage as rank 0 of the SP group. The
+trace's peak of live device bytes per stage, plus the resident weights of the other model, plus stated constants, is
+the stage's need per rank. Settings are tried fastest first: the longest temporal batch first; for each batch the
+exact VAE modes on every SP degree (fastest for the clip's batch count first), in
+:func:`.memory_fit.candidate_settings`' order, whole weights before ``--shard-weights``; then the tiled VAE likewise.
+The first that fits is printed, with each stage's peak and what does not fit by how much.
+
+Assumptions, stated (and printed): each GPU also holds the CUDA context, cuBLAS workspaces and, with several ranks,
+NCCL's buffers (the ``*_BYTES`` constants below; ``benchmarks/gpu_check.py`` measures them on a real GPU); the CUDA
+caching allocator rounds blocks up and keeps freed blocks cached (``ALLOCATOR_OVERHEAD`` on the traced bytes).
+Tiled VAE runs are traced on one tile (a clip of the tile's size) and the whole-frame input and output tensors are
+added (tracing every tile of a 4K frame takes minutes). ``--shard-weights`` holds 1/P of the DiT blocks plus the two
+gathered blocks (the running one and the prefetched one).
+
+Needs the CUDA build of torch (no GPU): on a CPU-only build it says so in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+__all__ = ["PlanRequest", "StagePeaks", "plan_restore", "main", "parse_bytes", "ASSUMPTIONS"]
+
+GiB = 2**30
+MiB = 2**20
+#: the CUDA context of one process (kernels loaded lazily; measured 0.3-0.6 GiB on recent drivers)
+CUDA_CONTEXT_BYTES = 512 * MiB
+#: cuBLAS and cuBLASLt workspaces (torch's default on Hopper: 32 MiB each)
+CUBLAS_WORKSPACE_BYTES = 64 * MiB
+#: NCCL's buffers for the SP group's communicator (a few MiB per channel and peer; with several ranks only)
+NCCL_BYTES = 384 * MiB
+#: the caching allocator's rounding (512 B blocks, 2 MiB segments) and its cached free blocks, on the traced peak
+ALLOCATOR_OVERHEAD = 0.10
+
+ASSUMPTIONS = (
+    f"CUDA context {CUDA_CONTEXT_BYTES / MiB:.0f} MiB, cuBLAS workspaces {CUBLAS_WORKSPACE_BYTES / MiB:.0f} MiB, NCCL "
+    f"buffers {NCCL_BYTES / MiB:.0f} MiB (several ranks only) a GPU; the caching allocator's rounding and cache "
+    f"+{ALLOCATOR_OVERHEAD:.0%} on traced bytes; tiled VAE traced on one tile plus the whole-frame tensors"
+)
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``24g``, ``141 GiB`` -> bytes (GB and G read as GiB, as GPU specs do)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 80GiB")
+    unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match.group(2).upper()]
+    return int(float(match.group(1)) * unit)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    gpus: int
+    gpu_memory: int
+    model: str
+    width: int
+    height: int
+    frames: int
+    dtype: str = "bf16"
+
+
+@dataclass
+class StagePeaks:
+    """Per-rank bytes of one candidate: resident weights and each stage's peak (weights included)."""
+
+    weights: int
+    dit: int
+    vae_encode: int
+    vae_decode: int
+    extra: int  # the constants (context, workspaces, NCCL)
+
+    @property
+    def peak(self) -> int:
+        return max(self.dit, self.vae_encode, self.vae_decode)
+
+    def stages(self) -> dict[str, int]:
+        return {"weights": self.weights, "DiT": self.dit, "VAE encode": self.vae_encode,
+                "VAE decode": self.vae_decode}
+
+
+@dataclass
+class Tracer:
+    """Fake-GPU traces of rank 0, cached by what they depend on."""
+
+    model: str
+    sp: int
+    dtype: object
+    cache: dict = field(default_factory=dict)  # shared between tracers: keys name the model and SP degree
+
+    def _trace(self, key, fn, *args, world: Optional[int] = None, **kwargs) -> int:
+        if key not in self.cache:
+            from winsp.testing.fake_gpu import run_fake_gpu
+
+            report = run_fake_gpu(fn, world or self.sp, *args, ranks=[0], check=False, **kwargs)
+            trace = report.ranks[0]
+            if trace.error is not None:
+                raise RuntimeError(f"the fake-GPU trace of {key} failed: {trace.error}")
+            self.cache[key] = trace.peak_bytes
+        return self.cache[key]
+
+    def dit(self, latent: tuple[int, int, int], shard: bool) -> int:
+        """The DiT step's peak (resident weights included), counted from the built model on: a sharded model is built
+        whole here and then sharded, which a checkpoint load (``load_sharded_dit``) never holds."""
+        from winsp.testing.fake_gpu import fake_gpu
+
+        from .fake_gpu_runs import dit_rank
+
+        key = ("dit", self.model, self.sp, str(self.dtype), latent, shard)
+        if key not in self.cache:
+            with fake_gpu(0, self.sp) as trace:
+                restart = lambda: setattr(trace, "peak_bytes", trace.live_bytes)  # noqa: E731
+                dit_rank(0, self.sp, self.model, latent, shard_weights=shard, dtype=self.dtype, on_built=restart)
+            self.cache[key] = trace.peak_bytes
+        return self.cache[key]
+
+    def vae(self, stage: str, mode: str, clip, tile: Optional[int]) -> int:
+        import torch
+
+        from .fake_gpu_runs import Clip, vae_rank
+
+        if mode == "tiled":
+            # one tile's clip, replicated, plus the whole-frame input, output and blend buffers
+            size = tile or 256
+            tile_clip = Clip(clip.frames, min(size, clip.height), min(size, clip.width))
+            # every rank runs every tile: one rank's trace
+            one = self._trace(("vae", 1, str(self.dtype), stage, "replicated", tile_clip, None), vae_rank,
+                              "replicated", tile_clip, world=1, dtype=self.dtype, stage=stage)
+            t, h, w = clip.latent
+            frames = 4 * (t - 1) + 1
+            element = torch.finfo(self.dtype).bits // 8
+            pixels = frames * clip.height * clip.width * 3 * element  # the video
+            latents = t * h * w * 16 * 2 * element  # the moments (mean and log-variance)
+            blend = (clip.height * clip.width if stage == "decode" else h * w) * 8
+            # encode: the whole video in, the moments' accumulator and result; decode: the video's accumulator and
+            # result (the tile's own input and output are in its trace)
+            return one + blend + (2 * pixels if stage == "decode" else pixels + 2 * latents)
+        sp = 1 if mode == "replicated" else self.sp  # a replicated VAE traces the same at every SP degree
+        return self._trace(("vae", sp, str(self.dtype), stage, mode, clip, tile), vae_rank, mode, clip, world=sp,
+                           dtype=self.dtype, stage=stage)
+
+
+def _weights(model: str, dtype, sp: int, shard: bool) -> tuple[int, int]:
+    """(DiT bytes a rank holds between blocks, VAE bytes), from the models' parameters on the meta device."""
+    from .pipeline import released_models_on_meta
+
+    dit, vae = released_models_on_meta(model, dtype)
+    nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    dit_total = nbytes(dit.parameters())
+    if shard and sp > 1:
+        blocks = nbytes(p for b in dit.blocks for p in b.parameters())
+        dit_total = dit_total - blocks + -(-blocks // sp)
+    return dit_total, nbytes(vae.parameters())
+
+
+def _with_overhead(nbytes: int) -> int:
+    return int(nbytes * (1 + ALLOCATOR_OVERHEAD))
+
+
+def stage_peaks(tracer: Tracer, request: PlanRequest, settings, shard: bool) -> StagePeaks:
+    """Each stage's per-rank need for one temporal batch of ``settings`` (a :class:`.memory_fit.RunSettings`)."""
+    from .fake_gpu_runs import Clip
+
+    frames = min(settings.batch_frames, request.frames)
+    clip = Clip(frames, request.height, request.width)
+    dit_w, vae_w = _weights(request.model, tracer.dtype, tracer.sp, shard)
+    extra = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + (NCCL_BYTES if tracer.sp > 1 else 0)
+    mode = settings.vae_parallel
+    dit = tracer.dit(clip.latent, shard)  # the DiT's weights and one step's activations
+    encode = tracer.vae("encode", mode, clip, settings.vae_tile)
+    decode = tracer.vae("decode", mode, clip, settings.vae_tile)
+    # resident the whole time: the other model's weights
+    return StagePeaks(weights=dit_w + vae_w + extra, dit=_with_overhead(dit) + vae_w + extra,
+                      vae_encode=_with_overhead(encode) + dit_w + extra,
+                      vae_decode=_with_overhead(decode) + dit_w + extra, extra=extra)
+
+
+@dataclass
+class Candidate:
+    """One way to run: SP degree (ranks a group; ``gpus // sp`` groups take whole temporal batches), the run settings
+    (a :class:`.memory_fit.RunSettings`), whether the DiT's weights are sharded, and the traced stage peaks."""
+
+    sp: int
+    settings: object
+    shard: bool
+    peaks: StagePeaks
+
+    def flags(self, gpus: int) -> str:
+        return (f"{self.settings.flags()}{' --shard-weights' if self.shard else ''} --sp-size {self.sp}"
+                f" (--ranks {gpus})")
+
+    def describe(self) -> str:
+        return f"SP {self.sp}, {self.settings.describe()}{', sharded weights' if self.shard else ''}"
+
+
+@dataclass
+class PlanResult:
+    request: PlanRequest
+    tried: list  # Candidate, in the order tried
+    chosen: Optional[Candidate]
+
+
+def sp_degrees(gpus: int, batches: int) -> list[int]:
+    """The SP degrees (divisors of ``gpus``) fastest first for a clip of ``batches`` temporal batches: groups of ``sp``
+    ranks take whole batches, so a batch round costs ``1/sp`` (ideal SP) and there are ``ceil(batches / groups)``
+    rounds; ties go to the smaller degree (less communication)."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    return sorted(divisors, key=lambda d: (-(-batches // (gpus // d)) / d, d))
+
+
+def _batch_count(frames: int, batch: int, overlap: int) -> int:
+    if frames <= batch:
+        return 1
+    return 1 + -(-(frames - batch) // (batch - overlap))
+
+
+def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, report=None,
+                 cache: Optional[dict] = None) -> PlanResult:
+    """Try the ways to run on ``request.gpus`` GPUs fastest first until one fits ``request.gpu_memory``: the longest
+    temporal batch first; for each batch the exact VAE modes on every SP degree (:func:`sp_degrees`), in
+    :func:`.memory_fit.candidate_settings`' order, whole DiT weights before sharded, then the approximate tiled VAE
+    (tiles of 512, then 256 pixels) likewise. ``cache`` (a dict) keeps traces between
+    calls (the traces do not depend on the GPU count or memory)."""
+    import torch
+
+    from .memory_fit import PinnedSettings, candidate_settings
+    from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+
+    dtype = getattr(torch, _DTYPES[request.dtype])
+    default_batch = max_batch or DEFAULT_BATCH_FRAMES
+    batches = _batch_count(request.frames, default_batch, DEFAULT_OVERLAP)
+    cache = {} if cache is None else cache
+    tried: list[Candidate] = []
+    degrees = sp_degrees(request.gpus, batches)
+    by_degree = {sp: list(candidate_settings(request.frames, request.height // 8, sp, PinnedSettings(),
+                                             default_batch=default_batch, default_overlap=DEFAULT_OVERLAP,
+                                             frame_size=(request.height, request.width))) for sp in degrees}
+    batch_order = list(dict.fromkeys(s.batch_frames for sp in degrees for s in by_degree[sp]))
+    batch_order.sort(reverse=True)
+    for batch in batch_order:  # a shorter batch recomputes more overlap frames: more ranks a group first
+        for tiled in (False, True):  # the exact VAE modes on every SP degree before the approximate tiled one
+            for sp in degrees:
+                tracer = Tracer(request.model, sp, dtype, cache)
+                for settings in by_degree[sp]:
+                    if settings.batch_frames != batch or (settings.vae_parallel == "tiled") != tiled \
+                            or settings.vae_tile not in (None, 512, 256):
+                        continue  # two tile sizes keep the search short; smaller tiles only trade quality
+                    for shard in ([False, True] if sp > 1 else [False]):
+                        candidate = Candidate(sp, settings, shard, stage_peaks(tracer, request, settings, shard))
+                        tried.append(candidate)
+                        if report is not None:
+                            report(f"  tried {candidate.describe()}: peak {candidate.peaks.peak / GiB:.1f} GiB")
+                        if candidate.peaks.peak <= request.gpu_memory:
+                            return PlanResult(request, tried, candidate)
+    return PlanResult(request, tried, None)
+
+
+def format_result(result: PlanResult) -> str:
+    r = result.request
+    lines = [f"plan: SeedVR2-{r.model.upper()} {r.dtype}, {r.width}x{r.height} x {r.frames} frames on {r.gpus} GPU(s) "
+             f"of {r.gpu_memory / GiB:.0f} GiB"]
+    chosen = result.chosen
+    if chosen is not None:
+        groups = r.gpus // chosen.sp
+        lines.append(f"fits: {chosen.describe()} ({groups} group{'s' if groups > 1 else ''} of {chosen.sp})")
+        lines.append(f"flags: {chosen.flags(r.gpus)}")
+        lines.append("peak per rank: " + ", ".join(f"{name} {nbytes / GiB:.1f} GiB"
+                                                   for name, nbytes in chosen.peaks.stages().items()))
+    else:
+        best = min(result.tried, key=lambda c: c.peaks.peak)
+        lines.append(f"does not fit: the smallest setting tried ({best.describe()}) needs {best.peaks.peak / GiB:.1f} "
+                     f"GiB a rank, {(best.peaks.peak - r.gpu_memory) / GiB:.1f} GiB more than a GPU has")
+    for c in [c for c in result.tried if c.peaks.peak > r.gpu_memory][:6]:
+        stage, need = max(((k, v) for k, v in c.peaks.stages().items() if k != "weights"), key=lambda kv: kv[1])
+        over = (need - r.gpu_memory) / GiB
+        lines.append(f"  no: {c.describe()}: {stage} needs {need / GiB:.2f} GiB ({over:+.2f} GiB)")
+    lines.append("assumes: " + ASSUMPTIONS)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.seedvr2 plan",
+                                description="Which restore settings fit N GPUs, from a fake-GPU trace of the model.")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks of one SP group)")
+    p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GiB")
+    p.add_argument("--model", choices=("3b", "7b"), default="3b")
+    p.add_argument("--resolution", required=True, metavar="WxH", help="output size (sides cropped to multiples of 16)")
+    p.add_argument("--frames", type=int, required=True)
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
+    return p
+
+
+def parse_request(argv: Sequence[str]) -> PlanRequest:
+    args = build_parser().parse_args(argv)
+    match = re.fullmatch(r"(\d+)x(\d+)", args.resolution)
+    if match is None:
+        raise SystemExit(f"plan: --resolution must be WxH, got {args.resolution!r}")
+    width, height = (int(match.group(1)) // 16 * 16, int(match.group(2)) // 16 * 16)
+    if args.gpus < 1 or args.frames < 1 or width < 16 or height < 16:
+        raise SystemExit("plan: --gpus, --frames and the resolution must be positive (sides of at least 16)")
+    try:
+        memory = parse_bytes(args.gpu_memory)
+    except ValueError as e:
+        raise SystemExit(f"plan: {e}") from None
+    return PlanRequest(args.gpus, memory, args.model, width, height, args.frames, args.dtype)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    request = parse_request(sys.argv[2:] if argv is None else argv)
+    from winsp.testing.fake_gpu import cuda_build_available
+
+    if not cuda_build_available():
+        import torch
+
+        print(f"plan: needs the CUDA build of torch to trace the model on fake CUDA tensors (no GPU needed); this "
+              f"torch {torch.__version__} is CPU-only", file=sys.stderr)
+        return 2
+    result = plan_restore(request, report=lambda line: print(line, file=sys.stderr))
+    print(format_result(result))
+    return 0 if result.chosen is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
