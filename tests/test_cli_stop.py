@@ -136,6 +136,7 @@ def test_every_rank_exits_soon_after_one_fails(tmp_path, fault, rank):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # the default run has the same stopped rank named: tests/test_faults.py test_3
 def test_a_stuck_rank_is_named_after_the_collective_timeout(tmp_path):
     """Rank 1 stops (SIGSTOP) mid-run: with WINSP_COLLECTIVE_TIMEOUT=3 rank 0's collective fails after 3 s (instead
     of gloo's 30 minutes), a roll call through the group's store finds rank 1 silent, and rank 0 says so in one line,

@@ -76,10 +76,12 @@ def test_dp2_sp2_hourglass_trains_as_one_process_sharded_over_every_rank(results
     assert all(r["hourglass"]["sp_size"] == 2 for r in results_2x2)
 
 
+@pytest.mark.slow  # the other 4-rank run of the (2, 2) cases (about 45 s); the default run keeps results_2x2
 def test_dp2_sp2_plain_fully_shard_without_resharding_after_forward(more_2x2):
     _check_world(more_2x2, "hourglass_plain_keep", 4)
 
 
+@pytest.mark.slow
 def test_dp2_sp2_request_api_dit_on_a_config_mesh(more_2x2):
     _check_world(more_2x2, "dit", 4)
     _check_world(more_2x2, "dit_keep", 4)

@@ -34,7 +34,9 @@ def test_dry_run_runs_every_section_and_writes_json_and_markdown(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0, {k: v.get("error") for k, v in report["sections"].items()}
     sections = report["sections"]
-    assert set(sections) == {"dit", "bf16_vs_fp32", "vae", "attention", "neighborhood"}
+    assert set(sections) == {"dit", "bf16_vs_fp32", "vae", "attention", "neighborhood", "memory_constants"}
+    constants = sections["memory_constants"]
+    assert constants["measured"].startswith("nothing: no CUDA device") and constants["stated"]["cuda_context_mib"] > 0
     for name in ("720p x 21 frames", "1080p image"):
         assert sections["dit"][name]["forward_ms"] > 0
     assert sections["dit"]["config"]["num_layers"] == gpu_check.DRY.dit["num_layers"]

@@ -95,6 +95,7 @@ def clip(tmp_path_factory):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # the default run: torchrun against one process in tests/test_cli.py, --ranks 2 in test_faults.py
 def test_ranks_2_output_equals_torchrun(clip, tmp_path):
     ours, theirs = tmp_path / "ranks.mp4", tmp_path / "torchrun.mp4"
     flags = ["--crf", "0", "--quiet", "--batch-frames", "5", "--overlap", "1"]  # 3 batches: the ranks talk

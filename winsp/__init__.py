@@ -36,6 +36,11 @@ Write a model for winsp, the request API (guide: docs/request_api.md)::
     WindowRuntime                      the runtime behind it
     sync_gradients(model)              average gradients over the SP group after backward
 
+Distributed checkpoints (guide: docs/training_at_scale.md)::
+
+    save_checkpoint, load_checkpoint   DCP with a SHA-256 manifest, checked before torch reads a file
+    CheckpointError                    a checkpoint refused, naming its file
+
 Window geometries::
 
     FixedWindows, SwinWindows          fixed-size windows, optionally shifted (clipped; Swin's rules)

@@ -86,7 +86,7 @@ class RankPool:
             env = launcher.rank_environment(os.environ, rank, self.ranks, port, marker, cpus)
             proc = subprocess.Popen([sys.executable, "-m", "examples.seedvr2.serve.worker", *self.flags], env=env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                    preexec_fn=launcher._die_with_parent)
+                                    preexec_fn=launcher._prepare_rank)
             self.procs.append(proc)
             threading.Thread(target=self._read, args=(rank, proc), daemon=True).start()
 
