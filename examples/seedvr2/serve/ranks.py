@@ -43,6 +43,35 @@ class Outcome:
     peaks: dict = field(default_factory=dict)
 
 
+def take_event(rank: int, event: dict, job_id: str, answers: dict[int, dict],
+               on_progress: Callable[[int, int], None]) -> None:
+    """One rank's event about the job ``job_id``: progress goes to ``on_progress``, the rank's final answer into
+    ``answers`` (events of other jobs are ignored)."""
+    if event.get("id") != job_id:
+        return
+    if event.get("event") == "progress":
+        on_progress(int(event["frames"]), int(event["total"]))
+    elif event.get("event") == "done":
+        answers[rank] = event
+
+
+def ranks_answers(answers: dict[int, dict], peaks: dict) -> list[dict]:
+    """Every rank's final answer in rank order, each rank's peak memory recorded in ``peaks``."""
+    for rank, answer in answers.items():
+        peaks[rank] = float(answer.get("peak_bytes") or 0)
+    return [answers[r] for r in sorted(answers)]
+
+
+def job_outcome(ordered: Sequence[dict], restarted: bool = False) -> Outcome:
+    """What the ranks' final answers (rank order) make of the job: cancelled, done, or failed with the first error."""
+    if all(a.get("cancelled") for a in ordered):
+        return Outcome("cancelled", restarted=restarted)
+    if all(a.get("code") == 0 for a in ordered):
+        return Outcome("done", restarted=restarted)
+    errors = [a["error"] for a in ordered if a.get("error")]
+    return Outcome("failed", errors[0] if errors else "the restore failed (no message)", restarted=restarted)
+
+
 def _death(rank: int, code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name
@@ -185,23 +214,13 @@ class RankPool:
                 continue
             if event is None:
                 return self._after_death(rank)
-            if event.get("event") == "progress" and event.get("id") == job_id:
-                on_progress(int(event["frames"]), int(event["total"]))
-            elif event.get("event") == "done" and event.get("id") == job_id:
-                answers[rank] = event
-        for rank, answer in answers.items():
-            self.peaks[rank] = float(answer.get("peak_bytes") or 0)
-        ordered = [answers[r] for r in sorted(answers)]
+            take_event(rank, event, job_id, answers, on_progress)
+        ordered = ranks_answers(answers, self.peaks)
         restarted = False
         if any(a.get("broken") for a in ordered):
             self.restart()
             restarted = True
-        if all(a.get("cancelled") for a in ordered):
-            return Outcome("cancelled", restarted=restarted)
-        if all(a.get("code") == 0 for a in ordered):
-            return Outcome("done", restarted=restarted)
-        errors = [a["error"] for a in ordered if a.get("error")]
-        return Outcome("failed", errors[0] if errors else "the restore failed (no message)", restarted=restarted)
+        return job_outcome(ordered, restarted)
 
     def _after_death(self, rank: int) -> Outcome:
         code = self._wait_code(rank)

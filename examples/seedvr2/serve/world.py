@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Callable, Iterator, Optional, Sequence
 
-from .ranks import Outcome, StartError
+from .ranks import Outcome, StartError, job_outcome, ranks_answers, take_event
 
 __all__ = ["WorldPool", "follow", "HEARTBEAT_S"]
 
@@ -143,19 +143,8 @@ class WorldPool:
             rank, event = self.events.get()
             if event is None:
                 return Outcome("failed", "a rank failed and the world went down (torchrun restarts it)")
-            if event.get("event") == "progress" and event.get("id") == job_id:
-                on_progress(int(event["frames"]), int(event["total"]))
-            elif event.get("event") == "done" and event.get("id") == job_id:
-                answers[rank] = event
-        for rank, answer in answers.items():
-            self.peaks[rank] = float(answer.get("peak_bytes") or 0)
-        ordered = [answers[r] for r in sorted(answers)]
-        if all(a.get("cancelled") for a in ordered):
-            return Outcome("cancelled")
-        if all(a.get("code") == 0 for a in ordered):
-            return Outcome("done")
-        errors = [a["error"] for a in ordered if a.get("error")]
-        return Outcome("failed", errors[0] if errors else "the restore failed (no message)")
+            take_event(rank, event, job_id, answers, on_progress)
+        return job_outcome(ranks_answers(answers, self.peaks))
 
     def restart(self) -> None:
         raise StartError("under torchrun the ranks are torchrun's to restart (--max-restarts)")
