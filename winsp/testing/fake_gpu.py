@@ -71,6 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from winsp.testing.fake_streams import fake_stream_api
 from winsp.utils.phases import current_phase, set_phase_observer
 
 __all__ = ["run_fake_gpu", "fake_gpu", "measure", "host_values", "FakeGpuError", "FakeGpuReport", "RankTrace",
@@ -278,6 +279,12 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _has_wrapper_subclass(tree) -> bool:
+    from torch._subclasses.fake_tensor import _check_for_subclass
+
+    return _check_for_subclass(tree_flatten(tree)[0])
+
+
 def _row_numel(t: torch.Tensor) -> int:
     n = 1
     for s in t.shape[1:]:
@@ -348,6 +355,10 @@ class _Recorder(TorchDispatchMode):
     # the ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _has_wrapper_subclass((args, kwargs)):
+            # a DTensor (FSDP2's parameters) or another wrapper subclass: its own dispatch unwraps it and sends the
+            # ops on its local tensors back through here, where they are recorded (the fake mode does the same)
+            return NotImplemented
         if isinstance(func, torch._ops.HigherOrderOperator):
             try:
                 out = func(*args, **kwargs)
@@ -550,7 +561,7 @@ def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iter
     recorded as a host sync; the generator's state can be saved and restored (its values mean nothing here)."""
     cuda = torch.cuda
     names = ("is_available", "device_count", "current_device", "set_device", "get_device_capability", "synchronize",
-             "get_rng_state", "set_rng_state")
+             "get_rng_state", "set_rng_state", "Stream", "Event", "current_stream", "default_stream", "stream")
     saved = {name: getattr(cuda, name) for name in names}
 
     def synchronize(device=None) -> None:
@@ -562,7 +573,10 @@ def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iter
              "synchronize": synchronize,
              # torch.random.fork_rng saves and restores the device's generator: a state of the right kind, kept
              "get_rng_state": lambda device="cuda": _CUDA_RNG_STATE.clone(),
-             "set_rng_state": lambda state, device="cuda": None}
+             "set_rng_state": lambda state, device="cuda": None,
+             # streams and events order device work, and nothing runs here (FSDP2 makes its own; fake_streams.py)
+             **fake_stream_api(lambda what: recorder.trace.host_syncs.append(
+                 HostSync("synchronize", what, "cuda:0", recorder.layer, recorder.phase)))}
     for name, value in fakes.items():
         setattr(cuda, name, value)
     try:
