@@ -46,8 +46,14 @@ API (stable)::
     @plans                            # the same for every call of a function
 
 ``torch.compile``d functions (FlexAttention's included) run eagerly on the fake GPU: compile cannot trace under its
-recording mode. Not supported: ``backward()`` (autograd's engine needs a CUDA context for CUDA tensors, which a
-machine without a GPU has not); run the forward under ``torch.no_grad()`` or inference mode.
+recording mode. FSDP2 (``fully_shard``, on a ``DeviceMesh`` of device type ``"cuda"``) runs: its DTensor parameters
+dispatch through their own subclass, so the ops on their local shards and FSDP's all-gathers are recorded and checked
+like any other, and the CUDA streams and events it makes are stand-ins (:mod:`winsp.testing.fake_streams`: they order
+nothing, since nothing runs; ``synchronize`` on them is a host sync). Not supported: ``backward()``. On torch 2.14 the
+fake mode installs a stand-in CUDA device guard that reports 8 devices, and the autograd engine, before it runs a
+graph with CUDA nodes, asks CUDA's hooks whether each of them has a primary context
+(``GraphTask::stash_current_streams``); those check the index against the real device count, 0 without a driver, and
+raise ``hasPrimaryContext expects a valid device index``. Run the forward under ``torch.no_grad()`` or inference mode.
 
 The fake GPU acts on the calling thread (torch's dispatch modes are per thread): work a function hands to other
 threads runs on the real (absent) device and fails there.
