@@ -130,6 +130,44 @@ def test_fsdp_all_gathers_of_different_sizes_are_refused():
     assert problems and "all_gather" in problems[0] and "element counts differ" in problems[0], problems
 
 
+def _linear_stack_rank(rank: int, world: int, layers: int, width: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from winsp.testing.fake_gpu import measure
+
+    mesh = init_device_mesh("cuda", (world,))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model = model.to(torch.bfloat16).to_empty(device="cuda")
+    with measure("built"):
+        pass
+    with torch.no_grad(), measure("forward"):
+        model(torch.randn(16, width, device="cuda", dtype=torch.bfloat16))
+    with measure("after"):
+        pass
+    return None
+
+
+def test_fsdp_frees_each_gathered_layer_in_the_peak():
+    """FSDP2 frees a layer's gathered weights by resizing their storage (no op): the peak counts the shards and about
+    three whole layers (the running one, its all-gather buffer, the prefetched next), not the whole model."""
+    from winsp.testing.fake_gpu import run_fake_gpu
+
+    layers, width, world = 8, 1024, 4
+    layer_bytes = width * width * 2
+    report = run_fake_gpu(_linear_stack_rank, world, layers, width)
+    for trace in report.ranks.values():
+        r = dict(trace.stage_peaks)
+        r["peak"] = r.pop("forward")
+        assert r["built"] == layers * layer_bytes // world, r
+        assert r["after"] - r["built"] < layer_bytes / 8, r  # the gathered weights are freed again
+        assert r["peak"] <= r["built"] + 3.2 * layer_bytes < layers * layer_bytes, r
+
+
 def _synchronizing_rank(rank: int, world: int) -> None:
     """An event's synchronize in compute (the host waits for the device): the stand-in reports it."""
     x = torch.randn(4, 4, device="cuda")

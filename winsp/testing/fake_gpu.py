@@ -348,6 +348,18 @@ class _Recorder(TorchDispatchMode):
             elif old != size:  # resized in place (FSDP frees unsharded parameters so)
                 self._live[key] = size
                 self.trace.live_bytes += size - old
+        self._note_peak()
+
+    def resized(self, storage) -> None:
+        """A storage's ``resize_`` (FSDP2 frees and re-allocates its unsharded parameters so, outside any op)."""
+        key = id(storage)
+        old = self._live.get(key)
+        if old is not None and old != storage.nbytes():
+            self._live[key] = storage.nbytes()
+            self.trace.live_bytes += storage.nbytes() - old
+            self._note_peak()
+
+    def _note_peak(self) -> None:
         for open_stage in self.stages:
             open_stage[1] = max(open_stage[1], self.trace.live_bytes)
         if self.trace.live_bytes > self.trace.peak_bytes:
@@ -593,6 +605,23 @@ def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iter
 
 
 @contextlib.contextmanager
+def _seen_storage_resizes(recorder: _Recorder) -> Iterator[None]:
+    """``UntypedStorage.resize_`` is no op the recorder sees; FSDP2 frees each block's gathered weights with it."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        recorder.resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
     """``module.to(...)``, ``.cuda()`` and ``.to_empty(...)`` swap a fake parameter for its converted copy, and
     ``torch.utils.swap_tensors`` refuses a tensor that is weakly referenced; the fake mode's memo of the tensors it
@@ -719,7 +748,7 @@ def fake_gpu(rank: int = 0, world_size: int = 1, *, capability: tuple[int, int] 
     try:
         fake_mode = recorder.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with (fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode),
-              _eager_compile()):
+              _seen_storage_resizes(recorder), _eager_compile()):
             yield trace
     finally:
         _RECORDERS.remove(recorder)
