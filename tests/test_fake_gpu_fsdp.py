@@ -223,9 +223,10 @@ def _seedvr2_rank(rank: int, world: int, dp: int, sp: int, config, latent: tuple
         warnings.simplefilter("ignore")
         if shard_root:
             winsp.shard_weights(dit, mesh, blocks="blocks.*")
-        else:  # the blocks only: the root's own parameters (embeddings, output head) stay whole on every rank
+        else:  # the blocks only: the root's own parameters (embeddings, output head) stay whole on every rank; each
+            # block is then an FSDP root of its own, which keeps its gathered weights after forward unless told
             for block in dit.blocks:
-                fully_shard(block, mesh=world_mesh(mesh))
+                fully_shard(block, mesh=world_mesh(mesh), reshard_after_forward=True)
         dit = dit.to(torch.bfloat16).to_empty(device="cuda").eval()
         local = _local_elements(dit)
         cfg = dit.config
@@ -299,3 +300,6 @@ def test_released_3b_dit_with_fsdp2_at_720p(dp, sp):
     report = run_fake_gpu(_seedvr2_rank, dp * sp, dp, sp, config, latent, False)
     _check_seedvr2(report, dp, sp, latent)
     assert len([c for c in report.ranks[0].collectives if c.op == "all_gather"]) == config.num_layers == 32
+    for trace in report.ranks.values():  # each block's gathered weights are freed after it: never half of them whole
+        r = trace.result
+        assert trace.peak_bytes < 2 * r["local"] + r["total"], (trace.peak_bytes, r)  # bytes: 2 a bf16 element
