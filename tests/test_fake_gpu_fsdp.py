@@ -208,11 +208,8 @@ def test_backward_stops_in_the_autograd_engine():
 def _seedvr2_rank(rank: int, world: int, dp: int, sp: int, config, latent: tuple, shard_root: bool) -> dict:
     """SeedVR2's DiT: runtime on ``mesh["sp"]``, each block sharded over every rank with FSDP2, and the root too when
     ``shard_root`` (``winsp.shard_weights``); one bf16 Euler step on every rank."""
-    from torch.distributed.fsdp import fully_shard
-
     from examples.seedvr2.dit import SeedVR2NaDiT
     from examples.seedvr2.fake_gpu_runs import TEXT_TOKENS
-    from winsp.comm.mesh import world_mesh
 
     mesh = _mesh(dp, sp)
     with torch.device("meta"):
@@ -221,12 +218,9 @@ def _seedvr2_rank(rank: int, world: int, dp: int, sp: int, config, latent: tuple
     dit.build_runtime(winsp.DiffusionParallelConfig(mesh=mesh["sp"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if shard_root:
-            winsp.shard_weights(dit, mesh, blocks="blocks.*")
-        else:  # the blocks only: the root's own parameters (embeddings, output head) stay whole on every rank; each
-            # block is then an FSDP root of its own, which keeps its gathered weights after forward unless told
-            for block in dit.blocks:
-                fully_shard(block, mesh=world_mesh(mesh), reshard_after_forward=True)
+        # shard_root=False: the blocks only (the root's embeddings and output head stay whole on every rank), each
+        # block resharded after its forward
+        winsp.shard_weights(dit, mesh, blocks="blocks.*", shard_root=shard_root)
         dit = dit.to(torch.bfloat16).to_empty(device="cuda").eval()
         local = _local_elements(dit)
         cfg = dit.config

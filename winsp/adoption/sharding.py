@@ -56,9 +56,9 @@ def sharded_blocks(model: nn.Module, blocks: Union[str, Sequence[str], None] = N
 
 
 def shard_weights(model: nn.Module, mesh: Any, *, blocks: Union[str, Sequence[str], None] = None,
-                  **fully_shard_options: Any) -> nn.Module:
+                  shard_root: bool = True, **fully_shard_options: Any) -> nn.Module:
     """Shard ``model``'s weights over every rank of ``mesh`` with FSDP2: ``fully_shard`` on each block, then on the
-    root; returns ``model`` (now an ``FSDPModule``).
+    root; returns ``model`` (then an ``FSDPModule``).
 
     Args:
         model: a model made window-parallel (:func:`winsp.parallelize`, or a :class:`winsp.WindowParallel` model with
@@ -66,6 +66,13 @@ def shard_weights(model: nn.Module, mesh: Any, *, blocks: Union[str, Sequence[st
         mesh: a ``DeviceMesh``; one of several dimensions, e.g. (dp, sp), is flattened so every rank holds
             1 / world of the weights (an SP dimension alone, ``mesh["sp"]``, shards over it only).
         blocks: which modules to shard one by one (see :func:`sharded_blocks`); None: the plan's blocks.
+        shard_root: False: the blocks only. The root's own parameters (embeddings, heads) stay whole on every rank,
+            and the root's forward is the model's own: FSDP2's root moves every tensor argument to the device first,
+            so a model that plans from host tensors it is given (SeedVR2's DiT and its shape tensors) would read them
+            back from the device, a sync every forward. Each block is then an FSDP root of its own, which keeps its
+            gathered weights after forward unless told otherwise, so ``reshard_after_forward`` defaults to True
+            here. For inference; in training the root's gradients are not reduced by FSDP (average them over every
+            rank yourself).
         fully_shard_options: passed to every ``fully_shard`` call (``reshard_after_forward``, ``mp_policy``, ...).
 
     Gradients need no :func:`winsp.sync_gradients` afterwards: FSDP's reduction averages them over every rank.
@@ -78,11 +85,19 @@ def shard_weights(model: nn.Module, mesh: Any, *, blocks: Union[str, Sequence[st
         raise ValueError(f"shard_weights: mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if "mesh" in fully_shard_options:
         raise ValueError("shard_weights: give the mesh once, as the second argument")
+    if not isinstance(shard_root, bool):
+        raise ValueError(f"shard_weights: shard_root must be True or False, got {shard_root!r}")
     if is_sharded_module(model):
         raise ValueError(f"shard_weights: {type(model).__name__} is sharded already")
     paths = sharded_blocks(model, blocks)
+    done = [p for p in paths if is_sharded_module(model.get_submodule(p))]
+    if done:
+        raise ValueError(f"shard_weights: block {done[0]!r} of {type(model).__name__} is sharded already")
+    if not shard_root:
+        fully_shard_options.setdefault("reshard_after_forward", True)
     flat = world_mesh(mesh)
     for path in paths:
         fully_shard(model.get_submodule(path), mesh=flat, **fully_shard_options)
-    fully_shard(model, mesh=flat, **fully_shard_options)
+    if shard_root:
+        fully_shard(model, mesh=flat, **fully_shard_options)
     return model
