@@ -12,9 +12,9 @@ length of the call (measured: a 16-channel 3x3x3 convolution over 5 x 144 x 256 
 304 MiB is that matrix; a 1x1x1 one does not unfold). It is added to the live bytes at the op, not kept.
 
 What it cannot see: other memory kernels allocate inside themselves (oneDNN scratch buffers), the allocator's cached
-free blocks, and pages of real planning tensors. A check on computed values read on the host (a boolean) is
-taken to pass; any other host read of a computed value stops the trace. With ``world_size > 1`` it runs as ``rank`` of a fake process group
-(collectives accepted, no data moved), as one rank of a gloo run. ``benchmarks/cpu_twin_check.py`` and
+free blocks, and pages of real planning tensors. A check on computed values read on the host (a boolean) is taken to
+pass; any other host read of a computed value stops the trace. With ``world_size > 1`` it runs as ``rank`` of a fake
+process group (collectives accepted, no data moved), as one rank of a gloo run. ``benchmarks/cpu_twin_check.py`` and
 ``python -m examples.seedvr2 plan --device cpu`` set it against measured peak RSS (figures in benchmarks/README.md).
 """
 

@@ -362,20 +362,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refuse(message: str) -> SystemExit:
+    """Bad usage: one line on stderr, exit 2 (exit 1 means that nothing fits)."""
+    print(f"plan: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def parse_request(argv: Sequence[str]) -> PlanRequest:
     args = build_parser().parse_args(argv)
     match = re.fullmatch(r"(\d+)x(\d+)", args.resolution)
     if match is None:
-        raise SystemExit(f"plan: --resolution must be WxH, got {args.resolution!r}")
+        raise _refuse(f"--resolution must be WxH, got {args.resolution!r}")
     width, height = (int(match.group(1)) // 16 * 16, int(match.group(2)) // 16 * 16)
     if args.gpus < 1 or args.frames < 1 or width < 16 or height < 16:
-        raise SystemExit("plan: --gpus, --frames and the resolution must be positive (sides of at least 16)")
+        raise _refuse("--gpus, --frames and the resolution must be positive (sides of at least 16)")
     if args.demo and args.device != "cpu":
-        raise SystemExit("plan: --demo plans the tiny demo weights' CPU run; add --device cpu")
+        raise _refuse("--demo plans the tiny demo weights' CPU run; add --device cpu")
     try:
         memory = parse_bytes(args.gpu_memory)
     except ValueError as e:
-        raise SystemExit(f"plan: {e}") from None
+        raise _refuse(str(e)) from None
     dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
     return PlanRequest(args.gpus, memory, args.model, width, height, args.frames, dtype, args.device, args.demo)
 

@@ -57,10 +57,12 @@ def measure_baseline(dtype: torch.dtype = torch.float32) -> int:
 
 
 def cpu_assumptions(baseline: int) -> str:
+    """The CPU plan's ``assumes:`` line, with the measured ``baseline``."""
     return (f"a rank's process holds {baseline / 2**30:.2f} GiB before its models (this process's resident set after "
-            f"restore's imports and a tiny real restore, measured); the CPU's 3-D convolutions unfold their input (counted at the op); no "
-            f"allocator cache; the batch's float32 frames held through the DiT and decode, up to "
-            f"{PREFETCHED_BATCHES} more batches read ahead; tiled VAE traced on one tile plus the whole-frame tensors")
+            f"restore's imports and a tiny real restore, measured); the CPU's 3-D convolutions unfold their input "
+            f"(counted at the op); no allocator cache; the batch's float32 frames held through the DiT and decode, "
+            f"up to {PREFETCHED_BATCHES} more batches read ahead; tiled VAE traced on one tile plus the whole-frame "
+            f"tensors")
 
 
 def _build(model: str, demo: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
