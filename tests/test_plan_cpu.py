@@ -107,3 +107,9 @@ def test_the_twin_counts_the_cpu_convolutions_unfolded_input():
     assert unfold_bytes(pointwise, (x, w1, None, [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1), out) == 0
     assert unfold_bytes(pointwise, (x.bfloat16(), torch.empty(8, 8, 3, 3, 3).bfloat16(), None, [1] * 3, [1] * 3,
                                     [1] * 3, False, [0] * 3, 1), out) == 0
+    # a large input (batch x channels x frames x height > 20,480) goes to oneDNN, which does not unfold
+    big, w3 = torch.empty(1, 128, 5, 64, 64), torch.empty(128, 128, 3, 3, 3)
+    assert unfold_bytes(pointwise, (big, w3, None, [1] * 3, [1] * 3, [1] * 3, False, [0] * 3, 1), big) == 0
+    small = torch.empty(1, 16, 5, 64, 64)
+    assert unfold_bytes(pointwise, (small, torch.empty(16, 16, 3, 3, 3), None, [1] * 3, [1] * 3, [1] * 3, False,
+                                    [0] * 3, 1), small) == 16 * 27 * 5 * 64 * 64 * 4

@@ -6,10 +6,11 @@ The fake-GPU trace (:mod:`winsp.testing.fake_gpu`) needs fake CUDA tensors; on t
 on fake tensors, whose storages are counted from creation until freed. The prediction is the process's resident set
 before the stage (Python, torch, the libraries: measured, not assumed) plus the traced peak of live fake bytes.
 
-One kernel's own buffer is counted, because it dominates a CPU VAE: torch's float 3-D convolution on the CPU
-(``slow_conv3d``) unfolds its input into a ``(C_in * kT * kH * kW) x (output positions)`` matrix per sample for the
-length of the call (measured: a 16-channel 3x3x3 convolution over 5 x 144 x 256 raises the peak by 327 MiB, of which
-304 MiB is that matrix; a 1x1x1 one does not unfold). It is added to the live bytes at the op, not kept.
+One kernel's own buffer is counted, because it dominates a small CPU VAE: torch's native float 3-D convolution on the
+CPU (``slow_conv3d``, which torch picks over oneDNN for small inputs) unfolds its input into a
+``(C_in * kT * kH * kW) x (output positions)`` matrix per sample for the length of the call (measured: a 16-channel
+3x3x3 convolution over 5 x 144 x 256 raises the peak by 327 MiB, of which 304 MiB is that matrix; a 1x1x1 one does not
+unfold, nor does a 128-channel one, which goes to oneDNN). It is added to the live bytes at the op, not kept.
 
 What it cannot see: other memory kernels allocate inside themselves (oneDNN scratch buffers), the allocator's cached
 free blocks, and pages of real planning tensors. A check on computed values read on the host (a boolean) is taken to
@@ -52,18 +53,31 @@ class CpuTrace:
         return self.baseline_rss + self.peak_bytes
 
 
+def _uses_onednn(x, weight, stride, dilation, groups: int) -> bool:
+    """Whether torch sends a float32 CPU convolution to oneDNN (no unfolded copy) rather than its native kernel: the
+    rule of ATen's ``ConvParams::use_mkldnn`` (``Convolution.cpp``) for float CPU tensors."""
+    n, c, d0, d1 = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
+    strided, dilated = any(v != 1 for v in stride), any(v != 1 for v in dilation)
+    worth = (strided or dilated or n >= 16 or weight.shape[-1] != 1 or weight.shape[-2] != 1
+             or torch.get_num_threads() > 1)
+    large = groups > 1 or (weight.shape[-1] > 3 and weight.shape[-2] > 3) or n > 1 or n * c * d0 * d1 > 20480
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and worth and large
+
+
 def unfold_bytes(func, args, out) -> int:
-    """The bytes of the unfolded input that the CPU's 3-D convolution allocates for the length of the call (0 for
-    every other op): ``slow_conv3d`` takes float and double 5-D inputs, not transposed, with a kernel larger than
-    1x1x1 (bf16 and 2-D convolutions go to oneDNN, which does not unfold)."""
+    """The bytes of the unfolded input that torch's native 3-D convolution on the CPU (``slow_conv3d``) allocates for
+    the length of the call (0 for every other op): float32 5-D inputs, not transposed, with a kernel larger than 1x1x1,
+    that torch does not send to oneDNN (:func:`_uses_onednn`: small inputs, e.g. fewer than 20,480 rows of
+    batch x channels x frames x height). bf16, 2-D and oneDNN convolutions do not unfold."""
     if func is not torch.ops.aten.convolution.default:
         return 0
     x, weight = args[0], args[1]
-    transposed = args[6] if len(args) > 6 else False
-    if x.dim() != 5 or transposed or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
+    stride, dilation = args[3], args[5]
+    transposed, groups = args[6], args[8]
+    if x.dim() != 5 or transposed or x.dtype != torch.float32 or x.device.type != "cpu":
         return 0
     kernel = weight.shape[2] * weight.shape[3] * weight.shape[4]
-    if kernel == 1:
+    if kernel == 1 or _uses_onednn(x, weight, stride, dilation, groups):
         return 0
     return out.shape[0] * weight.shape[1] * kernel * out.shape[2] * out.shape[3] * out.shape[4] * x.element_size()
 
