@@ -113,3 +113,18 @@ def test_the_twin_counts_the_cpu_convolutions_unfolded_input():
     small = torch.empty(1, 16, 5, 64, 64)
     assert unfold_bytes(pointwise, (small, torch.empty(16, 16, 3, 3, 3), None, [1] * 3, [1] * 3, [1] * 3, False,
                                     [0] * 3, 1), small) == 16 * 27 * 5 * 64 * 64 * 4
+
+
+def test_the_twin_traces_a_convolution_sent_to_onednn_by_name():
+    """The VAE's band of rows asks for oneDNN by name (``band_conv3d``); the twin traces it as the same convolution."""
+    import torch
+
+    from examples.seedvr2.cpu_twin import trace_on_cpu
+
+    def run():
+        x, w = torch.randn(1, 8, 4, 16, 16), torch.randn(8, 8, 3, 3, 3)
+        return torch.mkldnn_convolution(x, w, None, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1).shape
+
+    trace = trace_on_cpu(run)
+    assert tuple(trace.result) == (1, 8, 4, 16, 16)
+    assert trace.peak_bytes == (2 * 8 * 4 * 16 * 16 + 8 * 8 * 27) * 4  # input, weight, output: nothing unfolded

@@ -102,7 +102,14 @@ class _Counter(TorchDispatchMode):
                 # a check on computed values (``if bool((count <= 0).any()): raise``; free on the CPU): the twin
                 # traces a run whose checks pass
                 return False
-        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mkldnn_convolution.default and isinstance(args[0], FakeTensor):
+            # oneDNN asked for by name (a band of rows that gets the whole frame's kernel) has no fake kernel: the
+            # same convolution's shapes
+            x, weight, bias, padding, stride, dilation, groups = args
+            out = torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, False,
+                                                     [0] * len(stride), groups)
+        else:
+            out = func(*args, **(kwargs or {}))
 
         for t in tree_flatten(out)[0]:
             if not isinstance(t, FakeTensor):
