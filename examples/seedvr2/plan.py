@@ -3,10 +3,11 @@
 The released DiT and VAE are built at full width and depth on fake CUDA tensors (:mod:`winsp.testing.fake_gpu`:
 shapes and dtypes, no values, no GPU) and one temporal batch is run through each stage as rank 0 of the SP group. The
 trace's peak of live device bytes per stage, plus the resident weights of the other model, plus stated constants, is
-the stage's need per rank. Settings are tried fastest first: the longest temporal batch first; for each batch the
-exact VAE modes on every SP degree (fastest for the clip's batch count first), in
-:func:`.memory_fit.candidate_settings`' order, whole weights before ``--shard-weights``; then the tiled VAE likewise.
-The first that fits is printed, with each stage's peak and what does not fit by how much.
+the stage's need per rank. Settings are tried best first: the longest temporal batch first; for each batch the exact
+VAE modes on every SP degree that divides the GPU count (:func:`sp_degrees`: fastest first by the ideal-SP rounds,
+ties to the smaller degree), in :func:`.memory_fit.candidate_settings`' order, whole weights before
+``--shard-weights``; then the tiled VAE likewise. The first that fits is printed, with each stage's peak and what does
+not fit by how much.
 
 Assumptions, stated (and printed): each GPU also holds the CUDA context, cuBLAS workspaces and, with several ranks,
 NCCL's buffers (the ``*_BYTES`` constants below; ``benchmarks/gpu_check.py`` measures them on a real GPU); the CUDA
@@ -15,7 +16,9 @@ Tiled VAE runs are traced on one tile (a clip of the tile's size) and the whole-
 added (tracing every tile of a 4K frame takes minutes). ``--shard-weights`` holds 1/P of the DiT blocks plus the two
 gathered blocks (the running one and the prefetched one).
 
-Needs the CUDA build of torch (no GPU): on a CPU-only build it says so in one line.
+Needs the CUDA build of torch (no GPU): on a CPU-only build it says so in one line. ``--device cpu`` answers for a
+CPU restore instead, in host RAM per rank, on any torch: the same search, each stage traced by the CPU twin
+(:mod:`.plan_cpu`, which states what differs).
 """
 
 from __future__ import annotations
