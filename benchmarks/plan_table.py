@@ -1,7 +1,7 @@
-"""The planner's table (docs/memory.md): SeedVR2 3B and 7B at 720p, 1080p and 4K on 1, 2, 4 and 8 GPUs of 24, 48, 80
-and 141 GiB, from fake-GPU traces (``python -m examples.seedvr2 plan`` for each cell). Needs the CUDA build of torch.
+"""The planner's table (docs/memory.md): SeedVR2 3B and 7B at 720p, 1080p and 4K on 1 to 8 GPUs of 24, 48, 80 and
+141 GiB, from fake-GPU traces (``python -m examples.seedvr2 plan`` for each cell). Needs the CUDA build of torch.
 
-    python benchmarks/plan_table.py [--models 3b 7b] [--gpus 1 2 4 8] [--out plan_table.md]
+    python benchmarks/plan_table.py [--models 3b 7b] [--gpus 1 2 3 4 5 6 7 8] [--out plan_table.md]
 
 Traces are shared between cells (they depend on the model, SP degree, clip and settings, not on the GPU count or
 memory), and each (model, resolution, GPU count) is searched once against the smallest memory: the answer for a
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["3b", "7b"])
     parser.add_argument("--resolutions", nargs="+", default=["720p", "1080p", "4k"])
-    parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--gpus", nargs="+", type=int, default=list(range(1, 9)))
     parser.add_argument("--out", type=Path, default=Path("plan_table.md"))
     args = parser.parse_args(argv)
     header = ("| model | clip | GPUs | " + " | ".join(f"{m} GiB" for m in MEMORIES) + " |\n|"

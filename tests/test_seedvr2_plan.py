@@ -33,6 +33,17 @@ def test_sp_degrees_prefer_groups_when_the_clip_has_enough_batches():
     assert sorted(sp_degrees(6, 5)) == [1, 2, 3, 6]
 
 
+def test_sp_degrees_on_gpu_counts_that_are_not_powers_of_two():
+    # only divisors (restore needs --ranks to be a multiple of --sp-size): 5 and 7 GPUs are one group or single ranks
+    assert sp_degrees(5, 1) == [5, 1] and sp_degrees(7, 4) == [7, 1]
+    # three batches on 3 GPUs: groups of one take them in one round (1.0), one group of 3 in three rounds of 1/3 (1.0)
+    assert sp_degrees(3, 3) == [1, 3]
+    # four batches on 6 GPUs: 2 groups of 3 and 1 group of 6 both take 2/3; groups of 2 (two rounds of 1/2) and of
+    # one (one round) take 1
+    assert sp_degrees(6, 4) == [3, 6, 1, 2]
+    assert sp_degrees(7, 1)[0] == 7  # one batch: every GPU on it
+
+
 def test_batch_count_follows_the_overlapping_temporal_batches():
     assert _batch_count(21, 21, 5) == 1
     assert _batch_count(22, 21, 5) == 2
@@ -75,3 +86,56 @@ def test_rope_keys_follow_loads_and_moves_without_reading_the_buffers():
     assert b.frequency_key() != a.frequency_key() and b.frequency_key()[0] == "values"
     b.load_state_dict({"freqs": a.exact_frequencies()})  # copied in place: read again, equal to the exact ones
     assert b.frequency_key() == a.frequency_key()
+
+
+def _plan_table_cells() -> dict:
+    """docs/memory.md's plan table: (model, clip, memory, GPUs) -> (SP, batch, exact VAE, peak GiB), None if nothing
+    fits."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    header = re.search(r"^\| model \| clip \| GPUs \| (.*) \|$", text, re.MULTILINE)
+    assert header is not None
+    memories = [int(m.split()[0]) for m in header.group(1).split(" | ")]
+    cells = {}
+    for line in re.findall(r"^\| [37]b \|.*\|$", text, re.MULTILINE):
+        model, clip, gpus, *row = [c.strip() for c in line.strip("|").split("|")]
+        for memory, cell in zip(memories, row, strict=True):
+            m = re.fullmatch(r"SP (\d+), batch (\d+), (\w+)(?: \d+)?(?:, shard)?: ([\d.]+)", cell)
+            cells[(model, clip, memory, int(gpus))] = m and (int(m.group(1)), int(m.group(2)), m.group(3) != "tiled",
+                                                             float(m.group(4)))
+    return cells
+
+
+def test_the_plan_table_covers_one_to_eight_gpus():
+    cells = _plan_table_cells()
+    for model in ("3b", "7b"):
+        for clip in ("1280x720x21", "1920x1072x61", "3840x2160x121"):
+            for memory in (24, 48, 80, 141):
+                for gpus in range(1, 9):
+                    cell = cells[(model, clip, memory, gpus)]
+                    assert cell is None or gpus % cell[0] == 0, (model, clip, memory, gpus, cell)
+
+
+def test_the_plan_table_needs_more_memory_only_for_a_faster_plan():
+    """With more GPUs of the same size, a cell needs more memory a rank only when its plan is faster by the planner's
+    own measure (rounds of 1/SP: :func:`sp_degrees`) or runs a longer temporal batch (the order tried, best first)."""
+    frames = {"1280x720x21": 21, "1920x1072x61": 61, "3840x2160x121": 121}
+    cells = _plan_table_cells()
+
+    def cost(clip, gpus, cell):
+        sp, batch = cell[0], cell[1]
+        return -(-_batch_count(frames[clip], batch, 5) // (gpus // sp)) / sp
+
+    compared = 0
+    for (model, clip, memory, gpus), a in cells.items():
+        for more in range(gpus + 1, 9):
+            b = cells.get((model, clip, memory, more))
+            if a is None or b is None or b[3] <= a[3]:
+                continue
+            compared += 1
+            assert cost(clip, more, b) < cost(clip, gpus, a) or b[1] > a[1], (
+                f"{model} {clip} {memory} GiB: {more} GPUs need {b[3]} GiB a rank, {gpus} GPUs {a[3]}, with no faster "
+                f"plan")
+    assert compared > 100

@@ -6,9 +6,17 @@ The fake-GPU trace (:mod:`winsp.testing.fake_gpu`) needs fake CUDA tensors; on t
 on fake tensors, whose storages are counted from creation until freed. The prediction is the process's resident set
 before the stage (Python, torch, the libraries: measured, not assumed) plus the traced peak of live fake bytes.
 
-What it cannot see: memory a kernel allocates inside itself (a CPU convolution's unfolded input, oneDNN scratch
-buffers), the allocator's cached free blocks, and pages of real planning tensors. ``benchmarks/cpu_twin_check.py``
-sets it against measured peak RSS (figures in benchmarks/README.md).
+One kernel's own buffer is counted, because it dominates a small CPU VAE: torch's native float 3-D convolution on the
+CPU (``slow_conv3d``, which torch picks over oneDNN for small inputs) unfolds its input into a
+``(C_in * kT * kH * kW) x (output positions)`` matrix per sample for the length of the call (measured: a 16-channel
+3x3x3 convolution over 5 x 144 x 256 raises the peak by 327 MiB, of which 304 MiB is that matrix; a 1x1x1 one does not
+unfold, nor does a 128-channel one, which goes to oneDNN). It is added to the live bytes at the op, not kept.
+
+What it cannot see: other memory kernels allocate inside themselves (oneDNN scratch buffers), the allocator's cached
+free blocks, and pages of real planning tensors. A check on computed values read on the host (a boolean) is taken to
+pass; any other host read of a computed value stops the trace. With ``world_size > 1`` it runs as ``rank`` of a fake
+process group (collectives accepted, no data moved), as one rank of a gloo run. ``benchmarks/cpu_twin_check.py`` and
+``python -m examples.seedvr2 plan --device cpu`` set it against measured peak RSS (figures in benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CpuTrace", "cpu_twin", "current_rss"]
+__all__ = ["CpuTrace", "cpu_twin", "current_rss", "trace_on_cpu", "unfold_bytes"]
 
 
 def current_rss() -> int:
@@ -45,6 +53,35 @@ class CpuTrace:
         return self.baseline_rss + self.peak_bytes
 
 
+def _uses_onednn(x, weight, stride, dilation, groups: int) -> bool:
+    """Whether torch sends a float32 CPU convolution to oneDNN (no unfolded copy) rather than its native kernel: the
+    rule of ATen's ``ConvParams::use_mkldnn`` (``Convolution.cpp``) for float CPU tensors."""
+    n, c, d0, d1 = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
+    strided, dilated = any(v != 1 for v in stride), any(v != 1 for v in dilation)
+    worth = (strided or dilated or n >= 16 or weight.shape[-1] != 1 or weight.shape[-2] != 1
+             or torch.get_num_threads() > 1)
+    large = groups > 1 or (weight.shape[-1] > 3 and weight.shape[-2] > 3) or n > 1 or n * c * d0 * d1 > 20480
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and worth and large
+
+
+def unfold_bytes(func, args, out) -> int:
+    """The bytes of the unfolded input that torch's native 3-D convolution on the CPU (``slow_conv3d``) allocates for
+    the length of the call (0 for every other op): float32 5-D inputs, not transposed, with a kernel larger than 1x1x1,
+    that torch does not send to oneDNN (:func:`_uses_onednn`: small inputs, e.g. fewer than 20,480 rows of
+    batch x channels x frames x height). bf16, 2-D and oneDNN convolutions do not unfold."""
+    if func is not torch.ops.aten.convolution.default:
+        return 0
+    x, weight = args[0], args[1]
+    stride, dilation = args[3], args[5]
+    transposed, groups = args[6], args[8]
+    if x.dim() != 5 or transposed or x.dtype != torch.float32 or x.device.type != "cpu":
+        return 0
+    kernel = weight.shape[2] * weight.shape[3] * weight.shape[4]
+    if kernel == 1 or _uses_onednn(x, weight, stride, dilation, groups):
+        return 0
+    return out.shape[0] * weight.shape[1] * kernel * out.shape[2] * out.shape[3] * out.shape[4] * x.element_size()
+
+
 class _Counter(TorchDispatchMode):
     """Counts the storages of fake tensors an op returns, until they are freed."""
 
@@ -56,12 +93,23 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import FakeTensor
 
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor) \
-                and args[0].constant is not None:
-            # a small tensor made from Python values in compute (a host read on the CPU, where there is no device
-            # to wait for): the fake mode kept its value
-            return args[0].constant.item()
-        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            if args[0].constant is not None:
+                # a small tensor made from Python values in compute (a host read on the CPU, where there is no device
+                # to wait for): the fake mode kept its value
+                return args[0].constant.item()
+            if args[0].dtype == torch.bool:
+                # a check on computed values (``if bool((count <= 0).any()): raise``; free on the CPU): the twin
+                # traces a run whose checks pass
+                return False
+        if func is torch.ops.aten.mkldnn_convolution.default and isinstance(args[0], FakeTensor):
+            # oneDNN asked for by name (a band of rows that gets the whole frame's kernel) has no fake kernel: the
+            # same convolution's shapes
+            x, weight, bias, padding, stride, dilation, groups = args
+            out = torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, False,
+                                                     [0] * len(stride), groups)
+        else:
+            out = func(*args, **(kwargs or {}))
 
         for t in tree_flatten(out)[0]:
             if not isinstance(t, FakeTensor):
@@ -73,7 +121,8 @@ class _Counter(TorchDispatchMode):
             self._live[key] = storage.nbytes()
             self.trace.live_bytes += storage.nbytes()
             weakref.finalize(storage, self._free, key)
-        self.trace.peak_bytes = max(self.trace.peak_bytes, self.trace.live_bytes)
+        scratch = unfold_bytes(func, args, out)
+        self.trace.peak_bytes = max(self.trace.peak_bytes, self.trace.live_bytes + scratch)
         return out
 
     def _free(self, key: int) -> None:
@@ -99,24 +148,57 @@ class _RealPlanning:
 
 
 @contextlib.contextmanager
-def cpu_twin() -> Iterator[CpuTrace]:
-    """Run the block on fake CPU tensors (planning on real ones); yields the :class:`CpuTrace` it fills. Build the
-    models inside the block (their weights count)."""
+def _fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """A fake default process group of ``world_size`` ranks (none at one rank), torn down after with winsp's cache of
+    subgroups made in it. The twin runs one rank as all of them: a gather of host integers that every rank must agree
+    on (:meth:`winsp.comm.group.SPGroup.all_gather_ints`, e.g. the dtypes of attention's inputs on CPU ranks) answers
+    with this rank's values for every rank (its result is read on the host, which fake tensors cannot)."""
+    if world_size == 1:
+        yield
+        return
+    import sys
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from winsp.comm import group as group_mod
+
+    if dist.is_initialized():
+        raise RuntimeError("cpu_twin: a process group is already initialised in this process; the twin of a "
+                           f"{world_size}-rank run starts its own fake one")
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]"
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    sys.excepthook = hook
+    gather_ints = group_mod.SPGroup.all_gather_ints
+    group_mod.SPGroup.all_gather_ints = lambda self, values, device="cpu": [[int(v) for v in values]] * self.size
+    try:
+        yield
+    finally:
+        group_mod.SPGroup.all_gather_ints = gather_ints  # type: ignore[method-assign]
+        dist.destroy_process_group()
+        group_mod._SUBGROUPS.clear()
+
+
+@contextlib.contextmanager
+def cpu_twin(rank: int = 0, world_size: int = 1) -> Iterator[CpuTrace]:
+    """Run the block on fake CPU tensors (planning on real ones) as ``rank`` of ``world_size``; yields the
+    :class:`CpuTrace` it fills. Build the models inside the block (their weights count)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from winsp.utils.phases import set_phase_observer
 
     trace = CpuTrace(baseline_rss=current_rss())
-    previous = set_phase_observer(_RealPlanning())
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), _Counter(trace):
-            yield trace
-    finally:
-        set_phase_observer(previous)
+    with _fake_world(rank, world_size):
+        previous = set_phase_observer(_RealPlanning())
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True), _Counter(trace):
+                yield trace
+        finally:
+            set_phase_observer(previous)
 
 
-def trace_on_cpu(fn: Callable[[], Any]) -> CpuTrace:
+def trace_on_cpu(fn: Callable[[], Any], rank: int = 0, world_size: int = 1) -> CpuTrace:
     """``fn()`` (which builds what it runs) under :func:`cpu_twin`."""
-    with cpu_twin() as trace:
+    with cpu_twin(rank, world_size) as trace:
         trace.result = fn()
     return trace
