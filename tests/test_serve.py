@@ -361,6 +361,36 @@ def test_out_of_memory_on_one_of_two_ranks_fails_the_job_restarts_the_ranks_and_
     assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--seed", 7, ranks=2) == ours
 
 
+@pytest.mark.slow
+def test_under_torchrun_out_of_memory_on_rank0_fails_the_job_and_the_world_goes_down_for_a_restart(media, tmp_path):
+    """Rank 0 (the HTTP process, a rank too) runs out of memory mid-run: the job fails with its line, the world goes
+    down (no rank hangs in a collective: rank 1 stops, torchrun exits), and a server started again on the same state
+    folder runs the job that was queued, byte for byte what restore writes on 2 ranks."""
+    state = tmp_path / "state"
+    first = Served(str(tmp_path), "--state-dir", state, torchrun=2, token=False,
+                   env={"SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB": f"{RANK_ROOM_MIB}:0"})
+    try:
+        big = first.submit(media["short"], crf=0, resolution=TOO_BIG).json()["id"]
+        good = first.submit(media["short"], crf=0, seed=7).json()["id"]
+        assert first.proc.wait(timeout=JOB_S) != 0, first.text()
+        assert "exiting (exit code 1)" in first.text()  # for torchrun to start the world again
+    finally:
+        first.stop()
+    second = Served(str(tmp_path), "--state-dir", state, torchrun=2, token=False)
+    try:
+        assert "1 unfinished job(s)" in second.text()
+        failed = second.status(big)
+        down = "; the world went down (torchrun restarts it)"
+        assert failed["state"] == "failed" and failed["error"].endswith(down), failed
+        _out_of_memory_line(failed["error"][:-len(down)], rank="rank 0: ")
+        assert second.wait(good)["state"] == "done", second.text()
+        _no_result(second, state / "jobs", big)
+        ours = second.client.get(f"/v1/restorations/{good}/result").content
+    finally:
+        second.stop()
+    assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--seed", 7, ranks=2) == ours
+
+
 def test_the_curl_examples_of_docs_serving_run(server, media, tmp_path):
     """docs/serving.md's curl blocks, in order, in one shell, against this server (its URL for 127.0.0.1:8000)."""
     text = open(os.path.join(REPO, "docs", "serving.md")).read()

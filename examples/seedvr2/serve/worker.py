@@ -69,9 +69,14 @@ def error_line(text: str) -> Optional[str]:
     for line in reversed(text.splitlines()):
         if line.startswith(ERROR_PREFIX):
             return line[len(ERROR_PREFIX):].strip()
-        if line.startswith(STOPPED_PREFIX) and ": stopped" in line:
+        if line.startswith(STOPPED_PREFIX) and is_stop(line):
             return line[len(STOPPED_PREFIX):].strip()
     return None
+
+
+def is_stop(line: str) -> bool:
+    """Whether an error line says the rank stopped (because of another rank, or a signal) rather than why it failed."""
+    return ": stopped" in line
 
 
 class Channel:
