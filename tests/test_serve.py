@@ -152,12 +152,16 @@ def _restore(src, out, *flags, ranks: int = 1) -> bytes:
         return f.read()
 
 
-def _cancel_a_running_job(served, media) -> None:
-    """The long clip (10 batches of 5 frames) cancelled once it runs: it ends cancelled at a batch boundary."""
+def _cancel_then_restore(served, media, clip: str) -> bytes:
+    """The long clip (10 batches of 5 frames) cancelled once it runs (it ends cancelled at a batch boundary), then
+    ``clip`` restored on the same ranks (in 5-frame batches): its result."""
     long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
     served.wait(long_id, states=("running",))
     served.client.delete(f"/v1/restorations/{long_id}")
     assert served.wait(long_id)["state"] == "cancelled"
+    good = served.submit(media[clip], crf=0, batch_frames=5).json()["id"]
+    assert served.wait(good)["state"] == "done", served.text()
+    return served.client.get(f"/v1/restorations/{good}/result").content
 
 
 def test_the_token_guards_everything_but_health(server):
@@ -485,9 +489,7 @@ def test_sigterm_drains_and_a_restart_on_the_state_dir_finishes_the_jobs(media, 
 def test_two_ranks_cancel_at_a_batch_boundary_and_survive_a_killed_rank(media, tmp_path):
     served = Served(str(tmp_path), ranks=2, token=False)
     try:
-        _cancel_a_running_job(served, media)
-        good = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
-        assert served.wait(good)["state"] == "done"
+        ours = _cancel_then_restore(served, media, "long")
         victim = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         served.wait(victim, states=("running",))
         os.kill(served.ranks()[1], signal.SIGKILL)
@@ -495,7 +497,6 @@ def test_two_ranks_cancel_at_a_batch_boundary_and_survive_a_killed_rank(media, t
         assert failed["state"] == "failed" and "rank 1 was killed by SIGKILL" in failed["error"], failed
         again = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         assert served.wait(again)["state"] == "done"
-        ours = served.client.get(f"/v1/restorations/{good}/result").content
         assert served.client.get(f"/v1/restorations/{again}/result").content == ours
     finally:
         served.stop()
@@ -594,10 +595,7 @@ def test_the_job_store_evicts_the_oldest_finished_and_requeues_the_unfinished(tm
 def test_under_torchrun_rank0_serves_and_its_jobs_are_restore_byte_for_byte(media, tmp_path):
     served = Served(str(tmp_path), torchrun=2, token=False)
     try:
-        _cancel_a_running_job(served, media)
-        good = served.submit(media["short"], crf=0, batch_frames=5).json()["id"]
-        assert served.wait(good)["state"] == "done"
-        ours = served.client.get(f"/v1/restorations/{good}/result").content
+        ours = _cancel_then_restore(served, media, "short")
         served.proc.send_signal(signal.SIGTERM)
         served.proc.wait(timeout=120)
         assert "SIGTERM: draining" in served.text() and "serve: stopped" in served.text()
