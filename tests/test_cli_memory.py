@@ -132,13 +132,19 @@ def run_limited(tmp_path, extra_mib: int, *args, ranks="0", blind=False, at_plan
 
 
 def test_allocation_failure_is_one_error_line_exit_2_and_no_file(tmp_path):
-    """An estimate that lets through what cannot run (blinded here) meets the real allocator under ``RLIMIT_AS``."""
-    src = make_mp4(tmp_path / "in.mp4", t=5, h=256, w=256)
-    result = run_limited(tmp_path, 150, "restore", src, "-o", tmp_path / "o.mp4", blind=True)
+    """An estimate that lets through what cannot run (blinded here) meets the real allocator under ``RLIMIT_AS``.
+
+    The limit leaves room for the run's set-up (loading, the decoder's and the encoder's threads and buffers: about
+    250 MiB of address space, more when threads get their own malloc arenas) but not for its first batch (about
+    960 MiB at 512x512): so the allocation that fails is the batch's, by hundreds of MiB either way. (At 256x256 with
+    150 MiB the margins were about 100 MiB on both sides: under load, libx264's start-up failed first now and then.)"""
+    src = make_mp4(tmp_path / "in.mp4", t=5, h=512, w=512)
+    result = run_limited(tmp_path, 400, "restore", src, "-o", tmp_path / "o.mp4", blind=True)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(lines) == 1 and lines[0].startswith(PREFIX), result.stderr
     assert "out of memory on cpu" in lines[0] and "the estimate was" in lines[0] and "address-space limit" in lines[0]
+    assert "you tried to allocate" in lines[0]  # torch's allocator, in the batch
     assert "--vae-parallel tiled" in lines[0] and "--batch-frames" in lines[0]
     assert "Traceback" not in result.stderr
     assert leftovers(tmp_path, {"in.mp4", "limited_child.py"}) == []

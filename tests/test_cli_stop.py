@@ -137,6 +137,17 @@ def test_every_rank_exits_soon_after_one_fails(tmp_path, fault, rank):
 
 @pytest.mark.multirank
 @pytest.mark.slow  # the default run has the same stopped rank named: tests/test_faults.py test_3
+def _rank_0_names_rank_1_stuck(lines: list[str], shown: str) -> None:
+    """The one line said when rank 1 stops answering mid-run: rank 0's roll call after the collective timeout names
+    it (under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the checker's barrier fails first and names it instead)."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL":
+        assert len(lines) == 1 and "rank 0: stopped: another rank failed" in lines[0], shown
+        assert "Ranks 1 failed to pass monitoredBarrier" in lines[0], shown
+    else:
+        assert lines == ["python -m examples.seedvr2: rank 0: stopped: rank 1 stopped answering (stuck, stopped or "
+                         "gone): a collective timed out (WINSP_COLLECTIVE_TIMEOUT sets how long to wait)"], shown
+
+
 def test_a_stuck_rank_is_named_after_the_collective_timeout(tmp_path):
     """Rank 1 stops (SIGSTOP) mid-run: with WINSP_COLLECTIVE_TIMEOUT=3 rank 0's collective fails after 3 s (instead
     of gloo's 30 minutes), a roll call through the group's store finds rank 1 silent, and rank 0 says so in one line,
@@ -162,12 +173,7 @@ def test_a_stuck_rank_is_named_after_the_collective_timeout(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("python -m examples.seedvr2:")
              and "WARNING" not in line]
     assert procs[0].returncode == 2, err
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL":  # the checker's barrier fails first, naming the rank
-        assert len(lines) == 1 and "rank 0: stopped: another rank failed" in lines[0], err
-        assert "Ranks 1 failed to pass monitoredBarrier" in lines[0], err
-    else:
-        assert lines == ["python -m examples.seedvr2: rank 0: stopped: rank 1 stopped answering (stuck, stopped or "
-                         "gone): a collective timed out (WINSP_COLLECTIVE_TIMEOUT sets how long to wait)"], err
+    _rank_0_names_rank_1_stuck(lines, err)
     assert "Traceback" not in err
     assert leftovers(tmp_path, {"in.mp4"}) == []
 

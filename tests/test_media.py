@@ -256,6 +256,44 @@ def test_decoder_short_of_memory_is_out_of_memory_not_a_damaged_file(tmp_path, m
         list(iter_frames(info))
 
 
+#: opens a MediaWriter under a real address-space limit: what the process maps plus ``argv[2]`` MiB, too little for
+#: libx264's buffers and threads; prints the exception's type and message
+_STARVED_WRITER = """
+import resource, sys
+import av, numpy as np  # FFmpeg's libraries mapped before the limit
+from examples.seedvr2.media import MediaWriter
+with open("/proc/self/status") as f:
+    mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+limit = mapped + int(sys.argv[2]) * 2**20
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+try:
+    with MediaWriter(sys.argv[1], 512, 512) as writer:
+        writer.write(np.zeros((512, 512, 3), np.uint8))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_an_encoder_short_of_memory_is_out_of_memory_not_a_container_that_refuses_a_stream(tmp_path):
+    """Under a low ``RLIMIT_AS`` libx264 cannot start (FFmpeg: "Generic error in an external library"): the writer
+    says the encoder is short of memory (the CLI's out-of-memory error), leaves no file, and does not blame the
+    container or suggest another one."""
+    import subprocess
+    import sys
+
+    from examples.seedvr2.cli import is_out_of_memory
+    from examples.seedvr2.media import EncoderOutOfMemory
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _STARVED_WRITER, str(tmp_path / "o.mp4"), "8"], cwd=repo,
+                          env=dict(os.environ, PYTHONPATH=repo), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("EncoderOutOfMemory the H.264 encoder could not allocate its buffers or start its "
+                                  "threads for 512x512 ("), done.stdout + done.stderr
+    assert os.listdir(tmp_path) == []
+    assert is_out_of_memory(EncoderOutOfMemory("x"))
+
+
 def _audio_packets(path) -> list[bytes]:
     with av.open(str(path)) as c:
         return [bytes(p) for p in c.demux(c.streams.audio[0]) if p.size]

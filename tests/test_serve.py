@@ -1,8 +1,10 @@
 """``python -m examples.seedvr2 serve``: a real server on loopback (the tiny demo weights), driven with httpx.
 
-One server (1 rank, a bearer token, small limits) serves most cases; the drain/restart and the 2-rank cases start
-their own and are ``slow``. Outputs are compared byte for byte with ``restore`` run with the same flags (lossless
-H.264, ``--crf 0``). The web page is driven in a real headless Chromium (``browser``; skipped without it).
+One server (1 rank, a bearer token, small limits) serves most cases; the drain/restart, the 2-rank and the
+out-of-memory cases start their own (the 2-rank and drain ones are ``slow``). The out-of-memory cases limit the
+ranks' address space for real through the test-only ``SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB`` (see
+``serve/worker.py``). Outputs are compared byte for byte with ``restore`` run with the same flags (lossless H.264,
+``--crf 0``). The web page is driven in a real headless Chromium (``browser``; skipped without it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ JOB_S = 240.0
 class Served:
     """A ``serve`` process started by a test: its URL, its log, and a client that carries the token."""
 
-    def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True, torchrun: int = 0) -> None:
+    def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True, torchrun: int = 0, env=None) -> None:
         self.log_path = os.path.join(tmp, f"serve-{time.time_ns()}.log")
         prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
                   if torchrun else [sys.executable])
@@ -46,8 +48,9 @@ class Served:
             with open(token_file, "w") as f:
                 f.write(TOKEN + "\n")
             argv += ["--token-file", token_file]
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SEEDVR2_LAUNCHED")}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_S
@@ -136,10 +139,29 @@ def server(tmp_path_factory, media):
     served.stop()
 
 
-def _restore(src, out, *flags) -> bytes:
-    assert cli.main(["restore", src, "-o", str(out), "--demo", "--quiet", *map(str, flags)]) == 0
+def _restore(src, out, *flags, ranks: int = 1) -> bytes:
+    """What ``restore`` writes with ``flags`` (and the demo weights): in this process, or ``--ranks N`` in its own."""
+    argv = ["restore", src, "-o", str(out), "--demo", "--quiet", *map(str, flags)]
+    if ranks == 1:
+        assert cli.main(argv) == 0
+    else:
+        done = subprocess.run([sys.executable, "-m", "examples.seedvr2", *argv, "--ranks", str(ranks)], cwd=REPO,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
     with open(out, "rb") as f:
         return f.read()
+
+
+def _cancel_then_restore(served, media, clip: str) -> bytes:
+    """The long clip (10 batches of 5 frames) cancelled once it runs (it ends cancelled at a batch boundary), then
+    ``clip`` restored on the same ranks (in 5-frame batches): its result."""
+    long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+    served.wait(long_id, states=("running",))
+    served.client.delete(f"/v1/restorations/{long_id}")
+    assert served.wait(long_id)["state"] == "cancelled"
+    good = served.submit(media[clip], crf=0, batch_frames=5).json()["id"]
+    assert served.wait(good)["state"] == "done", served.text()
+    return served.client.get(f"/v1/restorations/{good}/result").content
 
 
 def test_the_token_guards_everything_but_health(server):
@@ -261,6 +283,118 @@ def test_a_killed_rank_fails_its_job_and_the_ranks_come_back(server, media, tmp_
     assert "seedvr2_rank_restarts_total 1" in server.client.get("/metrics").text
 
 
+#: a rank's room once ready, under a real address-space limit (worker.TEST_MEMORY_ENV): the short clip restores in it;
+#: the same clip at 1152x768 needs an allocation of several hundred MiB in its first batch (the server's own, real
+#: estimate lets it through: about 3 GiB of the rank's free memory)
+RANK_ROOM_MIB = 400
+TOO_BIG = "1152x768"
+
+
+def _out_of_memory_line(error: str, rank: str = "") -> None:
+    """``error`` is the line the CLI prints when an allocation fails at run time (cli.out_of_memory_error): out of
+    memory from the real allocator, the (blinded) estimate and the binding limit, what to try."""
+    assert error.startswith(f"{rank}out of memory on cpu (can't allocate memory: you tried to allocate "), error
+    assert "; the estimate was 0 MiB per rank (" in error and "address-space limit (ulimit -v)" in error, error
+    assert error.endswith("; try " + ", ".join(cli._MEMORY_HELP)), error
+
+
+def _no_result(served, state, job_id: str) -> None:
+    """Nothing of a failed job's output is served or left in its folder (its input and record only)."""
+    assert served.client.get(f"/v1/restorations/{job_id}/result").status_code == 409
+    assert sorted(os.listdir(state / job_id)) == ["input.mp4", "job.json"]
+
+
+def test_a_job_that_runs_out_of_memory_mid_run_fails_alone_and_the_next_job_is_restore_byte_for_byte(media,
+                                                                                                     tmp_path):
+    """The rank runs under a real ``RLIMIT_AS`` with restore's estimate blinded on it (the test-only
+    ``SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB``; the server's acceptance check stays real): a job too big for the limit
+    fails in the real allocator mid-run, with the CLI's one line; the same rank (one rank: nothing to restart) then
+    restores the next job from the queue."""
+    state = tmp_path / "state"
+    served = Served(str(tmp_path), "--state-dir", state, token=False,
+                    env={"SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB": str(RANK_ROOM_MIB)})
+    try:
+        ranks = served.ranks()
+        big = served.submit(media["short"], crf=0, resolution=TOO_BIG)
+        good = served.submit(media["short"], crf=0, seed=7)
+        assert big.status_code == good.status_code == 202, (big.text, good.text)
+        failed = served.wait(big.json()["id"])
+        assert failed["state"] == "failed", (failed, served.text())
+        _out_of_memory_line(failed["error"])
+        assert failed["progress"]["frames_done"] == 0
+        done = served.wait(good.json()["id"])
+        assert done["state"] == "done", (done, served.text())
+        _no_result(served, state / "jobs", big.json()["id"])
+        assert served.client.get(done["result"]).content == _restore(media["short"], tmp_path / "ref.mp4", "--crf",
+                                                                     0, "--seed", 7)
+        assert served.ranks() == ranks and "seedvr2_rank_restarts_total 0" in served.client.get("/metrics").text
+    finally:
+        served.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_out_of_memory_on_one_of_two_ranks_fails_the_job_restarts_the_ranks_and_the_queue_goes_on(media, tmp_path):
+    """Rank 1 alone is limited: its allocation fails mid-run and it leaves while rank 0 waits for it in a collective.
+    Rank 0 must not hang: the job fails with rank 1's line (as ``restore --ranks 2`` prints it), the ranks are
+    restarted, and the queued job runs."""
+    from tests.test_cli_memory import run_limited
+
+    state = tmp_path / "state"
+    served = Served(str(tmp_path), "--state-dir", state, ranks=2, token=False,
+                    env={"SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB": f"{RANK_ROOM_MIB}:1"})
+    try:
+        ranks = served.ranks()
+        big = served.submit(media["short"], crf=0, resolution=TOO_BIG).json()["id"]
+        good = served.submit(media["short"], crf=0, seed=7).json()["id"]
+        failed = served.wait(big)
+        assert failed["state"] == "failed", (failed, served.text())
+        _out_of_memory_line(failed["error"], rank="rank 1: ")
+        assert served.wait(good)["state"] == "done", served.text()
+        _no_result(served, state / "jobs", big)
+        ours = served.client.get(f"/v1/restorations/{good}/result").content
+        assert set(served.ranks()).isdisjoint(ranks) and "seedvr2_rank_restarts_total 1" in served.client.get(
+            "/metrics").text
+    finally:
+        served.stop()
+    cli_run = run_limited(tmp_path, RANK_ROOM_MIB, "restore", media["short"], "-o", tmp_path / "big.mp4", "--demo",
+                          "--crf", 0, "--resolution", TOO_BIG, ranks="1", blind=True, nproc=2)
+    (line,) = [line for line in cli_run.stderr.splitlines() if line.startswith("python -m examples.seedvr2: error:")]
+    numbers = re.compile(r"\d+(\.\d+)?")  # the sizes differ: the CLI's rank maps less than a warm one
+    assert numbers.sub("N", line.split("error: ", 1)[1]) == numbers.sub("N", failed["error"]), cli_run.stderr
+    assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--seed", 7, ranks=2) == ours
+
+
+@pytest.mark.slow
+def test_under_torchrun_out_of_memory_on_rank0_fails_the_job_and_the_world_goes_down_for_a_restart(media, tmp_path):
+    """Rank 0 (the HTTP process, a rank too) runs out of memory mid-run: the job fails with its line, the world goes
+    down (no rank hangs in a collective: rank 1 stops, torchrun exits), and a server started again on the same state
+    folder runs the job that was queued, byte for byte what restore writes on 2 ranks."""
+    state = tmp_path / "state"
+    first = Served(str(tmp_path), "--state-dir", state, torchrun=2, token=False,
+                   env={"SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB": f"{RANK_ROOM_MIB}:0"})
+    try:
+        big = first.submit(media["short"], crf=0, resolution=TOO_BIG).json()["id"]
+        good = first.submit(media["short"], crf=0, seed=7).json()["id"]
+        assert first.proc.wait(timeout=JOB_S) != 0, first.text()
+        assert "exiting (exit code 1)" in first.text()  # for torchrun to start the world again
+    finally:
+        first.stop()
+    second = Served(str(tmp_path), "--state-dir", state, torchrun=2, token=False)
+    try:
+        assert "1 unfinished job(s)" in second.text()
+        failed = second.status(big)
+        down = "; the world went down (torchrun restarts it)"
+        assert failed["state"] == "failed" and failed["error"].endswith(down), failed
+        _out_of_memory_line(failed["error"][:-len(down)], rank="rank 0: ")
+        assert second.wait(good)["state"] == "done", second.text()
+        _no_result(second, state / "jobs", big)
+        ours = second.client.get(f"/v1/restorations/{good}/result").content
+    finally:
+        second.stop()
+    assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--seed", 7, ranks=2) == ours
+
+
 def test_the_curl_examples_of_docs_serving_run(server, media, tmp_path):
     """docs/serving.md's curl blocks, in order, in one shell, against this server (its URL for 127.0.0.1:8000)."""
     text = open(os.path.join(REPO, "docs", "serving.md")).read()
@@ -355,12 +489,7 @@ def test_sigterm_drains_and_a_restart_on_the_state_dir_finishes_the_jobs(media, 
 def test_two_ranks_cancel_at_a_batch_boundary_and_survive_a_killed_rank(media, tmp_path):
     served = Served(str(tmp_path), ranks=2, token=False)
     try:
-        long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
-        served.wait(long_id, states=("running",))
-        served.client.delete(f"/v1/restorations/{long_id}")
-        assert served.wait(long_id)["state"] == "cancelled"
-        good = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
-        assert served.wait(good)["state"] == "done"
+        ours = _cancel_then_restore(served, media, "long")
         victim = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         served.wait(victim, states=("running",))
         os.kill(served.ranks()[1], signal.SIGKILL)
@@ -368,16 +497,10 @@ def test_two_ranks_cancel_at_a_batch_boundary_and_survive_a_killed_rank(media, t
         assert failed["state"] == "failed" and "rank 1 was killed by SIGKILL" in failed["error"], failed
         again = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         assert served.wait(again)["state"] == "done"
-        ours = served.client.get(f"/v1/restorations/{good}/result").content
         assert served.client.get(f"/v1/restorations/{again}/result").content == ours
     finally:
         served.stop()
-    reference = tmp_path / "ranks2.mp4"
-    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", media["long"], "-o", reference,
-                           "--demo", "--crf", "0", "--batch-frames", "5", "--quiet", "--ranks", "2"], cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert reference.read_bytes() == ours  # byte for byte what restore --ranks 2 writes
+    assert _restore(media["long"], tmp_path / "ranks2.mp4", "--crf", 0, "--batch-frames", 5, ranks=2) == ours
 
 
 class _Pool:
@@ -472,21 +595,10 @@ def test_the_job_store_evicts_the_oldest_finished_and_requeues_the_unfinished(tm
 def test_under_torchrun_rank0_serves_and_its_jobs_are_restore_byte_for_byte(media, tmp_path):
     served = Served(str(tmp_path), torchrun=2, token=False)
     try:
-        long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
-        served.wait(long_id, states=("running",))
-        served.client.delete(f"/v1/restorations/{long_id}")
-        assert served.wait(long_id)["state"] == "cancelled"
-        good = served.submit(media["short"], crf=0, batch_frames=5).json()["id"]
-        assert served.wait(good)["state"] == "done"
-        ours = served.client.get(f"/v1/restorations/{good}/result").content
+        ours = _cancel_then_restore(served, media, "short")
         served.proc.send_signal(signal.SIGTERM)
         served.proc.wait(timeout=120)
         assert "SIGTERM: draining" in served.text() and "serve: stopped" in served.text()
     finally:
         served.stop()
-    reference = tmp_path / "ranks2.mp4"
-    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", media["short"], "-o", reference,
-                           "--demo", "--crf", "0", "--batch-frames", "5", "--quiet", "--ranks", "2"], cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert reference.read_bytes() == ours
+    assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--batch-frames", 5, ranks=2) == ours

@@ -42,6 +42,7 @@ from .launcher import record_partial
 __all__ = [
     "MediaError",
     "DecoderOutOfMemory",
+    "EncoderOutOfMemory",
     "Media",
     "MediaInfo",
     "MediaWriter",
@@ -86,6 +87,12 @@ class MediaError(ValueError):
 class DecoderOutOfMemory(MemoryError):
     """FFmpeg could not allocate memory or start its decoding threads (ENOMEM / EAGAIN): the process is short of
     memory or of its address-space limit; the file itself may be fine (it is not reported as damaged)."""
+
+
+class EncoderOutOfMemory(MemoryError):
+    """The H.264 encoder could not start: with the settings the writer gives it (checked sizes, yuv420p, a CRF in
+    range) libx264 fails to open only when it cannot allocate its buffers or start its threads (FFmpeg then says
+    "Generic error in an external library"), so this is memory, not an output container that refuses the stream."""
 
 
 @dataclass(frozen=True)
@@ -583,6 +590,7 @@ class MediaWriter:
             if self._audio:
                 packets = source.demux([entry[1] for entry in self._audio])
                 self._audio_packets = (p for p in packets if p.dts is not None)
+        self._open_encoder(stream)
         try:
             container.start_encoding()
         except (av.FFmpegError, ValueError) as exc:
@@ -591,6 +599,21 @@ class MediaWriter:
                 f"cannot write {self.path}: the container refuses a stream (input audio: {codecs}) "
                 f"({_ffmpeg_reason(exc)}); try a .mkv output"
             ) from None
+
+    def _open_encoder(self, stream) -> None:
+        """Open the H.264 encoder before the container writes its header, so that an encoder that cannot start (short
+        of memory, see :class:`EncoderOutOfMemory`) is not taken for a container that refuses a stream."""
+        import av
+
+        try:
+            stream.codec_context.open()
+        except av.FFmpegError as exc:
+            if isinstance(exc, av.ExternalError) or getattr(exc, "errno", None) in (errno.ENOMEM, errno.EAGAIN):
+                height, width = self.coded_size
+                raise EncoderOutOfMemory(f"the H.264 encoder could not allocate its buffers or start its threads for "
+                                         f"{width}x{height} ({_ffmpeg_reason(exc)})") from None
+            raise MediaError(f"cannot write {self.path}: the H.264 encoder refuses its settings "
+                             f"({_ffmpeg_reason(exc)})") from None
 
     def _mux_video(self, packets) -> None:
         for packet in packets:

@@ -27,6 +27,9 @@ __all__ = ["RankPool", "Outcome", "StartError"]
 
 #: seconds the ranks get to leave after SIGTERM before SIGKILL
 KILL_S = 5.0
+#: seconds the other ranks get to answer once one answered that its job broke the process group (an allocation that
+#: failed on it: it leaves without meeting them, and they fail in their next collective); then they are stopped
+BROKEN_GRACE_S = 10.0
 
 
 class StartError(RuntimeError):
@@ -204,17 +207,24 @@ class RankPool:
             except (OSError, ValueError):
                 return self._after_death(rank)
         answers: dict[int, dict] = {}
+        broken_since: Optional[float] = None
         while len(answers) < self.ranks:
             try:
                 rank, event = self.events.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+                dead = [r for r, p in enumerate(self.procs) if p.poll() is not None and r not in answers]
                 if dead:
                     return self._after_death(dead[0])
+                if broken_since is not None and time.monotonic() - broken_since > BROKEN_GRACE_S:
+                    break  # the others are stopped with the restart
                 continue
             if event is None:
+                if rank in answers:  # it answered, then left: its job broke the process group (see below)
+                    continue
                 return self._after_death(rank)
             take_event(rank, event, job_id, answers, on_progress)
+            if broken_since is None and any(a.get("broken") for a in answers.values()):
+                broken_since = time.monotonic()
         ordered = ranks_answers(answers, self.peaks)
         restarted = False
         if any(a.get("broken") for a in ordered):

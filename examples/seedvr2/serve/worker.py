@@ -28,6 +28,11 @@ from typing import Callable, Iterator, Optional, Sequence
 
 ERROR_PREFIX = "python -m examples.seedvr2: error:"
 STOPPED_PREFIX = "python -m examples.seedvr2: "
+#: test-only (tests/test_serve.py), ``MIB`` or ``MIB:RANK,...``: once ready, every rank blinds restore's memory
+#: estimate (every setting "needs" nothing) and the listed ranks (all without a list) limit their own address space
+#: (``RLIMIT_AS``) to what they map plus the CLI's reserve plus ``MIB`` MiB; so a job the server's real check accepted
+#: meets the real allocator's failure mid-run. Never set it outside a test.
+TEST_MEMORY_ENV = "SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB"
 
 
 def warm_side(world_size: int) -> int:
@@ -64,9 +69,14 @@ def error_line(text: str) -> Optional[str]:
     for line in reversed(text.splitlines()):
         if line.startswith(ERROR_PREFIX):
             return line[len(ERROR_PREFIX):].strip()
-        if line.startswith(STOPPED_PREFIX) and ": stopped" in line:
+        if line.startswith(STOPPED_PREFIX) and is_stop(line):
             return line[len(STOPPED_PREFIX):].strip()
     return None
+
+
+def is_stop(line: str) -> bool:
+    """Whether an error line says the rank stopped (because of another rank, or a signal) rather than why it failed."""
+    return ": stopped" in line
 
 
 class Channel:
@@ -171,6 +181,26 @@ class Rank:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _apply_test_memory_limit(rank: int) -> None:
+    """What :data:`TEST_MEMORY_ENV` asks for (nothing when it is unset)."""
+    value = os.environ.get(TEST_MEMORY_ENV, "").strip()
+    if not value:
+        return
+    import resource
+
+    from .. import pipeline
+    from ..memory_limits import ADDRESS_SPACE_RESERVE
+
+    mib, _, ranks = value.partition(":")
+    pipeline.estimate_restore_bytes = lambda **_: pipeline.MemoryEstimate(0, 0, 0)  # type: ignore[assignment]
+    if ranks and str(rank) not in ranks.split(","):
+        return
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = mapped + ADDRESS_SPACE_RESERVE + int(mib) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def serve_jobs(rank: Rank, jobs: Iterator[dict], answer: Callable[[dict], None]) -> str:
     """This rank's life: the warm-up, then each job of ``jobs`` until a ``quit`` one; every message to ``answer``
     (``failed`` or ``ready``, then one ``done`` a job). Returns ``quit``, ``failed`` (the warm-up failed in step) or
@@ -184,6 +214,7 @@ def serve_jobs(rank: Rank, jobs: Iterator[dict], answer: Callable[[dict], None])
     answer(dict(event="ready", rank=rank.launch.rank, world=rank.launch.world_size,
                 usable=usable_memory(rank.launch.device).usable, device=rank.launch.device.type,
                 peak_bytes=warm["peak_bytes"]))
+    _apply_test_memory_limit(rank.launch.rank)
     for job in jobs:
         if job.get("quit"):
             return "quit"

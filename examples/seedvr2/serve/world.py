@@ -22,6 +22,7 @@ import threading
 from typing import Callable, Iterator, Optional, Sequence
 
 from .ranks import Outcome, StartError, job_outcome, ranks_answers, take_event
+from .worker import is_stop
 
 __all__ = ["WorldPool", "follow", "HEARTBEAT_S"]
 
@@ -50,11 +51,19 @@ class _Answers:
         self.events.put((0, message))
 
     def answer(self, message: dict) -> None:
-        if message.get("event") == "progress":
+        if message.get("event") == "progress" or message.get("broken"):  # broken: see _share_unless_broken
             self.events.put((0, message))
             return
         for rank, text in enumerate(share(json.dumps(message), self.device_of())):
             self.events.put((rank, json.loads(text)))
+
+
+def _share_unless_broken(message: dict, device) -> None:
+    """A rank's answer to every rank, unless its job broke the process group (an allocation failed mid-run: the rank
+    left the others in a collective and said why on stderr); sharing it then would meet them in a collective that
+    is not theirs. It leaves, and the world goes down (torchrun restarts it)."""
+    if not message.get("broken"):
+        share(json.dumps(message), device)
 
 
 def _jobs_from_rank0(device_of: Callable[[], object], mine: Optional["queue.Queue"] = None) -> Iterator[dict]:
@@ -141,8 +150,10 @@ class WorldPool:
         answers: dict[int, dict] = {}
         while len(answers) < self.ranks:
             rank, event = self.events.get()
-            if event is None:
-                return Outcome("failed", "a rank failed and the world went down (torchrun restarts it)")
+            if event is None:  # rank 0's own line first when it says why (it ran out of memory, say)
+                said = [a["error"] + "; " for a in answers.values() if a.get("error") and not is_stop(a["error"])]
+                return Outcome("failed", f"{''.join(said[:1]) or 'a rank failed and '}the world went down (torchrun "
+                                         f"restarts it)")
             take_event(rank, event, job_id, answers, on_progress)
         return job_outcome(ranks_answers(answers, self.peaks))
 
@@ -169,7 +180,7 @@ def follow(restore_flags: Sequence[str]) -> int:
     try:
         device_of = lambda: rank.launch.device  # noqa: E731
         ended = serve_jobs(rank, _jobs_from_rank0(device_of),
-                           lambda message: share(json.dumps(message), device_of()))
+                           lambda message: _share_unless_broken(message, device_of()))
         return 0 if ended == "quit" else 2
     except Exception as exc:  # noqa: BLE001 - rank 0 or a peer went away: leave (torchrun restarts the world)
         print(f"serve: rank {rank.launch.rank}: stopped: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}",
