@@ -19,7 +19,8 @@ freed: weights, activations, saved tensors, the collectives' output buffers; not
 nor CUDA context, cuBLAS workspace or NCCL's own buffers).
 
 CPU tensors stay real tensors (with values), so planning on the host runs as it does on a GPU machine; a CPU tensor
-that enters a CUDA op is refused as a device mismatch (0-dim CPU scalars excepted, as CUDA allows them).
+that enters a CUDA op is refused as a device mismatch (0-dim CPU scalars excepted, as CUDA allows them). Meta tensors
+stay real too (a module built on "meta" runs its initialisers for real, without values, until ``to_empty``).
 
 API (stable)::
 
