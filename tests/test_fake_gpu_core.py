@@ -84,7 +84,7 @@ def test_every_planner_window_split_and_head_plans(planner):
     assert (len(in_layers) == 1) if planner in ("lpt", "locality") else (len(in_layers) > 2), in_layers
 
 
-@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_ranks_without_a_window_send_their_peers_dtype(world):
     from winsp.testing.fake_gpu import run_fake_gpu
 
@@ -95,7 +95,7 @@ def test_ranks_without_a_window_send_their_peers_dtype(world):
     assert len(reduces[0]) >= 2 and all(r == reduces[0] for r in reduces)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_core_at_720p_21_frames_3b_width(world):
     from winsp.testing.fake_gpu import run_fake_gpu
 

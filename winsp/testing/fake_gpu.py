@@ -19,7 +19,8 @@ freed: weights, activations, saved tensors, the collectives' output buffers; not
 nor CUDA context, cuBLAS workspace or NCCL's own buffers).
 
 CPU tensors stay real tensors (with values), so planning on the host runs as it does on a GPU machine; a CPU tensor
-that enters a CUDA op is refused as a device mismatch (0-dim CPU scalars excepted, as CUDA allows them).
+that enters a CUDA op is refused as a device mismatch (0-dim CPU scalars excepted, as CUDA allows them). Meta tensors
+stay real too (a module built on "meta" runs its initialisers for real, without values, until ``to_empty``).
 
 API (stable)::
 
@@ -74,7 +75,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from winsp.testing.fake_streams import fake_stream_api
@@ -256,6 +257,7 @@ class _Layers:
 # ---- the recording mode -------------------------------------------------------------------------------------------
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "winsp", "_dtensor")
+_PRIM_DEVICE = torch.ops.prim.device.default
 _NO_WAIT = ("wait_tensor",)  # waits are not collectives of their own
 
 
@@ -276,13 +278,33 @@ def _group_of(value) -> tuple[int, ...]:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in an op's arguments or outputs (tensors, lists, tuples and dicts of them; every op on the fake GPU
+    passes through here, so a plain walk rather than pytree's general one)."""
+    out: list[torch.Tensor] = []
+    _collect_tensors(tree, out)
+    return out
+
+
+def _collect_tensors(x, out: list[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _collect_tensors(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect_tensors(v, out)
+
+
+_FAKE_TENSOR: list[type] = []  # torch's FakeTensor class, imported at first use (torch._subclasses is heavy)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+    if not _FAKE_TENSOR:
+        from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor)
+        _FAKE_TENSOR.append(FakeTensor)
+    return isinstance(t, _FAKE_TENSOR[0])
 
 
 def _has_wrapper_subclass(tree) -> bool:
@@ -384,6 +406,8 @@ class _Recorder(TorchDispatchMode):
                 raise self._translate(func, _tensors((args, kwargs)), e) from e
             self._track(out)
             return out
+        if func is _PRIM_DEVICE:  # a fake tensor's .device asked from C++: answered by the fake mode, nothing to record
+            return func(*args, **kwargs)
         namespace = func.namespace
         if namespace in _COLLECTIVE_NAMESPACES and func._opname not in _NO_WAIT:
             self._collective(func, args, kwargs)
@@ -420,14 +444,19 @@ class _Recorder(TorchDispatchMode):
 
     @staticmethod
     def _runs_real(func, tensors: list[torch.Tensor], kwargs) -> bool:
+        """Ops on real host tensors run for real (planning reads their values), and so do ops on real meta tensors
+        alone (a module built on "meta" before ``to_empty``: no values, no device, nothing to record or check)."""
         if func.namespace in _COLLECTIVE_NAMESPACES:
             return False
-        if any(_is_fake(t) for t in tensors):
-            return False
+        kinds = set()
+        for t in tensors:
+            if _is_fake(t):
+                return False
+            kinds.add(t.device.type)
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type != "cpu":
-            return False
-        return all(t.device.type == "cpu" for t in tensors)
+        if device is not None:
+            kinds.add(torch.device(device).type)
+        return kinds <= {"cpu"} or kinds == {"meta"}
 
     def _stop(self, message: str, recorded: bool) -> FakeGpuError:
         self.trace.error, self.trace.error_recorded = message, recorded
@@ -625,7 +654,8 @@ def _seen_storage_resizes(recorder: _Recorder) -> Iterator[None]:
 def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
     """``module.to(...)``, ``.cuda()`` and ``.to_empty(...)`` swap a fake parameter for its converted copy, and
     ``torch.utils.swap_tensors`` refuses a tensor that is weakly referenced; the fake mode's memo of the tensors it
-    made holds such a reference. The memo is a cache: the two tensors' entries are dropped before the swap."""
+    made holds such a reference (to the tensor it converted and to the one it made). The memo is a cache: the two
+    tensors' entries are dropped before the swap."""
     import torch.utils as torch_utils
 
     original = torch_utils.swap_tensors
@@ -633,7 +663,7 @@ def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
     def swap_tensors(t1, t2):
         memo = fake_mode.fake_tensor_converter.tensor_memo
         for key, value in list(memo.items()):
-            if value is t1 or value is t2:
+            if key is t1 or key is t2 or value is t1 or value is t2:
                 del memo[key]
         return original(t1, t2)
 
