@@ -307,10 +307,10 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, _FAKE_TENSOR[0])
 
 
-def _has_wrapper_subclass(tree) -> bool:
+def _has_wrapper_subclass(tensors: list[torch.Tensor]) -> bool:
     from torch._subclasses.fake_tensor import _check_for_subclass
 
-    return _check_for_subclass(tree_flatten(tree)[0])
+    return _check_for_subclass(tensors)
 
 
 def _row_numel(t: torch.Tensor) -> int:
@@ -395,7 +395,8 @@ class _Recorder(TorchDispatchMode):
     # the ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _has_wrapper_subclass((args, kwargs)):
+        tensors = _tensors((args, kwargs))
+        if _has_wrapper_subclass(tensors):
             # a DTensor (FSDP2's parameters) or another wrapper subclass: its own dispatch unwraps it and sends the
             # ops on its local tensors back through here, where they are recorded (the fake mode does the same)
             return NotImplemented
@@ -403,7 +404,7 @@ class _Recorder(TorchDispatchMode):
             try:
                 out = func(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - translated into what it means on a GPU
-                raise self._translate(func, _tensors((args, kwargs)), e) from e
+                raise self._translate(func, tensors, e) from e
             self._track(out)
             return out
         if func is _PRIM_DEVICE:  # a fake tensor's .device asked from C++: answered by the fake mode, nothing to record
@@ -413,7 +414,6 @@ class _Recorder(TorchDispatchMode):
             self._collective(func, args, kwargs)
         elif namespace == "aten":
             self._aten_before(func, args, kwargs)
-        tensors = _tensors((args, kwargs))
         if self._runs_real(func, tensors, kwargs):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
