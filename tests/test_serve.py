@@ -668,3 +668,31 @@ def test_under_torchrun_rank0_serves_and_its_jobs_are_restore_byte_for_byte(medi
     finally:
         served.stop()
     assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--batch-frames", 5, ranks=2) == ours
+
+
+@pytest.mark.slow
+def test_under_torchrun_sigterm_drains_with_every_rank(tmp_path):
+    """torchrun's SIGTERM reaches every rank: rank 1 stays for rank 0's drain (rank 0 marks it in the store) longer
+    than it waits for a world that is being stopped (world.RANK0_WAIT_S), so rank 0 cancels the running job at the
+    drain timeout with rank 1 still there (queued again for the next server), and every rank stops cleanly."""
+    import json
+
+    from examples.seedvr2.serve.world import RANK0_WAIT_S
+
+    clip = make_mp4(tmp_path / "clip.mp4", t=81, h=64, w=96)  # 20 batches of 5: well over the drain timeout here
+    state = tmp_path / "state"
+    served = Served(str(tmp_path), "--state-dir", state, "--drain-timeout", RANK0_WAIT_S + 3, torchrun=2, token=False)
+    try:
+        running = served.submit(clip, crf=0, batch_frames=5).json()["id"]
+        served.wait(running, states=("running",))
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(timeout=120)
+        text = served.text()
+        assert "SIGTERM: draining" in text and "serve: stopped" in text, text
+        assert "stopped by SIGTERM" not in text and "the world failed" not in text, text
+        with open(state / "jobs" / running / "job.json") as f:
+            job = json.load(f)
+        assert job["state"] in ("done", "queued"), (job, text)  # queued: cancelled by the drain, for the next server
+    finally:
+        served.stop()
+
