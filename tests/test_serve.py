@@ -416,14 +416,20 @@ def test_under_torchrun_a_killed_rank_fails_its_job_torchrun_starts_the_world_ag
     torchrun starts the world again (it joins a process group of its own: winsp.comm.group), the new rank 0 serves on
     the same state folder and restores the job that was queued, byte for byte what restore writes on 2 ranks; a SIGTERM
     to torchrun then stops every rank promptly."""
+    import socket
+
+    with socket.socket() as free:  # a fixed port: the world started again listens on it again
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     state = tmp_path / "state"
-    served = Served(str(tmp_path), "--state-dir", state, torchrun=2, restarts=1, token=False)
+    served = Served(str(tmp_path), "--state-dir", state, "--port", port, torchrun=2, restarts=1, token=False)
     try:
         victim = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         good = served.submit(media["short"], crf=0, seed=7).json()["id"]
         served.wait(victim, states=("running",))
         os.kill(served.torchrun_rank(1), signal.SIGKILL)
         served.listen(2)
+        assert served.url == f"http://127.0.0.1:{port}"
         assert served.client.get("/v1/health").status_code == 200
         failed = served.status(victim)
         assert failed["state"] == "failed", (failed, served.text())
