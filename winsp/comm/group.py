@@ -491,7 +491,8 @@ def init_world_from_env(device_type: str = "cpu", *, timeout_s: float | None = N
     inspected); ``started`` says whether this call started it (and so should
     :func:`shutdown_world` it). Its collectives time out after :func:`collective_timeout` (``timeout_s``, unless
     ``$WINSP_COLLECTIVE_TIMEOUT`` says otherwise): a peer that stops answering (stuck, or stopped) makes them fail
-    after that long instead of hanging.
+    after that long instead of hanging. A world that torchrun starts again after a failure (``--max-restarts``) joins
+    through store keys of its own attempt (see :func:`_restart_store`).
     """
     import os
 
