@@ -37,10 +37,11 @@ JOB_S = 240.0
 class Served:
     """A ``serve`` process started by a test: its URL, its log, and a client that carries the token."""
 
-    def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True, torchrun: int = 0, env=None) -> None:
+    def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True, torchrun: int = 0, restarts: int = 0,
+                 env=None) -> None:
         self.log_path = os.path.join(tmp, f"serve-{time.time_ns()}.log")
-        prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
-                  if torchrun else [sys.executable])
+        prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
+                   f"--max-restarts={restarts}"] if torchrun else [sys.executable])
         argv = [*prefix, "-m", "examples.seedvr2", "serve", "--port", "0", "--demo", *map(str, flags)]
         argv += [] if torchrun else ["--ranks", str(ranks)]
         if token:
@@ -53,20 +54,25 @@ class Served:
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.token = token
+        self.listen(1)
+
+    def listen(self, times: int) -> None:
+        """Wait until the log says ``listening`` for the ``times``-th time (torchrun starts the world again: a new
+        port), and talk to that server."""
         deadline = time.monotonic() + START_S
-        self.url = None
-        while self.url is None:
+        while True:
             text = self.text()
-            found = re.search(r"listening on (http://[0-9.]+:\d+)", text)
-            if found:
-                self.url = found.group(1)
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
+            found = re.findall(r"listening on (http://[0-9.]+:\d+)", text)
+            if len(found) >= times:
+                self.url = found[times - 1]
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise AssertionError(f"serve did not start:\n{text}")
-            else:
-                time.sleep(0.2)
+            time.sleep(0.2)
         self.client = httpx.Client(base_url=self.url, timeout=60.0,
-                                   headers={"Authorization": f"Bearer {TOKEN}"} if token else {})
+                                   headers={"Authorization": f"Bearer {TOKEN}"} if self.token else {})
 
     def text(self) -> str:
         with open(self.log_path) as f:
@@ -93,6 +99,14 @@ class Served:
         """The rank processes' ids (the server's children)."""
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
             return [int(p) for p in f.read().split()]
+
+    def torchrun_rank(self, rank: int) -> int:
+        """The process id of torchrun's rank ``rank``."""
+        for pid in self.ranks():
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+        raise AssertionError(f"no rank {rank} among {self.ranks()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -395,6 +409,64 @@ def test_under_torchrun_out_of_memory_on_rank0_fails_the_job_and_the_world_goes_
     assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--seed", 7, ranks=2) == ours
 
 
+@pytest.mark.slow
+def test_under_torchrun_a_killed_rank_fails_its_job_torchrun_starts_the_world_again_and_the_queue_goes_on(media,
+                                                                                                         tmp_path):
+    """Rank 1 is killed mid-job under ``torchrun --max-restarts 1``: rank 0 fails the job with one line and exits,
+    torchrun starts the world again (it joins a process group of its own: winsp.comm.group), the new rank 0 serves on
+    the same state folder and restores the job that was queued, byte for byte what restore writes on 2 ranks; a SIGTERM
+    to torchrun then stops every rank promptly."""
+    import socket
+
+    with socket.socket() as free:  # a fixed port: the world started again listens on it again
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    state = tmp_path / "state"
+    served = Served(str(tmp_path), "--state-dir", state, "--port", port, torchrun=2, restarts=1, token=False)
+    try:
+        victim = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
+        good = served.submit(media["short"], crf=0, seed=7).json()["id"]
+        served.wait(victim, states=("running",))
+        os.kill(served.torchrun_rank(1), signal.SIGKILL)
+        served.listen(2)
+        assert served.url == f"http://127.0.0.1:{port}"
+        assert served.client.get("/v1/health").status_code == 200
+        failed = served.status(victim)
+        assert failed["state"] == "failed", (failed, served.text())
+        assert failed["error"] == "a rank failed and the world went down (torchrun restarts it)", failed
+        assert served.wait(good)["state"] == "done", served.text()
+        ours = served.client.get(f"/v1/restorations/{good}/result").content
+        started = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(timeout=60)
+        assert time.monotonic() - started < 30, served.text()  # torchrun's own stop would SIGKILL after 30 s
+        assert "Connection refused" not in served.text() and "SIGKILL" not in served.text(), served.text()
+    finally:
+        served.stop()
+    assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--seed", 7, ranks=2) == ours
+
+
+def test_under_torchrun_the_other_ranks_leave_at_once_when_torchrun_stops_a_world_that_failed(tmp_path):
+    """Rank 0 cannot listen (the port is taken) and fails before it joins the world; torchrun stops the world with
+    SIGTERM while rank 1 waits for rank 0 to join: rank 1 leaves at once (before its start-up was done, a stop signal
+    ends it), not when torchrun's SIGKILL comes 30 s later."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SEEDVR2_LAUNCHED")}
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               "-m", "examples.seedvr2", "serve", "--demo", "--port", str(taken.getsockname()[1])],
+                              cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO), capture_output=True,
+                              text=True, timeout=120)
+    seconds = time.monotonic() - started
+    assert done.returncode != 0 and "cannot listen on 127.0.0.1:" in done.stderr, done.stderr
+    assert "serve: rank 1: stopped by SIGTERM (during start-up)" in done.stderr, done.stderr
+    assert seconds < 25, (seconds, done.stderr)
+
+
 def test_the_curl_examples_of_docs_serving_run(server, media, tmp_path):
     """docs/serving.md's curl blocks, in order, in one shell, against this server (its URL for 127.0.0.1:8000)."""
     text = open(os.path.join(REPO, "docs", "serving.md")).read()
@@ -602,3 +674,31 @@ def test_under_torchrun_rank0_serves_and_its_jobs_are_restore_byte_for_byte(medi
     finally:
         served.stop()
     assert _restore(media["short"], tmp_path / "ranks2.mp4", "--crf", 0, "--batch-frames", 5, ranks=2) == ours
+
+
+@pytest.mark.slow
+def test_under_torchrun_sigterm_drains_with_every_rank(tmp_path):
+    """torchrun's SIGTERM reaches every rank: rank 1 stays for rank 0's drain (rank 0 marks it in the store) longer
+    than it waits for a world that is being stopped (world.RANK0_WAIT_S), so rank 0 cancels the running job at the
+    drain timeout with rank 1 still there (queued again for the next server), and every rank stops cleanly."""
+    import json
+
+    from examples.seedvr2.serve.world import RANK0_WAIT_S
+
+    clip = make_mp4(tmp_path / "clip.mp4", t=81, h=64, w=96)  # 20 batches of 5: well over the drain timeout here
+    state = tmp_path / "state"
+    served = Served(str(tmp_path), "--state-dir", state, "--drain-timeout", RANK0_WAIT_S + 3, torchrun=2, token=False)
+    try:
+        running = served.submit(clip, crf=0, batch_frames=5).json()["id"]
+        served.wait(running, states=("running",))
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(timeout=120)
+        text = served.text()
+        assert "SIGTERM: draining" in text and "serve: stopped" in text, text
+        assert "stopped by SIGTERM" not in text and "the world failed" not in text, text
+        with open(state / "jobs" / running / "job.json") as f:
+            job = json.load(f)
+        assert job["state"] in ("done", "queued"), (job, text)  # queued: cancelled by the drain, for the next server
+    finally:
+        served.stop()
+

@@ -491,7 +491,8 @@ def init_world_from_env(device_type: str = "cpu", *, timeout_s: float | None = N
     inspected); ``started`` says whether this call started it (and so should
     :func:`shutdown_world` it). Its collectives time out after :func:`collective_timeout` (``timeout_s``, unless
     ``$WINSP_COLLECTIVE_TIMEOUT`` says otherwise): a peer that stops answering (stuck, or stopped) makes them fail
-    after that long instead of hanging.
+    after that long instead of hanging. A world that torchrun starts again after a failure (``--max-restarts``) joins
+    through store keys of its own attempt (see :func:`_restart_store`).
     """
     import os
 
@@ -503,9 +504,36 @@ def init_world_from_env(device_type: str = "cpu", *, timeout_s: float | None = N
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), False
     timeout = collective_timeout(timeout_s)
-    options = {} if timeout is None else {"timeout": timeout}
+    options: dict = {} if timeout is None else {"timeout": timeout}
+    store = _restart_store(timeout)
+    if store is not None:
+        options.update(store=store, rank=int(os.environ["RANK"]), world_size=world)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", **options)
     return dist.get_rank(), dist.get_world_size(), True
+
+
+def _restart_store(timeout):
+    """Under torchrun's agent store on one machine, a client of that store whose keys are this attempt's alone
+    (``TORCHELASTIC_RESTART_COUNT``); None otherwise (``env://`` as usual).
+
+    torchrun (c10d rendezvous, ``--standalone`` too) keeps one store for all its attempts, and a world it starts again
+    after a failure (``--max-restarts``) would find the previous world's keys there: gloo's ranks would connect to the
+    dead ranks' addresses ("Connection refused", pytorch/pytorch#135712, #167288). On one machine every rank has the
+    same restart count; across machines the agents count apart, so this is left to torch
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there gives every attempt a store of its own)."""
+    import datetime
+    import os
+
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("TORCHELASTIC_RESTART_COUNT") is None:
+        return None
+    if env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
+        return None
+    import torch.distributed as dist
+
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                           timeout=timeout or datetime.timedelta(minutes=30))
+    return dist.PrefixStore(f"winsp/attempt/{env['TORCHELASTIC_RESTART_COUNT']}", client)
 
 
 def shutdown_world(timeout_s: float = 10.0) -> None:

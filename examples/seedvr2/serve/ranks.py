@@ -154,6 +154,9 @@ class RankPool:
                 pass
         self._end(grace=KILL_S)
 
+    def announce_drain(self) -> None:
+        """Nothing to say: the pool's ranks get no signal of their own (it stops them)."""
+
     def _end(self, grace: float) -> None:
         deadline = time.monotonic() + grace
         while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:

@@ -122,6 +122,9 @@ class Server:
 
     def _dispatch(self) -> None:
         while not self.draining:
+            if not self.pool.can_restart and not self.pool.alive():  # under torchrun, a world that went down idle
+                log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
+                os._exit(1)
             if self.health == "down":
                 self._start_again()
                 continue
@@ -185,6 +188,7 @@ class Server:
         ranks; call ``on_drained``. Runs on its own thread."""
         self.draining = True
         log("SIGTERM: draining (no new jobs)")
+        self.pool.announce_drain()
         deadline = time.monotonic() + self.config.drain_timeout
         while self.current is not None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -247,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if rank != 0:
                 from .world import follow
 
-                return follow(config.restore_flags)
+                return follow(config.restore_flags, config.drain_timeout)
         else:
             check_ranks(str(config.ranks), gpu_count(), os.cpu_count() or 1)
         sock = _bind(config.host, config.port)

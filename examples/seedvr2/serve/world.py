@@ -6,28 +6,58 @@ and answers travel. Rank 0 runs the loop on a thread of the HTTP process (:class
 all-gather of bytes through winsp's world group): a job, ``quit``, or nothing (which keeps an idle world inside the
 collective timeout). After each job every rank shares its answer the same way, so rank 0 has every rank's line.
 
-torchrun owns the processes: the other ranks ignore SIGTERM (rank 0 drains, then tells them to quit), and a rank
-that dies takes the world down with it; rank 0 then records the running job as failed and exits 1, so that torchrun
-(``--max-restarts``) starts the world again, and with the same ``--state-dir`` the queue goes on. Every rank reads
-the job's input: across machines the state folder (and ``--allow-paths``) must be on a shared file system.
+torchrun owns the processes, and its SIGTERM reaches every rank at once, both when it is stopped (rank 0 then
+drains) and when it stops the world because a rank died (to start it again). The other ranks tell the two apart
+through the process group's store: rank 0 marks its drain there (:data:`DRAIN_KEY`), and a rank that got SIGTERM
+stays for rank 0's ``quit`` while that mark is there (at most the drain timeout and :data:`DRAIN_MARGIN_S`), and
+leaves within :data:`RANK0_WAIT_S` seconds when it is not; before it is ready (joining the world, loading the
+weights) it leaves at once. Its jobs run on a thread, so that the signal is handled while that thread is blocked in a
+collective. A rank that dies takes the world down with it; rank 0 then records the running job as failed and exits
+1, so that torchrun (``--max-restarts``) starts the world again, and with the same ``--state-dir`` the queue goes on
+(a job rank 0 was running when it died itself is queued again). Every rank reads the job's input: across machines
+the state folder (and ``--allow-paths``) must be on a shared file system.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 from .ranks import Outcome, StartError, job_outcome, ranks_answers, take_event
 from .worker import is_stop
 
-__all__ = ["WorldPool", "follow", "HEARTBEAT_S"]
+__all__ = ["WorldPool", "follow", "HEARTBEAT_S", "DRAIN_KEY", "RANK0_WAIT_S", "DRAIN_MARGIN_S"]
 
 #: the longest an idle world waits between two shared messages
 HEARTBEAT_S = 1.0
+#: the key in the process group's store (this attempt's: see winsp.comm.group) by which rank 0 says it drains
+DRAIN_KEY = "seedvr2/serve/draining"
+#: seconds a rank that got SIGTERM waits for rank 0's drain mark before it leaves (torchrun signals all at once)
+RANK0_WAIT_S = 5.0
+#: seconds beyond the drain timeout a rank waits for rank 0's ``quit`` once rank 0 drains (its job's last batch)
+DRAIN_MARGIN_S = 30.0
+#: the signals that stop a rank (SIGINT: a Ctrl-C reaches every process of the terminal's group)
+STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _rank0_drains() -> bool:
+    """Whether rank 0 marked its drain in the store (False when the store or the group is gone)."""
+    try:
+        return bool(_store().check([DRAIN_KEY]))
+    except Exception:  # noqa: BLE001 - no group yet or any more, or torchrun's store is gone: no drain to wait for
+        return False
 
 
 def share(text: str, device) -> list[str]:
@@ -166,25 +196,72 @@ class WorldPool:
             assert self._thread is not None
             self._thread.join(timeout=60)
 
+    def announce_drain(self) -> None:
+        """Mark the drain in the store, so that the other ranks, signalled too, stay for it (see the module)."""
+        try:
+            _store().set(DRAIN_KEY, "1")
+        except Exception as exc:  # noqa: BLE001 - the world is down: nobody to stay
+            self.log(f"note: could not tell the other ranks about the drain ({type(exc).__name__})")
+
     def _end(self, grace: float) -> None:
         self.stop()
 
 
-def follow(restore_flags: Sequence[str]) -> int:
-    """A rank other than 0 under torchrun: the jobs rank 0 shares, until it says quit."""
-    from .worker import Rank, serve_jobs
+def follow(restore_flags: Sequence[str], drain_timeout: float) -> int:
+    """A rank other than 0 under torchrun: the jobs rank 0 shares, until it says quit. The jobs run on a thread; this
+    one handles SIGTERM / SIGINT as the module says."""
+    from .worker import Rank
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains and then says quit
-    rank = Rank(restore_flags, None)
+    outcome: dict = {"code": 2}
+    signalled: list[tuple[int, float]] = []
+    for stop in STOPS:
+        signal.signal(stop, lambda signum, frame: signalled.append((signum, time.monotonic())))
+    thread = threading.Thread(target=_follow, args=(Rank, restore_flags, outcome), name="jobs", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+        if signalled and thread.is_alive():
+            signum, since = signalled[0]
+            wait, why = _leave_after(outcome.get("ready", False), drain_timeout)
+            if time.monotonic() - since >= wait:
+                print(f"serve: rank {os.environ.get('RANK', '?')}: stopped by {signal.Signals(signum).name} ({why})",
+                      file=sys.stderr, flush=True)
+                os._exit(128 + signum)  # its sockets close: a peer's collective with it fails at once
+    return outcome["code"]
+
+
+def _leave_after(ready: bool, drain_timeout: float) -> tuple[float, str]:
+    """How long after a stop signal a rank other than 0 leaves, and why then (see the module)."""
+    if not ready:
+        return 0.0, "during start-up"
+    if _rank0_drains():
+        return drain_timeout + DRAIN_MARGIN_S, "rank 0 drained but did not end the world in time"
+    return RANK0_WAIT_S, "rank 0 is not draining: the world is being stopped"
+
+
+def _follow(rank_class, restore_flags: Sequence[str], outcome: dict) -> None:
+    """The jobs thread of :func:`follow`: ``outcome`` gets ``ready`` once the warm-up worked, and ``code``."""
+    from .worker import serve_jobs
+
+    try:
+        rank = rank_class(restore_flags, None)  # joins the world
+    except Exception as exc:  # noqa: BLE001 - rank 0 or a peer is gone already (torchrun restarts the world)
+        print(f"serve: rank {os.environ.get('RANK', '?')}: stopped while joining the world: {type(exc).__name__}: "
+              f"{' '.join(str(exc).split())[:200]}", file=sys.stderr)
+        return
     ended = "broken"
     try:
         device_of = lambda: rank.launch.device  # noqa: E731
-        ended = serve_jobs(rank, _jobs_from_rank0(device_of),
-                           lambda message: _share_unless_broken(message, device_of()))
-        return 0 if ended == "quit" else 2
+
+        def answer(message: dict) -> None:
+            if message.get("event") == "ready":
+                outcome["ready"] = True
+            _share_unless_broken(message, device_of())
+
+        ended = serve_jobs(rank, _jobs_from_rank0(device_of), answer)
+        outcome["code"] = 0 if ended == "quit" else 2
     except Exception as exc:  # noqa: BLE001 - rank 0 or a peer went away: leave (torchrun restarts the world)
         print(f"serve: rank {rank.launch.rank}: stopped: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}",
               file=sys.stderr)
-        return 2
     finally:
         rank.launch.close(failed=ended == "broken")
