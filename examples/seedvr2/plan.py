@@ -184,10 +184,15 @@ def tiled_frame_bytes(stage: str, clip, dtype) -> int:
 
 
 def _weights(model: str, dtype, sp: int, shard: bool) -> tuple[int, int]:
-    """(DiT bytes a rank holds between blocks, VAE bytes), from the models' parameters on the meta device."""
+    """(DiT bytes a rank holds between blocks, VAE bytes), from the released models' parameters on the meta device."""
     from .pipeline import released_models_on_meta
 
-    dit, vae = released_models_on_meta(model, dtype)
+    return weight_bytes(*released_models_on_meta(model, dtype), sp, shard)
+
+
+def weight_bytes(dit, vae, sp: int, shard: bool) -> tuple[int, int]:
+    """(DiT bytes a rank holds between blocks, VAE bytes) of built models (their parameters' sizes; ``shard``: the
+    DiT's blocks split over ``sp`` ranks, as ``--shard-weights``)."""
     nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
     dit_total = nbytes(dit.parameters())
     if shard and sp > 1:

@@ -117,14 +117,10 @@ class CpuTracer:
     def weights(self, shard: bool) -> tuple[int, int]:
         key = ("cpu weights", self.model, self.demo, str(self.dtype), self.sp, shard)
         if key not in self.cache:
+            from .plan import weight_bytes
+
             with torch.device("meta"):
-                dit, vae = _build(self.model, self.demo, self.dtype)
-            nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
-            dit_total = nbytes(dit.parameters())
-            if shard and self.sp > 1:
-                blocks = nbytes(p for b in dit.blocks for p in b.parameters())
-                dit_total = dit_total - blocks + -(-blocks // self.sp)
-            self.cache[key] = (dit_total, nbytes(vae.parameters()))
+                self.cache[key] = weight_bytes(*_build(self.model, self.demo, self.dtype), self.sp, shard)
         return self.cache[key]
 
     def extra(self) -> int:
