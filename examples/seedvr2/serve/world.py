@@ -210,13 +210,11 @@ class WorldPool:
 def follow(restore_flags: Sequence[str], drain_timeout: float) -> int:
     """A rank other than 0 under torchrun: the jobs rank 0 shares, until it says quit. The jobs run on a thread; this
     one handles SIGTERM / SIGINT as the module says."""
-    from .worker import Rank
-
     outcome: dict = {"code": 2}
     signalled: list[tuple[int, float]] = []
     for stop in STOPS:
         signal.signal(stop, lambda signum, frame: signalled.append((signum, time.monotonic())))
-    thread = threading.Thread(target=_follow, args=(Rank, restore_flags, outcome), name="jobs", daemon=True)
+    thread = threading.Thread(target=_follow, args=(restore_flags, outcome), name="jobs", daemon=True)
     thread.start()
     while thread.is_alive():
         thread.join(timeout=0.2)
@@ -239,12 +237,12 @@ def _leave_after(ready: bool, drain_timeout: float) -> tuple[float, str]:
     return RANK0_WAIT_S, "rank 0 is not draining: the world is being stopped"
 
 
-def _follow(rank_class, restore_flags: Sequence[str], outcome: dict) -> None:
+def _follow(restore_flags: Sequence[str], outcome: dict) -> None:
     """The jobs thread of :func:`follow`: ``outcome`` gets ``ready`` once the warm-up worked, and ``code``."""
-    from .worker import serve_jobs
+    from .worker import Rank, serve_jobs
 
     try:
-        rank = rank_class(restore_flags, None)  # joins the world
+        rank = Rank(restore_flags, None)  # joins the world
     except Exception as exc:  # noqa: BLE001 - rank 0 or a peer is gone already (torchrun restarts the world)
         print(f"serve: rank {os.environ.get('RANK', '?')}: stopped while joining the world: {type(exc).__name__}: "
               f"{' '.join(str(exc).split())[:200]}", file=sys.stderr)
