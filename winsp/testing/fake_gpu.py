@@ -361,25 +361,25 @@ class _Recorder(TorchDispatchMode):
             except Exception:  # noqa: BLE001 - sparse or otherwise storage-less
                 continue
             key = id(storage)
-            size = storage.nbytes()
-            old = self._live.get(key)
-            if old is None:
-                self._live[key] = size
-                self.trace.live_bytes += size
+            if key in self._live:
+                self._resize(key, storage.nbytes())  # resized in place (FSDP frees unsharded parameters so)
+            else:
+                self._live[key] = storage.nbytes()
+                self.trace.live_bytes += self._live[key]
                 weakref.finalize(storage, self._free, key)
-            elif old != size:  # resized in place (FSDP frees unsharded parameters so)
-                self._live[key] = size
-                self.trace.live_bytes += size - old
         self._note_peak()
 
     def resized(self, storage) -> None:
         """A storage's ``resize_`` (FSDP2 frees and re-allocates its unsharded parameters so, outside any op)."""
         key = id(storage)
-        old = self._live.get(key)
-        if old is not None and old != storage.nbytes():
-            self._live[key] = storage.nbytes()
-            self.trace.live_bytes += storage.nbytes() - old
+        if key in self._live:
+            self._resize(key, storage.nbytes())
             self._note_peak()
+
+    def _resize(self, key: int, size: int) -> None:
+        """A live storage's new size."""
+        self.trace.live_bytes += size - self._live[key]
+        self._live[key] = size
 
     def _note_peak(self) -> None:
         for open_stage in self.stages:
