@@ -607,23 +607,19 @@ def _fake_cuda_runtime(recorder: _Recorder, capability: tuple[int, int]) -> Iter
     """``torch.cuda`` queries that code asks before choosing a kernel answer as on one GPU; ``synchronize`` is
     recorded as a host sync; the generator's state can be saved and restored (its values mean nothing here)."""
     cuda = torch.cuda
-    names = ("is_available", "device_count", "current_device", "set_device", "get_device_capability", "synchronize",
-             "get_rng_state", "set_rng_state", "Stream", "Event", "current_stream", "default_stream", "stream")
-    saved = {name: getattr(cuda, name) for name in names}
 
-    def synchronize(device=None) -> None:
-        recorder.trace.host_syncs.append(HostSync("synchronize", "torch.cuda.synchronize", "cuda:0",
-                                                  recorder.layer, recorder.phase))
+    def host_sync(what: str) -> None:
+        recorder.trace.host_syncs.append(HostSync("synchronize", what, "cuda:0", recorder.layer, recorder.phase))
 
     fakes = {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
              "set_device": lambda device: None, "get_device_capability": lambda device=None: capability,
-             "synchronize": synchronize,
+             "synchronize": lambda device=None: host_sync("torch.cuda.synchronize"),
              # torch.random.fork_rng saves and restores the device's generator: a state of the right kind, kept
              "get_rng_state": lambda device="cuda": _CUDA_RNG_STATE.clone(),
              "set_rng_state": lambda state, device="cuda": None,
              # streams and events order device work, and nothing runs here (FSDP2 makes its own; fake_streams.py)
-             **fake_stream_api(lambda what: recorder.trace.host_syncs.append(
-                 HostSync("synchronize", what, "cuda:0", recorder.layer, recorder.phase)))}
+             **fake_stream_api(host_sync)}
+    saved = {name: getattr(cuda, name) for name in fakes}
     for name, value in fakes.items():
         setattr(cuda, name, value)
     try:
