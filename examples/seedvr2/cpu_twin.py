@@ -156,27 +156,16 @@ def _fake_world(rank: int, world_size: int) -> Iterator[None]:
     if world_size == 1:
         yield
         return
-    import sys
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from winsp.comm import group as group_mod
+    from winsp.testing.fake_gpu import fake_process_group
 
-    if dist.is_initialized():
-        raise RuntimeError("cpu_twin: a process group is already initialised in this process; the twin of a "
-                           f"{world_size}-rank run starts its own fake one")
-    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]"
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    sys.excepthook = hook
-    gather_ints = group_mod.SPGroup.all_gather_ints
-    group_mod.SPGroup.all_gather_ints = lambda self, values, device="cpu": [[int(v) for v in values]] * self.size
-    try:
-        yield
-    finally:
-        group_mod.SPGroup.all_gather_ints = gather_ints  # type: ignore[method-assign]
-        dist.destroy_process_group()
-        group_mod._SUBGROUPS.clear()
+    with fake_process_group(rank, world_size, "cpu_twin"):
+        gather_ints = group_mod.SPGroup.all_gather_ints
+        group_mod.SPGroup.all_gather_ints = lambda self, values, device="cpu": [[int(v) for v in values]] * self.size
+        try:
+            yield
+        finally:
+            group_mod.SPGroup.all_gather_ints = gather_ints  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

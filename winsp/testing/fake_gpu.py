@@ -746,6 +746,27 @@ def _forget_process_groups() -> None:
 
 
 @contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int, who: str) -> Iterator[None]:
+    """A fake default process group (``init_process_group("fake")``: collectives accepted, no data moved) of
+    ``world_size`` ranks as ``rank``, torn down after with winsp's cache of subgroups made in it. ``who`` names the
+    caller in the refusal when a process group is running already. Works on the CPU build of torch too."""
+    import sys
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(f"{who}: a process group is already initialised in this process; {who} starts its own "
+                           f"fake world of {world_size} rank(s)")
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]"; each fake rank would add one more
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    sys.excepthook = hook
+    try:
+        yield
+    finally:
+        _forget_process_groups()
+
+
+@contextlib.contextmanager
 def fake_gpu(rank: int = 0, world_size: int = 1, *, capability: tuple[int, int] = (9, 0)) -> Iterator[RankTrace]:
     """Run the block as ``rank`` of ``world_size`` on a fake GPU; yields the :class:`RankTrace` it fills.
 
@@ -755,32 +776,23 @@ def fake_gpu(rank: int = 0, world_size: int = 1, *, capability: tuple[int, int] 
         raise RuntimeError("the fake GPU needs the CUDA build of torch (pip install torch with CUDA; no GPU needed); "
                            f"this torch {torch.__version__} is CPU-only")
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise RuntimeError("fake_gpu: a process group is already initialised in this process; the fake GPU starts "
-                           "its own fake world")
     trace = RankTrace(rank, world_size)
     layers = _Layers()
     recorder = _Recorder(trace, layers)
-    import sys
-
-    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]"; each fake rank would add one more
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    sys.excepthook = hook
-    previous = set_phase_observer(recorder)
-    layers.install()
-    _RECORDERS.append(recorder)
-    try:
-        fake_mode = recorder.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with (fake_mode, recorder, _fake_cuda_runtime(recorder, capability), _swappable_fake_parameters(fake_mode),
-              _seen_storage_resizes(recorder), _eager_compile()):
-            yield trace
-    finally:
-        _RECORDERS.remove(recorder)
-        layers.remove()
-        set_phase_observer(previous)
-        _forget_process_groups()
+    with fake_process_group(rank, world_size, "fake_gpu"):
+        previous = set_phase_observer(recorder)
+        layers.install()
+        _RECORDERS.append(recorder)
+        try:
+            fake_mode = recorder.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with (fake_mode, recorder, _fake_cuda_runtime(recorder, capability),
+                  _swappable_fake_parameters(fake_mode), _seen_storage_resizes(recorder), _eager_compile()):
+                yield trace
+        finally:
+            _RECORDERS.remove(recorder)
+            layers.remove()
+            set_phase_observer(previous)
 
 
 # ---- running every rank, and the checks across ranks --------------------------------------------------------------
