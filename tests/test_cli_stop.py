@@ -135,8 +135,6 @@ def test_every_rank_exits_soon_after_one_fails(tmp_path, fault, rank):
         assert "Traceback" not in errs[rank]
 
 
-@pytest.mark.multirank
-@pytest.mark.slow  # the default run has the same stopped rank named: tests/test_faults.py test_3
 def _rank_0_names_rank_1_stuck(lines: list[str], shown: str) -> None:
     """The one line said when rank 1 stops answering mid-run: rank 0's roll call after the collective timeout names
     it (under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the checker's barrier fails first and names it instead)."""
@@ -148,6 +146,8 @@ def _rank_0_names_rank_1_stuck(lines: list[str], shown: str) -> None:
                          "gone): a collective timed out (WINSP_COLLECTIVE_TIMEOUT sets how long to wait)"], shown
 
 
+@pytest.mark.multirank
+@pytest.mark.slow  # the default run has the same stopped rank named: tests/test_faults.py test_3
 def test_a_stuck_rank_is_named_after_the_collective_timeout(tmp_path):
     """Rank 1 stops (SIGSTOP) mid-run: with WINSP_COLLECTIVE_TIMEOUT=3 rank 0's collective fails after 3 s (instead
     of gloo's 30 minutes), a roll call through the group's store finds rank 1 silent, and rank 0 says so in one line,
