@@ -52,6 +52,11 @@ def _store():
     return _get_default_store()
 
 
+def _exception_line(exc: BaseException) -> str:
+    """An exception as one line for the log: its type and its first 200 characters, whitespace folded."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
 def _rank0_drains() -> bool:
     """Whether rank 0 marked its drain in the store (False when the store or the group is gone)."""
     try:
@@ -162,7 +167,7 @@ class WorldPool:
             ended = serve_jobs(self._rank, _jobs_from_rank0(lambda: self._rank.launch.device, self.jobs),
                                answers.answer)
         except Exception as exc:  # noqa: BLE001 - a peer gone: the world is down (torchrun restarts it)
-            self.log(f"error: the world failed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+            self.log(f"error: the world failed: {_exception_line(exc)}")
         finally:
             self.events.put((0, None))
             if self._rank is not None:
@@ -244,8 +249,8 @@ def _follow(restore_flags: Sequence[str], outcome: dict) -> None:
     try:
         rank = Rank(restore_flags, None)  # joins the world
     except Exception as exc:  # noqa: BLE001 - rank 0 or a peer is gone already (torchrun restarts the world)
-        print(f"serve: rank {os.environ.get('RANK', '?')}: stopped while joining the world: {type(exc).__name__}: "
-              f"{' '.join(str(exc).split())[:200]}", file=sys.stderr)
+        print(f"serve: rank {os.environ.get('RANK', '?')}: stopped while joining the world: {_exception_line(exc)}",
+              file=sys.stderr)
         return
     ended = "broken"
     try:
@@ -259,7 +264,6 @@ def _follow(restore_flags: Sequence[str], outcome: dict) -> None:
         ended = serve_jobs(rank, _jobs_from_rank0(device_of), answer)
         outcome["code"] = 0 if ended == "quit" else 2
     except Exception as exc:  # noqa: BLE001 - rank 0 or a peer went away: leave (torchrun restarts the world)
-        print(f"serve: rank {rank.launch.rank}: stopped: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}",
-              file=sys.stderr)
+        print(f"serve: rank {rank.launch.rank}: stopped: {_exception_line(exc)}", file=sys.stderr)
     finally:
         rank.launch.close(failed=ended == "broken")
