@@ -35,6 +35,14 @@ START_S = 240.0
 JOB_S = 240.0
 
 
+def _serve_env(extra=None) -> dict:
+    """The environment a test's server starts in: this one without a rank's launch variables (the server is no rank
+    of this process's world), one thread a rank, the checkout importable, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SEEDVR2_LAUNCHED")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **(extra or {}))
+    return env
+
+
 class Served:
     """A ``serve`` process started by a test: its URL, its log, and a client that carries the token."""
 
@@ -50,11 +58,8 @@ class Served:
             with open(token_file, "w") as f:
                 f.write(TOKEN + "\n")
             argv += ["--token-file", token_file]
-        extra = env or {}
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SEEDVR2_LAUNCHED")}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra)
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=_serve_env(env), stdout=self.log, stderr=subprocess.STDOUT)
         self.token = token
         self.listen(1)
 
@@ -158,7 +163,7 @@ def _restore(src, out, *flags, ranks: int = 1) -> bytes:
     """What ``restore`` writes with ``flags`` (and the demo weights): in this process, or ``--ranks N`` in its own."""
     argv = ["restore", src, "-o", str(out), "--demo", "--quiet", *map(str, flags)]
     if ranks == 1:
-        # on one thread, as the server's ranks run (``Served``: OMP_NUM_THREADS=1): a float sum's order follows the
+        # on one thread, as the server's ranks run (``_serve_env``: OMP_NUM_THREADS=1): a float sum's order follows the
         # thread count, so a pixel near a rounding edge can differ by one between thread counts (it did, on AVX-512)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -463,11 +468,10 @@ def test_under_torchrun_the_other_ranks_leave_at_once_when_torchrun_stops_a_worl
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SEEDVR2_LAUNCHED")}
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                "-m", "examples.seedvr2", "serve", "--demo", "--port", str(taken.getsockname()[1])],
-                              cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO), capture_output=True,
+                              cwd=REPO, env=_serve_env(), capture_output=True,
                               text=True, timeout=120)
     seconds = time.monotonic() - started
     assert done.returncode != 0 and "cannot listen on 127.0.0.1:" in done.stderr, done.stderr
