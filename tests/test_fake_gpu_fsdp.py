@@ -79,6 +79,17 @@ def _hourglass_rank(rank: int, world: int, dp: int, sp: int) -> dict:
             "total": sum(p.numel() for p in HourglassNet(dropout=0.0).parameters()), "sp": sp}
 
 
+def _rows_move_in_the_sp_group(trace, rank: int, sp: int, dtype=None) -> None:
+    """winsp's all-to-alls (of ``dtype``, any when None) on ``rank`` stay in its SP group of the (dp, sp) mesh; none
+    at ``sp`` = 1."""
+    sp_ops = [c for c in trace.collectives if c.op == "all_to_all" and (dtype is None or c.dtype == dtype)]
+    if sp == 1:
+        assert not sp_ops, [c.describe() for c in sp_ops]
+        return
+    sp_group = tuple(range(rank // sp * sp, rank // sp * sp + sp))
+    assert sp_ops and all(c.group == sp_group for c in sp_ops), [c.describe() for c in sp_ops]
+
+
 def _check(report, dp: int, sp: int) -> None:
     world = dp * sp
     assert report.problems() == []
@@ -95,12 +106,7 @@ def _check(report, dp: int, sp: int) -> None:
         gathers = [c for c in trace.collectives if c.op == "all_gather" and c.group == everyone]
         # one all-gather of the root's and each block's shard (bf16), on the world group
         assert len(gathers) >= 2 and {c.dtype for c in gathers} == {torch.bfloat16}, gathers
-        if sp > 1:  # winsp moves rows within this rank's SP group only
-            sp_group = tuple(range(rank // sp * sp, rank // sp * sp + sp))
-            sp_ops = [c for c in trace.collectives if c.op == "all_to_all"]
-            assert sp_ops and all(c.group == sp_group for c in sp_ops), [c.describe() for c in sp_ops]
-        else:
-            assert not [c for c in trace.collectives if c.op == "all_to_all"]
+        _rows_move_in_the_sp_group(trace, rank, sp)
 
 
 @pytest.mark.parametrize("dp,sp", [(2, 2), (1, 4)])
@@ -266,10 +272,7 @@ def _check_seedvr2(report, dp: int, sp: int, latent: tuple) -> None:
         assert r["local"] <= r["total"] - r["blocks"] + r["blocks"] / world * 1.01, r
         gathers = [c for c in trace.collectives if c.op == "all_gather" and c.group == everyone]
         assert gathers and {c.dtype for c in gathers} == {torch.bfloat16}, gathers
-        if sp > 1:
-            sp_group = tuple(range(rank // sp * sp, rank // sp * sp + sp))
-            sp_ops = [c for c in trace.collectives if c.op == "all_to_all" and c.dtype == torch.bfloat16]
-            assert sp_ops and all(c.group == sp_group for c in sp_ops), [c.describe() for c in sp_ops]
+        _rows_move_in_the_sp_group(trace, rank, sp, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dp,sp", [(2, 2), pytest.param(1, 4, marks=pytest.mark.slow)])
