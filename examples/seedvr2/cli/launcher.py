@@ -61,7 +61,7 @@ PORT_ATTEMPTS = 3
 FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
                                                      "SIGALRM") if hasattr(signal, name))
 _STOP_CODES = {128 + int(s): s for s in FORWARDED}
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _PARTIALS, _PORT_TAKEN = "partials", "port-taken"
 
 
@@ -313,7 +313,7 @@ def launch(argv: Sequence[str], stream=None, module: str = "examples.seedvr2") -
         say(f"error: {exc} (see {PROG} restore --help)")
         return 2
     if ranks == 1:
-        from .cli import main
+        from .restore import main
 
         return main(list(argv))
     problem = preflight(argv)

@@ -16,8 +16,8 @@ from typing import Collection, Optional
 
 import torch
 
-from .gguf_dequant import BLOCK_LAYOUTS, packed_nbytes
-from .quantized_linear import FP8_KINDS
+from ..checkpoints.gguf_dequant import BLOCK_LAYOUTS, packed_nbytes
+from ..checkpoints.quantized_linear import FP8_KINDS
 
 __all__ = ["checkpoint_layout", "resident_weight_bytes", "run_weight_bytes", "sharded_weight_bytes"]
 
@@ -38,7 +38,7 @@ def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     except ValueError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged header fails in any way inside the readers
-        from .checkpoint_file import read_error_reason
+        from ..checkpoints.file import read_error_reason
 
         raise ValueError(f"checkpoint {path!r}: its header cannot be read ({read_error_reason(err)})") from None
 
@@ -47,17 +47,17 @@ def _layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     suffix = os.path.splitext(path)[1].lower()
     layout: dict[str, tuple[str, tuple[int, ...], int]] = {}
     if suffix == ".safetensors":
-        from .checkpoint_file import safetensors_header
+        from ..checkpoints.file import safetensors_header
 
         for key, entry in safetensors_header(path).items():
             layout[key] = (_SAFETENSORS_KIND.get(entry.dtype, entry.dtype), entry.shape,
                            math.prod(entry.shape) * _SAFETENSORS_BYTES.get(entry.dtype, 4))
     elif suffix == ".gguf":
-        from .gguf_file import gguf_header
+        from ..checkpoints.gguf_file import gguf_header
 
         layout = gguf_header(path).layout()  # parsed once: the loader reuses it
     else:
-        from .checkpoint_file import compressed_zip_records
+        from ..checkpoints.file import compressed_zip_records
 
         if compressed_zip_records(path):  # mmap would misread it; reading it whole here would double the load
             raise ValueError(f"{path!r} has compressed records; its layout is not read without loading it")
@@ -132,7 +132,7 @@ def run_weight_bytes(model: str, dit_path: str, vae_path: str, *, compute_dtype:
     with ``shard_parts``, the DiT's blocks sharded over that many ranks (see :func:`sharded_weight_bytes`).
 
     A file whose header cannot be read counts its size on disk (the loader then reports what is wrong with it)."""
-    from .dit import NaDiTConfig, SeedVR2NaDiT, packable_dit_weights
+    from ..models.dit import NaDiTConfig, SeedVR2NaDiT, packable_dit_weights
 
     with torch.device("meta"):
         packable = packable_dit_weights(SeedVR2NaDiT(NaDiTConfig.released(model)))

@@ -185,7 +185,7 @@ def tiled_frame_bytes(stage: str, clip, dtype) -> int:
 
 def _weights(model: str, dtype, sp: int, shard: bool) -> tuple[int, int]:
     """(DiT bytes a rank holds between blocks, VAE bytes), from the released models' parameters on the meta device."""
-    from .pipeline import released_models_on_meta
+    from ..restore.pipeline import released_models_on_meta
 
     return weight_bytes(*released_models_on_meta(model, dtype), sp, shard)
 
@@ -204,8 +204,8 @@ def weight_bytes(dit, vae, sp: int, shard: bool) -> tuple[int, int]:
 def stage_peaks(tracer, request: PlanRequest, settings, shard: bool) -> StagePeaks:
     """Each stage's per-rank need for one temporal batch of ``settings`` (a :class:`.memory_fit.RunSettings`), from
     ``tracer`` (a :class:`Tracer`, or :class:`.plan_cpu.CpuTracer` for a CPU run)."""
+    from ..restore.temporal import DEFAULT_OVERLAP
     from .fake_gpu_runs import Clip
-    from .temporal import DEFAULT_OVERLAP
 
     frames = min(settings.batch_frames, request.frames)
     clip = Clip(frames, request.height, request.width)
@@ -267,7 +267,7 @@ def _batch_count(frames: int, batch: int, overlap: int) -> int:
 def make_tracer(request: PlanRequest, sp: int, dtype, cache: dict):
     """The fake-GPU :class:`Tracer`, or the CPU twin's for ``request.device == "cpu"``."""
     if request.device == "cpu":
-        from .plan_cpu import CpuTracer
+        from .planner_cpu import CpuTracer
 
         return CpuTracer(request.model, sp, dtype, cache, demo=request.demo)
     return Tracer(request.model, sp, dtype, cache)
@@ -283,8 +283,8 @@ def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, repor
     (:class:`.plan_cpu.CpuTracer`) instead of the fake GPU."""
     import torch
 
-    from .memory_fit import PinnedSettings, candidate_settings
-    from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+    from ..restore.temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+    from .fit import PinnedSettings, candidate_settings
 
     dtype = getattr(torch, _DTYPES[request.dtype])
     default_batch = max_batch or DEFAULT_BATCH_FRAMES
@@ -341,7 +341,7 @@ def format_result(result: PlanResult) -> str:
         over = (need - r.gpu_memory) / GiB
         lines.append(f"  no: {c.describe()}: {stage} needs {need / GiB:.2f} GiB ({over:+.2f} GiB)")
     if r.device == "cpu":
-        from .plan_cpu import cpu_assumptions
+        from .planner_cpu import cpu_assumptions
 
         lines.append("assumes: " + cpu_assumptions(result.tried[0].peaks.extra if result.tried else 0))
     else:
@@ -409,7 +409,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         import torch
 
-        from .plan_cpu import measure_baseline
+        from .planner_cpu import measure_baseline
 
         measure_baseline(getattr(torch, _DTYPES[request.dtype]))  # before any tracing: what a restore rank holds
     result = plan_restore(request, report=lambda line: print(line, file=sys.stderr))

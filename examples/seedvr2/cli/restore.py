@@ -14,7 +14,8 @@ output.
 With --dit-checkpoint and --vae-checkpoint it is the SeedVR2 3B restorer (--model 7b: the 7B). Without them it
 looks for downloaded weights in ./ckpts/, $SEEDVR2_HOME and the Hugging Face cache (no network) and says which files
 it uses; only when nothing is found (or with --demo) it runs embedded tiny demo weights of that architecture
-(examples/seedvr2/demo.py) so that the command works anywhere in seconds, and says so, since that restores nothing.
+(examples/seedvr2/models/demo.py) so that the command works anywhere in seconds, and says so, since that restores
+nothing.
 
 Exit codes: 0 success; 2 bad input, usage, not enough memory, or a failed write (one "error:" line on stderr, no
 output file); 128 + N stopped by signal N (143 SIGTERM, 130 SIGINT, 129 SIGHUP; also SIGQUIT, SIGUSR1/2, SIGALRM):
@@ -47,9 +48,9 @@ import torch
 
 from winsp.comm.group import abort_world, init_world_from_env, shutdown_world
 
-from .checkpoint_file import read_error_reason
-from .color_fix import COLOR_FIXES
-from .media import (
+from ..checkpoints.file import read_error_reason
+from ..media.color_fix import COLOR_FIXES
+from ..media.reading import (
     DEFAULT_CRF,
     IMAGE_EXTENSIONS,
     Geometry,
@@ -69,13 +70,14 @@ from .terminal_text import printable
 
 __all__ = ["main", "build_parser", "InputError", "StageProgress", "DEFAULT_TEXT_EMBEDS", "DEFAULT_SEED"]
 
-from .checkpoint_dtypes import WEIGHT_MODES
+from ..checkpoints.dtypes import WEIGHT_MODES
+from ..restore.temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
+from ..weights.discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 from .launcher import PORT_TAKEN_EXIT, env_rank, leave_note, record_port_taken, speaks_for_stop
-from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP, check_batching
-from .weights_discovery import WeightsError, how_to_get_weights, resolve_cli_weights
 
 PROG = "python -m examples.seedvr2"
-DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "text_embeds.safetensors")
+DEFAULT_TEXT_EMBEDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                                   "text_embeds.safetensors")
 DEFAULT_SEED = 666
 STAGES = ("read", "load", "restore")
 #: how long a rank waits for the others when leaving the process group normally. Every rank arrives within
@@ -369,8 +371,8 @@ def _check_output_path(path: str, num_frames_hint: Optional[int] = None) -> None
 
 def _check_shardable(args: argparse.Namespace) -> None:
     """Refuse, before anything is read, a ``--shard-weights`` run whose DiT checkpoint cannot be sharded."""
-    from .sharded_weights import check_shardable_checkpoint
-    from .weight_memory import checkpoint_layout
+    from ..weights.footprint import checkpoint_layout
+    from ..weights.sharded import check_shardable_checkpoint
 
     if not os.path.isfile(args.dit_checkpoint):
         return  # the loader names the missing file
@@ -454,15 +456,15 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                           else ("--vae-checkpoint", "--dit-checkpoint"))
         raise InputError(f"{given} was given without {missing}; give both checkpoints, or neither for the demo weights")
     if args.dit_checkpoint is None:
-        from .demo import demo_models, demo_text_embeds
+        from ..models.demo import demo_models, demo_text_embeds
 
         dit, vae = demo_models(device, dtype, model=args.model or "3b")
         txt = _read_text_embeds(args.text_embeds, dit.config.txt_in_dim) if args.text_embeds else demo_text_embeds()
         return LoadedModels(dit, vae, txt, demo=True)
 
-    from .dit import load_dit_checkpoint
-    from .pipeline import released_models_on_meta
-    from .vae import load_vae_checkpoint
+    from ..models.dit import load_dit_checkpoint
+    from ..models.vae import load_vae_checkpoint
+    from ..restore.pipeline import released_models_on_meta
 
     found = getattr(args, "found_weights", False)  # discovered, not given: name the files, not the flags
     dit_flag, vae_flag = ("the DiT weights", "the VAE weights") if found else ("--dit-checkpoint", "--vae-checkpoint")
@@ -475,7 +477,7 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     weights = {"weights": getattr(args, "weights", "stored")}
     dit_loader = load_dit_checkpoint
     if getattr(args, "shard_weights", False):
-        from .sharded_weights import load_sharded_dit
+        from ..weights.sharded import load_sharded_dit
 
         weights["device"] = device
         dit_loader = lambda model, path, **options: load_sharded_dit(model, path, group, **options)  # noqa: E731
@@ -507,7 +509,7 @@ _MEMORY_HELP = ("--vae-parallel tiled with a smaller --vae-tile", "a smaller --b
 
 def pinned_settings(args: argparse.Namespace):
     """The memory-relevant settings the user fixed (the others are chosen by :func:`plan_memory`), checked."""
-    from .memory_fit import PinnedSettings
+    from ..memory.fit import PinnedSettings
 
     if args.vae_tile is not None:
         if args.vae_parallel not in (None, "tiled"):
@@ -546,16 +548,16 @@ def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torc
     """(first VAE level channels, DiT width, resident weight bytes in ``dtype``) of the models a run will load; with
     ``shard_parts``, the DiT's blocks sharded over that many ranks."""
     if demo:
-        from .demo import DEMO_DIT_CONFIGS, demo_vae_config
+        from ..models.demo import DEMO_DIT_CONFIGS, demo_vae_config
 
         try:
             vae_config = demo_vae_config()
         except ValueError as error:
             raise InputError(str(error)) from None
         return vae_config["block_out_channels"][0], DEMO_DIT_CONFIGS[args.model or "3b"].vid_dim, 0
-    from .dit import NaDiTConfig
-    from .vae import VideoVAEConfig
-    from .weight_memory import run_weight_bytes
+    from ..models.dit import NaDiTConfig
+    from ..models.vae import VideoVAEConfig
+    from ..weights.footprint import run_weight_bytes
 
     weights = run_weight_bytes(args.model or "3b", args.dit_checkpoint, args.vae_checkpoint, compute_dtype=dtype,
                                weights=getattr(args, "weights", "stored"), shard_parts=shard_parts)
@@ -575,7 +577,7 @@ def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: "Ru
     """
     from winsp.comm.group import SPGroup
 
-    from .memory_limits import MemoryLimit
+    from ..memory.limits import MemoryLimit
 
     if launch.world_size == 1:
         if error is not None:
@@ -637,9 +639,9 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
 def _plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
                  sp_size: int, device: torch.device, demo: bool, limit=None, *,
                  weights_loaded: bool = False) -> MemoryPlan:
-    from .memory_fit import candidate_settings, fit_settings, tile_overlap
-    from .memory_limits import usable_memory
-    from .pipeline import estimate_restore_bytes
+    from ..memory.fit import candidate_settings, fit_settings, tile_overlap
+    from ..memory.limits import usable_memory
+    from ..restore.pipeline import estimate_restore_bytes
 
     sharded = getattr(args, "shard_weights", False)
     vae_channels, dit_width, weights = _model_sizes(args, demo, dtype, sp_size if sharded else None)
@@ -779,7 +781,7 @@ def _check_checkpoint_files(args: argparse.Namespace) -> None:
 def _check_given_checkpoints(args: argparse.Namespace) -> None:
     """Raise :class:`InputError` for a ``--dit-checkpoint`` / ``--vae-checkpoint`` the user gave that cannot be a
     SeedVR2 checkpoint of that kind: missing, unreadable, or without any of its keys (the file's header only)."""
-    from .weight_memory import checkpoint_layout
+    from ..weights.footprint import checkpoint_layout
 
     for flag, path, what in (("--dit-checkpoint", args.dit_checkpoint, "DiT"),
                              ("--vae-checkpoint", args.vae_checkpoint, "VAE")):
@@ -804,10 +806,10 @@ def _check_given_checkpoints(args: argparse.Namespace) -> None:
 def _txt_in_dim(model: Optional[str], demo: bool) -> int:
     """The width of the prompt embedding the DiT a run builds expects."""
     if demo:
-        from .demo import DEMO_DIT_CONFIGS
+        from ..models.demo import DEMO_DIT_CONFIGS
 
         return DEMO_DIT_CONFIGS[model or "3b"].txt_in_dim
-    from .dit import NaDiTConfig
+    from ..models.dit import NaDiTConfig
 
     return NaDiTConfig.released(model or "3b").txt_in_dim
 
@@ -830,8 +832,8 @@ def _prepare(args: argparse.Namespace, launch: Launch, progress: StageProgress) 
     the SP size, the output path (and, on the writing rank, that its directory takes a new file), demo or not, dtype,
     colour fix, the input's description, the geometry, and notes for the user (a --batch-frames clamped to the clip).
     Nothing is read before the options and the output are checked."""
-    from .media import probe_media
-    from .pipeline import causal_frame_count
+    from ..media.reading import probe_media
+    from ..restore.pipeline import causal_frame_count
 
     if isinstance(args.input, (list, tuple)):  # parse_args' list, for callers of run_restore (main splits a batch)
         if len(args.input) != 1:
@@ -924,15 +926,15 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
 
     from winsp.comm.temporal import build_temporal_mesh, ordered_results
 
-    from . import stage_clock
-    from .media import MediaWriter, iter_frames
-    from .memory_fit import tile_overlap
-    from .memory_limits import usable_memory
-    from .overlap import background_worker, prefetch
-    from .pipeline import SeedVR2Pipeline
+    from ..media.reading import MediaWriter, iter_frames
+    from ..memory.fit import tile_overlap
+    from ..memory.limits import usable_memory
+    from ..restore import stage_clock
+    from ..restore.overlap import background_worker, prefetch
+    from ..restore.pipeline import SeedVR2Pipeline
+    from ..restore.stage_clock import timed_iter
+    from ..restore.temporal import TemporalBlender, plan_temporal_batches, temporal_batches
     from .progress import RestoreProgress, expected_calls, format_seconds, summary_line
-    from .stage_clock import timed_iter
-    from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
 
     # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
     # then the ranks meet once (the only collective before the run) and agree to start, or all stop.
@@ -1094,7 +1096,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     if sp_size == 1 and settings.vae_parallel in ("height", "wavefront"):
         vae = "replicated"  # what one rank runs (see SeedVR2Pipeline)
     if settings.vae_parallel == "wavefront" and sp_size > 1 and pipe.vae_splits:  # what the cost model chose
-        from .vae.wavefront import describe_splits
+        from ..models.vae.wavefront import describe_splits
 
         vae += f" ({'; '.join(sorted({describe_splits(*splits) for splits in pipe.vae_splits}))})"
     if pipe.weight_shards is not None:
@@ -1179,7 +1181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     one-line note), so no rank waits on a failed one. SIGTERM, SIGINT, SIGHUP and the other stop signals end the
     process at once (see :mod:`.stop_signals`); a Ctrl-C before their handling is in place is one line too.
     """
-    from . import stage_clock
+    from ..restore import stage_clock
 
     if os.environ.get(stage_clock.PROFILE_ENV):
         stage_clock.enable(comm=True).mark("main entered")
@@ -1207,7 +1209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from .inputs import plan_jobs
+    from ..media.inputs import plan_jobs
 
     try:
         launch = Launch.from_env()
@@ -1290,7 +1292,7 @@ def _restore_file(args: argparse.Namespace, launch: Launch, state: RunState) -> 
     Errors are printed as one line (by the rank that reports them), the summary by rank 0."""
     progress = StageProgress(STAGES, enabled=launch.rank == 0 and not args.quiet)
     prefix = f"rank {launch.rank}: " if launch.world_size > 1 else ""
-    from .pipeline import NonFiniteOutput
+    from ..restore.pipeline import NonFiniteOutput
 
     try:
         summary = run_restore(args, launch, progress, state)
@@ -1341,7 +1343,7 @@ def _write_stage_times(stages: dict) -> None:
 def _write_profile(rank: int, cli_stages: dict) -> None:
     """With ``SEEDVR2_PROFILE=DIR``: this rank's stage figures (and the CLI's own ``cli_stages`` seconds) to
     ``DIR/rank<N>.json`` (see :mod:`.stage_clock`)."""
-    from . import stage_clock
+    from ..restore import stage_clock
 
     directory = os.environ.get(stage_clock.PROFILE_ENV)
     if directory and stage_clock.active() is not None:
