@@ -97,7 +97,8 @@ def test_vae_tile_goes_with_tiled_only(tmp_path, capsys):
 _CHILD = textwrap.dedent("""
     import faulthandler, os, resource, signal, sys
     faulthandler.register(signal.SIGUSR1)
-    from examples.seedvr2 import cli, pipeline
+    from examples.seedvr2 import cli
+    from examples.seedvr2.memory import estimate as pipeline
     from examples.seedvr2.memory import limits as memory_limits
     extra_mib, ranks, mode = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
     def limit_now():

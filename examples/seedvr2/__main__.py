@@ -35,6 +35,13 @@ def _stop_now(signum, frame) -> None:
     os._exit(128 + signum)
 
 
+def _restore_here(argv: list[str]) -> int:
+    """The restore command in this process (``--ranks 1``): imported only then, as torch comes with it."""
+    from .cli.restore import main
+
+    return main(argv)
+
+
 def _run() -> int:
     if sys.argv[1:2] == ["serve"]:  # the HTTP server starts its own ranks (see .serve)
         from .serve.server import main as serve
@@ -43,7 +50,7 @@ def _run() -> int:
     previous = {s: signal.signal(s, _stop_now) for s in _STOPS}
     try:
         if sys.argv[1:2] == ["plan"]:  # the memory planner: no launcher, no restore CLI
-            from .memory.planner import main as plan
+            from .cli.plan import main as plan
 
             return plan(sys.argv[2:])
         from .cli.launcher import launch, wants_launcher
@@ -51,7 +58,7 @@ def _run() -> int:
         launcher = wants_launcher(sys.argv[1:])
         if not launcher:
             from .cli.restore import main
-        code = launch(sys.argv[1:]) if launcher else main()
+        code = launch(sys.argv[1:], run_here=_restore_here) if launcher else main()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

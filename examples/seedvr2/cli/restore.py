@@ -639,9 +639,9 @@ def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames
 def _plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
                  sp_size: int, device: torch.device, demo: bool, limit=None, *,
                  weights_loaded: bool = False) -> MemoryPlan:
+    from ..memory.estimate import estimate_restore_bytes
     from ..memory.fit import candidate_settings, fit_settings, tile_overlap
     from ..memory.limits import usable_memory
-    from ..restore.pipeline import estimate_restore_bytes
 
     sharded = getattr(args, "shard_weights", False)
     vae_channels, dit_width, weights = _model_sizes(args, demo, dtype, sp_size if sharded else None)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cli.launcher import record_partial
+from .launch_record import record_partial
 
 __all__ = [
     "MediaError",

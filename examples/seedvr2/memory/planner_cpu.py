@@ -35,13 +35,13 @@ _BASELINE: list[int] = []
 
 def measure_baseline(dtype: torch.dtype = torch.float32) -> int:
     """This process's resident set once it holds what a restore rank holds before its models: the imports (torch,
-    the models' code, the command line and media modules with PyAV) and the code pages of the kernels a restore runs
+    the models' code, the media modules with PyAV; the plan command imports the command line's first, as
+    :mod:`examples.seedvr2.cli.plan` does) and the code pages of the kernels a restore runs
     (a real restore of a 5-frame 32x32 clip through the tiny demo models, in ``dtype``: the same modules and kernels
     as the released ones, at a size whose tensors are negligible). Measured once, before any tracing, and kept."""
     if not _BASELINE:
         import gc
 
-        from ..cli import restore as cli  # noqa: F401
         from ..media import reading as media  # noqa: F401 - imported for their resident pages, as a restore does
         from ..models.demo import demo_models, demo_text_embeds
         from ..restore.pipeline import SeedVR2Pipeline
@@ -118,7 +118,7 @@ class CpuTracer:
     def weights(self, shard: bool) -> tuple[int, int]:
         key = ("cpu weights", self.model, self.demo, str(self.dtype), self.sp, shard)
         if key not in self.cache:
-            from .planner import weight_bytes
+            from .traced_peaks import weight_bytes
 
             with torch.device("meta"):
                 self.cache[key] = weight_bytes(*_build(self.model, self.demo, self.dtype), self.sp, shard)
@@ -168,7 +168,7 @@ class CpuTracer:
         return self._trace(("cpu dit", self.model, self.demo, self.sp, str(self.dtype), latent, shard), run)
 
     def vae(self, stage: str, mode: str, clip, tile: Optional[int]) -> int:
-        from .planner import vae_stage_peak
+        from .traced_peaks import vae_stage_peak
 
         return vae_stage_peak(self, stage, mode, clip, tile)
 

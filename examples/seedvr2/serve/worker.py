@@ -188,7 +188,7 @@ def _apply_test_memory_limit(rank: int) -> None:
         return
     import resource
 
-    from .. import pipeline
+    from ..memory import estimate as pipeline
     from ..memory.limits import ADDRESS_SPACE_RESERVE
 
     mib, _, ranks = value.partition(":")
