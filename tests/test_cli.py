@@ -406,7 +406,7 @@ def test_bad_output_paths(tmp_path, capsys):
 
 
 def test_failed_write_leaves_no_file(tmp_path, capsys, monkeypatch):
-    from examples.seedvr2.media import reading as media
+    from examples.seedvr2.media import writing as media
 
     def explode(self, frame, pts=None):
         raise media.MediaError("disk full (simulated)")

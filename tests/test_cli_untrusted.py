@@ -17,7 +17,7 @@ import torch
 av = pytest.importorskip("av")
 
 from examples.seedvr2 import cli  # noqa: E402
-from examples.seedvr2.media import reading as media  # noqa: E402
+from examples.seedvr2.media import writing as media  # noqa: E402
 from tests.test_cli import PREFIX, REPO, _expect_error, leftovers, make_mp4, make_png  # noqa: E402
 
 

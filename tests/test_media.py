@@ -115,7 +115,7 @@ def test_writing_many_frames_to_png_is_refused_and_leaves_nothing(tmp_path):
 
 
 def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    from examples.seedvr2.media import reading as media_mod
+    from examples.seedvr2.media import writing as media_mod
 
     real_write = media_mod.MediaWriter.write
     calls = []

@@ -30,7 +30,7 @@ import time
 import warnings
 from typing import Callable, Optional
 
-from ..media.reading import remove_partial_outputs
+from ..media.writing import remove_partial_outputs
 
 __all__ = ["StopOnSignals", "STOP_SIGNALS", "GRACE_S"]
 
