@@ -12,16 +12,17 @@ import pytest
 
 pytest.importorskip("av")
 
-from examples.seedvr2.cli import restore as cli  # noqa: E402
+from examples.seedvr2 import cli  # noqa: E402
+from examples.seedvr2.cli import stages  # noqa: E402 - where the stages look up what the tests replace
 from examples.seedvr2.cli.launcher import LaunchError, check_ranks  # noqa: E402
 from tests.test_cli import PREFIX, _expect_error, golden_checkpoints, make_png  # noqa: E402
 
 
 def _forbid(monkeypatch, name: str) -> None:
-    """Make ``cli.<name>`` (slow work: weight search, model loading) fail the test if it is reached."""
+    """Make ``stages.<name>`` (slow work: weight search, model loading) fail the test if it is reached."""
     def reached(*args, **kwargs):
         raise AssertionError(f"{name} ran before the mistake was reported")
-    monkeypatch.setattr(cli, name, reached)
+    monkeypatch.setattr(stages, name, reached)
 
 
 def _no_weights_anywhere(monkeypatch, tmp_path) -> None:
@@ -213,7 +214,7 @@ def test_an_output_over_8k_is_refused_with_a_time_estimate_unless_allowed(tmp_pa
     def stop(*args, **kwargs):
         raise cli.InputError("stopped where the models would load")
 
-    monkeypatch.setattr(cli, "load_models", stop)
+    monkeypatch.setattr(stages, "load_models", stop)
     assert cli.main(["restore", str(src), "-o", str(tmp_path / "o.png"), "--scale", "100",
                      "--allow-large-output"]) == 2
     err = capsys.readouterr().err

@@ -18,7 +18,8 @@ import pytest
 
 av = pytest.importorskip("av")
 
-from examples.seedvr2.cli import restore as cli  # noqa: E402
+from examples.seedvr2 import cli  # noqa: E402
+from examples.seedvr2.cli import stages  # noqa: E402 - where the stages look up what the tests replace
 from examples.seedvr2.cli.launcher import LAUNCHED_ENV, env_rank, launched_rank, wants_launcher  # noqa: E402
 from tests.test_cli import PREFIX, REPO, _expect_error, leftovers, make_mp4, make_png  # noqa: E402
 from tests.test_cli_stop import _rank_0_names_rank_1_stuck, _wait_for  # noqa: E402
@@ -319,7 +320,7 @@ def _must_not_run(monkeypatch):
         raise AssertionError("read or loaded before the refusal")
 
     monkeypatch.setattr(media, "probe_media", must_not_run)
-    monkeypatch.setattr(cli, "load_models", must_not_run)
+    monkeypatch.setattr(stages, "load_models", must_not_run)
 
 
 def test_9_colliding_outputs_without_o_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from winsp.comm.group import abort_world, init_world_from_env, shutdown_world
 
-from .loading import LoadedModels
 from .memory_plan import MemoryPlan, _per_rank_figures
 from .parser import InputError
+
+if TYPE_CHECKING:  # the load stage's models, held for the next file of a batch
+    from .stages import LoadedModels
 
 #: how long a rank waits for the others when leaving the process group normally. Every rank arrives within
 #: moments (they have just met: the summary's figures, or the agreement to start), so this bounds only how long a
