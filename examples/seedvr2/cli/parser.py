@@ -1,4 +1,36 @@
-"""The restore command's arguments: its parser (one-line usage errors, rank 0 alone), defaults and input errors.
+"""Command line: python -m examples.seedvr2 restore INPUT... -o OUTPUT [options]
+
+INPUT is a video or image, or a folder of them, or several: a folder's videos and images are restored into the
+output folder under their own names with the models loaded once (see docs/seedvr2.md). Single process; or W ranks
+started by the command itself with --ranks W (one per GPU; gloo on the CPU), or under torchrun --nproc-per-node W.
+The clip is restored in temporal batches of --batch-frames frames that share --overlap cross-faded frames, decoded
+lazily from the input and encoded to the output as they finish, so memory does not grow with the clip. With
+--sp-size N the W ranks form W / N groups of N: each group takes whole batches (round-robin), runs the DiT
+window-parallel and the VAE in its --vae-parallel mode over its N ranks, and sends its finished batches to rank 0,
+which writes them in order. Across machines, run one torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint
+HOST:PORT agent per node; ranks are numbered node by node, every rank reads the input, global rank 0 writes the
+output.
+
+With --dit-checkpoint and --vae-checkpoint it is the SeedVR2 3B restorer (--model 7b: the 7B). Without them it
+looks for downloaded weights in ./ckpts/, $SEEDVR2_HOME and the Hugging Face cache (no network) and says which files
+it uses; only when nothing is found (or with --demo) it runs embedded tiny demo weights of that architecture
+(examples/seedvr2/models/demo.py) so that the command works anywhere in seconds, and says so, since that restores
+nothing.
+
+Exit codes: 0 success; 2 bad input, usage, not enough memory, or a failed write (one "error:" line on stderr, no
+output file); 128 + N stopped by signal N (143 SIGTERM, 130 SIGINT, 129 SIGHUP; also SIGQUIT, SIGUSR1/2, SIGALRM):
+the partial output is removed and one line says so; anything else is a bug (docs/failures.md has the details).
+A rank that fails once the run has started reports it and leaves at once; the others then stop too, within seconds
+(under torchrun with a line "rank N: stopped: another rank failed"; under --ranks silently); a rank that stops
+answering is named after the collective timeout (600 s, WINSP_COLLECTIVE_TIMEOUT seconds when set).
+
+The command never loses data: an output path that is the input (same path, a symlink or a hard link to it) is
+refused, an existing output is only replaced with --overwrite (nor one that appears during the run: the output is
+published without replacing anything), an output directory that cannot take a new file is refused before anything
+is read, a video that decodes fewer frames than its container declares is refused unless
+--allow-partial-input, and a request that fits the usable memory in no setting is refused before anything is
+allocated (settings left out are chosen to fit; see the memory options below). Without -o the output goes beside
+the input as <input>_restored.<ext>.
 """
 
 from __future__ import annotations
