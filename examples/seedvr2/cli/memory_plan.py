@@ -89,7 +89,8 @@ def _model_sizes(args: argparse.Namespace, demo: bool, dtype: torch.dtype = torc
 def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
                 sp_size: int, device: torch.device, demo: bool, limit=None, *,
                 weights_loaded: bool = False) -> MemoryPlan:
-    """Choose the fastest settings whose estimated peak fits the memory this rank may use (see :mod:`.memory_fit`).
+    """Choose the fastest settings whose estimated peak fits the memory this rank may use (see
+    :mod:`~examples.seedvr2.memory.fit`).
 
     Raises :class:`OutOfMemory` (before anything is allocated) when pinned settings do not fit, naming settings that
     would, or when nothing fits; when fp32 was chosen by default (the CPU's) and bf16 would fit, it says so.

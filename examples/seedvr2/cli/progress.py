@@ -52,7 +52,8 @@ def _chunks(frames: int, chunk: Optional[int]) -> int:
 def expected_calls(frames: int, *, steps: int, temporal_chunk: Optional[int] = 4, temporal_factor: int = 4,
                    tiles: int = 1) -> dict[str, int]:
     """How many encoder, DiT and decoder calls one batch of ``frames`` frames makes (the chunking of
-    :mod:`.vae.model`: the first frame and a chunk, then a chunk at a time; the decoder in latent frames)."""
+    :mod:`~examples.seedvr2.models.vae.model`: the first frame and a chunk, then a chunk at a time; the decoder in
+    latent frames)."""
     padded = 1 + math.ceil((frames - 1) / temporal_factor) * temporal_factor
     latent = 1 + (padded - 1) // temporal_factor
     latent_chunk = None if temporal_chunk is None else max(1, temporal_chunk // temporal_factor)

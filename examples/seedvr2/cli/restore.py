@@ -246,7 +246,7 @@ def _write_stage_times(stages: dict) -> None:
 
 def _write_profile(rank: int, cli_stages: dict) -> None:
     """With ``SEEDVR2_PROFILE=DIR``: this rank's stage figures (and the CLI's own ``cli_stages`` seconds) to
-    ``DIR/rank<N>.json`` (see :mod:`.stage_clock`)."""
+    ``DIR/rank<N>.json`` (see :mod:`~examples.seedvr2.restore.stage_clock`)."""
     from ..restore import stage_clock
 
     directory = os.environ.get(stage_clock.PROFILE_ENV)

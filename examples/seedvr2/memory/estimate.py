@@ -94,7 +94,7 @@ def estimate_restore_bytes(
     first level has ``vae_channels`` channels (temporal chunks of 4 frames) and a DiT of ``dit_width``.
 
     An estimate from the shapes only, made before anything is allocated so that a request can be fitted to the memory
-    it may use (see :mod:`.memory_fit`) or refused with a message instead of dying in the allocator. Calibrated
+    it may use (see :mod:`.fit`) or refused with a message instead of dying in the allocator. Calibrated
     against peak RSS (see the constants above); the VAE part follows the area one rank's VAE works on
     (:func:`vae_work_area`). ``tile_overlap`` is accepted for the callers' convenience (a tile's memory is its size).
     """

@@ -1,5 +1,5 @@
 """SeedVR2's GPU paths as fake-GPU rank functions (:mod:`winsp.testing.fake_gpu`): the released models at full width
-and depth in bf16 on fake CUDA tensors, for the tests and for the memory planner (:mod:`.plan`).
+and depth in bf16 on fake CUDA tensors, for the tests and for the memory planner (:mod:`.planner`).
 
 Each ``*_rank`` function has the signature ``fn(rank, world_size, ...)`` that
 :func:`winsp.testing.fake_gpu.run_fake_gpu` calls inside a fake GPU: it builds what it runs on the fake device

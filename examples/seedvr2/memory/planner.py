@@ -5,7 +5,7 @@ shapes and dtypes, no values, no GPU) and one temporal batch is run through each
 trace's peak of live device bytes per stage, plus the resident weights of the other model, plus stated constants, is
 the stage's need per rank. Settings are tried best first: the longest temporal batch first; for each batch the exact
 VAE modes on every SP degree that divides the GPU count (:func:`sp_degrees`: fastest first by the ideal-SP rounds,
-ties to the smaller degree), in :func:`.memory_fit.candidate_settings`' order, whole weights before
+ties to the smaller degree), in :func:`.fit.candidate_settings`' order, whole weights before
 ``--shard-weights``; then the tiled VAE likewise. The first that fits is printed, with each stage's peak and what does
 not fit by how much.
 
@@ -18,7 +18,7 @@ gathered blocks (the running one and the prefetched one).
 
 Needs the CUDA build of torch (no GPU): on a CPU-only build it says so in one line. ``--device cpu`` answers for a
 CPU restore instead, in host RAM per rank, on any torch: the same search, each stage traced by the CPU twin
-(:mod:`.plan_cpu`, which states what differs).
+(:mod:`.planner_cpu`, which states what differs).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class PlanRequest:
     height: int
     frames: int
     dtype: str = "bf16"
-    device: str = "cuda"  # "cpu": host RAM per rank of a CPU run, from the CPU twin (:mod:`.plan_cpu`)
+    device: str = "cuda"  # "cpu": host RAM per rank of a CPU run, from the CPU twin (:mod:`.planner_cpu`)
     demo: bool = False  # the embedded tiny demo weights (``restore --demo``; CPU only)
 
 
@@ -156,8 +156,8 @@ class Tracer:
 
 
 def stage_peaks(tracer, request: PlanRequest, settings, shard: bool) -> StagePeaks:
-    """Each stage's per-rank need for one temporal batch of ``settings`` (a :class:`.memory_fit.RunSettings`), from
-    ``tracer`` (a :class:`Tracer`, or :class:`.plan_cpu.CpuTracer` for a CPU run)."""
+    """Each stage's per-rank need for one temporal batch of ``settings`` (a :class:`.fit.RunSettings`), from
+    ``tracer`` (a :class:`Tracer`, or :class:`.planner_cpu.CpuTracer` for a CPU run)."""
     from ..restore.temporal import DEFAULT_OVERLAP
     from .fake_gpu_runs import Clip
 
@@ -182,7 +182,7 @@ def stage_peaks(tracer, request: PlanRequest, settings, shard: bool) -> StagePea
 @dataclass
 class Candidate:
     """One way to run: SP degree (ranks a group; ``gpus // sp`` groups take whole temporal batches), the run settings
-    (a :class:`.memory_fit.RunSettings`), whether the DiT's weights are sharded, and the traced stage peaks."""
+    (a :class:`.fit.RunSettings`), whether the DiT's weights are sharded, and the traced stage peaks."""
 
     sp: int
     settings: object
@@ -231,10 +231,10 @@ def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, repor
                  cache: Optional[dict] = None) -> PlanResult:
     """Try the ways to run on ``request.gpus`` GPUs fastest first until one fits ``request.gpu_memory``: the longest
     temporal batch first; for each batch the exact VAE modes on every SP degree (:func:`sp_degrees`), in
-    :func:`.memory_fit.candidate_settings`' order, whole DiT weights before sharded, then the approximate tiled VAE
+    :func:`.fit.candidate_settings`' order, whole DiT weights before sharded, then the approximate tiled VAE
     (tiles of 512, then 256 pixels) likewise. ``cache`` (a dict) keeps traces between
     calls (the traces do not depend on the GPU count or memory). ``request.device == "cpu"`` traces with the CPU twin
-    (:class:`.plan_cpu.CpuTracer`) instead of the fake GPU."""
+    (:class:`.planner_cpu.CpuTracer`) instead of the fake GPU."""
     import torch
 
     from ..restore.temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP

@@ -1,6 +1,6 @@
 """``python -m examples.seedvr2 plan --device cpu``: what a CPU restore needs in host RAM per rank, from the CPU twin.
 
-The same search as the GPU planner (:func:`.plan.plan_restore`: SP degrees that divide the rank count, temporal
+The same search as the GPU planner (:func:`.planner.plan_restore`: SP degrees that divide the rank count, temporal
 batches, VAE modes, ``--shard-weights``, fastest first), with each stage traced by the CPU twin
 (:mod:`.cpu_twin`: the real model built on fake CPU tensors, planning on real ones, as rank 0 of a fake process group
 of the SP degree) instead of the fake GPU. What differs from the GPU planner's figures:
@@ -98,7 +98,7 @@ def _sp_group(sp: int):
 @dataclass
 class CpuTracer:
     """The CPU twin's traces of rank 0 of an SP group of ``sp`` ranks, cached in ``cache`` by what they depend on;
-    the same interface as :class:`.plan.Tracer`."""
+    the same interface as :class:`.planner.Tracer`."""
 
     model: str
     sp: int
@@ -139,7 +139,7 @@ class CpuTracer:
 
     def dit(self, latent: tuple[int, int, int], shard: bool) -> int:
         """One DiT step's peak, the built model's weights included (counted from the built model on, as
-        :meth:`.plan.Tracer.dit`)."""
+        :meth:`.planner.Tracer.dit`)."""
 
         def run(trace) -> None:
             import winsp

@@ -243,9 +243,10 @@ class SeedVR2Pipeline:
         """The pipeline of the released ``model`` (``"3b"`` or ``"7b"``): its DiT and the VAE built on the meta device
         in ``dtype``, loaded strictly from the two checkpoints (``report`` gets the loaders' one-line cast notes), on
         ``device``; ``weights`` (``stored``, ``fp8``, ``compute``) says which DiT Linear weights stay packed (see
-        :mod:`.checkpoint_dtypes`). With neither checkpoint: the tiny demo weights of that architecture
-        (:mod:`.demo`). ``shard_weights``: each rank of ``group`` reads only its chunk of the DiT's blocks from the
-        file (see :mod:`.sharded_weights`). ``kwargs`` go to the constructor (``vae_parallel``, ``group``, ...)."""
+        :mod:`~examples.seedvr2.checkpoints.dtypes`). With neither checkpoint: the tiny demo weights of that
+        architecture (:mod:`~examples.seedvr2.models.demo`). ``shard_weights``: each rank of ``group`` reads only its
+        chunk of the DiT's blocks from the file (see :mod:`~examples.seedvr2.weights.sharded`). ``kwargs`` go to the
+        constructor (``vae_parallel``, ``group``, ...)."""
         from ..models.dit import load_dit_checkpoint
         from ..models.vae import load_vae_checkpoint
 

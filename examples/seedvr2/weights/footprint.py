@@ -1,7 +1,8 @@
 """How many bytes a checkpoint's weights will take once loaded, from the file's header alone.
 
 The resident size is not the file size: an fp32 file run in bf16 takes half of it, an fp8 file expanded to bf16 twice
-it, and Linear weights kept packed (``--weights stored`` / ``fp8``, see :mod:`.checkpoint_dtypes`) take their stored
+it, and Linear weights kept packed (``--weights stored`` / ``fp8``, see :mod:`~examples.seedvr2.checkpoints.dtypes`)
+take their stored
 size, plus one layer's weight expanded to the compute dtype at a time. :func:`resident_weight_bytes` reads only the
 dtypes and shapes (the safetensors header, the GGUF tensor table (parsed once, shared with the loader), a
 memory-mapped ``.pth``) so that the memory plan is made before any weight is read.
@@ -110,7 +111,7 @@ def _resident_bytes_by_key(path: str, compute_dtype: torch.dtype, weights: str,
 
 def sharded_weight_bytes(path: str, *, compute_dtype: torch.dtype, parts: int) -> int:
     """Bytes one of ``parts`` ranks holds of the DiT checkpoint at ``path`` with its blocks sharded (see
-    :mod:`.sharded_weights`): its share of the blocks, everything else whole, and two blocks gathered at once (the
+    :mod:`.sharded`): its share of the blocks, everything else whole, and two blocks gathered at once (the
     running one and the prefetched next one; none at one rank, whose chunk is the whole block)."""
     by_key, _ = _resident_bytes_by_key(path, compute_dtype, "compute", ())
     blocks: dict[str, int] = {}
