@@ -29,9 +29,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import winsp  # noqa: E402
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint  # noqa: E402
-from examples.seedvr2.dit.layers import Modulation  # noqa: E402
-from examples.seedvr2.dit.patch import PatchIn  # noqa: E402
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint  # noqa: E402
+from examples.seedvr2.models.dit.layers import Modulation  # noqa: E402
+from examples.seedvr2.models.dit.patch import PatchIn  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "nadit3b_tiny.safetensors"
@@ -56,7 +56,7 @@ def load_golden(path: Path = GOLDEN):
 
 # ---------------------------------------------------------------------------------------------- plain forward
 class PlainContext:
-    """A :class:`~examples.seedvr2.dit.block.BlockContext` without winsp: canonical row order, one device.
+    """A :class:`~examples.seedvr2.models.dit.block.BlockContext` without winsp: canonical row order, one device.
 
     Per distinct window geometry it precomputes (once) the window-order permutation of the canonical rows, the
     windows grouped by (video length, sample), and the window-local RoPE tables; attention gathers rows into window

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from examples.seedvr2.color_fix import wavelet_color_fix  # noqa: E402
-from examples.seedvr2.demo import demo_models, demo_text_embeds, sample_frames  # noqa: E402
+from examples.seedvr2.media.color_fix import wavelet_color_fix  # noqa: E402
+from examples.seedvr2.models.demo import demo_models, demo_text_embeds, sample_frames  # noqa: E402
 from examples.seedvr2.media import frames_to_model, model_to_frames, plan_geometry, read_media, write_media  # noqa: E402
 from examples.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402
@@ -121,7 +121,7 @@ def _field(summary: str, name: str) -> list[float]:
 def seam_check(height: int, width: int, frames: int, batch_frames: int, overlap: int) -> dict:
     """Mean |frame t+1 - frame t| of a restored synthetic clip (demo weights, streamed), split into transitions at
     batch boundaries (from the first blended frame to the first frame after the blend) and inside batches."""
-    from examples.seedvr2.temporal import plan_temporal_batches
+    from examples.seedvr2.restore.temporal import plan_temporal_batches
 
     torch.set_num_threads(1)
     dit, vae = demo_models()

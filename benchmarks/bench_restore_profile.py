@@ -5,7 +5,7 @@
 
 Runs ``python -m examples.seedvr2 restore CLIP`` (one process) and the same on N ranks (torchrun, or the CLI's own
 ``--ranks N`` where it exists) with ``SEEDVR2_PROFILE`` set, so that every rank writes its stage figures
-(:mod:`examples.seedvr2.stage_clock`), and prints for every clip one table: a row per stage, a column per rank of
+(:mod:`examples.seedvr2.restore.stage_clock`), and prints for every clip one table: a row per stage, a column per rank of
 each run, each cell the stage's wall seconds on that rank and, in brackets, the part of it spent waiting for other
 ranks (inside collectives, receives, or for the background reader / writer). The stages:
 

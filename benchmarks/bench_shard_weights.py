@@ -39,14 +39,14 @@ GIB = 2**30
 
 
 def config(layers: int):
-    from examples.seedvr2.dit import NaDiTConfig
+    from examples.seedvr2.models.dit import NaDiTConfig
 
     return NaDiTConfig.seedvr2_at_size(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=layers,
                                        mm_layers=min(layers, 10), rope_dim=128)
 
 
 def write_checkpoint(path: Path, layers: int) -> None:
-    from examples.seedvr2.dit import SeedVR2NaDiT
+    from examples.seedvr2.models.dit import SeedVR2NaDiT
     from tests.streamed_checkpoint import write_safetensors_streamed
 
     with torch.device("meta"):
@@ -75,8 +75,8 @@ def _forward(model, inputs) -> torch.Tensor:
 
 def _load(path: str, layers: int, sharded: bool):
     import winsp
-    from examples.seedvr2.dit import SeedVR2NaDiT, load_dit_checkpoint
-    from examples.seedvr2.sharded_weights import load_sharded_dit
+    from examples.seedvr2.models.dit import SeedVR2NaDiT, load_dit_checkpoint
+    from examples.seedvr2.weights.sharded import load_sharded_dit
     from winsp.comm.group import SPGroup
 
     with torch.device("meta"):
@@ -104,7 +104,7 @@ MODES = ("replicated", "sharded, prefetch", "sharded, no prefetch")
 def _rank_time(rank: int, world: int, path: str, latents: list, repeats: int) -> dict:
     """Median forward seconds of each mode, the modes interleaved run by run so that the machine's noise falls on
     all of them alike (a replicated and a sharded model live side by side; prefetch is switched on the latter)."""
-    from examples.seedvr2.sharded_weights import sharded_weights_of
+    from examples.seedvr2.weights.sharded import sharded_weights_of
 
     whole, _ = _load(path, 2, False)
     sharded, _ = _load(path, 2, True)
@@ -180,7 +180,7 @@ def part_predict() -> None:
     print("| model | input | replicated forward | sharded, no overlap | sharded, gather hidden | block gather | "
           "weights / GPU replicated -> sharded |")
     print("|---|---|---|---|---|---|---|")
-    from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT
+    from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT
 
     for model, name in ((cm.SEEDVR2_3B, "3b"), (cm.SEEDVR2_7B, "7b")):
         with torch.device("meta"):

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 import winsp  # noqa: E402
 import winsp.planning.costs  # noqa: E402
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
 from winsp.comm.redistribute import Transition  # noqa: E402
 from winsp.planning.balance import exchange_rows  # noqa: E402
 from winsp.testing import run_ranks  # noqa: E402

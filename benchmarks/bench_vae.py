@@ -20,7 +20,7 @@ rank's CPU, each rank's busy and busy-CPU time and the busiest rank's speed-up (
 it), collective counts, and the max error against the single-rank result (0 means bit for bit). A tiny untimed run
 first warms every rank (kernels, connections).
 
-Memory is the peak of live activation bytes (``examples.seedvr2.vae.memory.peak_tensor_bytes``: every tensor an
+Memory is the peak of live activation bytes (``examples.seedvr2.models.vae.memory.peak_tensor_bytes``: every tensor an
 operator creates, counted while alive; parameters and the input are excluded), which is deterministic on CPU.
 Figures reported:
 
@@ -44,11 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from examples.seedvr2.vae import CausalVideoVAE  # noqa: E402
-from examples.seedvr2.vae.memory import peak_tensor_bytes  # noqa: E402
-from examples.seedvr2.vae.sharding import decode_sharded, encode_sharded  # noqa: E402
-from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled  # noqa: E402
-from examples.seedvr2.vae.wavefront import (  # noqa: E402
+from examples.seedvr2.models.vae import CausalVideoVAE  # noqa: E402
+from examples.seedvr2.models.vae.memory import peak_tensor_bytes  # noqa: E402
+from examples.seedvr2.models.vae.sharding import decode_sharded, encode_sharded  # noqa: E402
+from examples.seedvr2.models.vae.tiling import decode_tiled, encode_tiled  # noqa: E402
+from examples.seedvr2.models.vae.wavefront import (  # noqa: E402
     RelayCache,
     VAESplit,
     clip_splits,
@@ -180,7 +180,7 @@ class _CommClock:
 
 
 def scaled_vae(channels: list[int]) -> CausalVideoVAE:
-    from examples.seedvr2.vae import VideoVAEConfig
+    from examples.seedvr2.models.vae import VideoVAEConfig
 
     torch.manual_seed(0)
     groups = 32 if min(channels) >= 32 and all(c % 32 == 0 for c in channels) else 4

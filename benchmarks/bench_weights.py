@@ -35,7 +35,7 @@ LAYERS = 2
 
 
 def config():
-    from examples.seedvr2.dit import NaDiTConfig
+    from examples.seedvr2.models.dit import NaDiTConfig
 
     return NaDiTConfig.seedvr2_at_size(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=LAYERS,
                                        mm_layers=LAYERS, rope_dim=128)
@@ -49,7 +49,7 @@ def _gguf_type(kind: str, key: str, value) -> str:
 def write_checkpoints(directory: Path) -> dict[str, Path]:
     from safetensors.torch import save_file
 
-    from examples.seedvr2.dit import SeedVR2NaDiT
+    from examples.seedvr2.models.dit import SeedVR2NaDiT
     from tests.gguf_writers import write_gguf
 
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def _rss() -> int:
 
 def measure(fmt: str, path: str) -> dict:
     """Load ``path`` into a bf16 model in this process and time its forward (called in a fresh process)."""
-    from examples.seedvr2.dit import SeedVR2NaDiT, load_dit_checkpoint
+    from examples.seedvr2.models.dit import SeedVR2NaDiT, load_dit_checkpoint
 
     cfg = config()
     before = _rss()

@@ -53,7 +53,7 @@ def parse_clip(text: str) -> tuple[int, int, int]:
 
 def make_clip(directory: str, clip: tuple[int, int, int]) -> str:
     """Write the synthetic demo clip of this size as H.264 (or a PNG for one frame); returns its path."""
-    from examples.seedvr2.demo import sample_frames
+    from examples.seedvr2.models.demo import sample_frames
     from examples.seedvr2.media import write_media
 
     width, height, frames = clip

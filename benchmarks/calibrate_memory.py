@@ -50,7 +50,7 @@ def child(out_dir: str, argv: list[str]) -> int:
 
     def recording_plan_memory(*args, **kwargs):
         if os.environ.get("CALIBRATE_NO_LIMIT"):  # measure points beyond this machine's free memory estimate too
-            from examples.seedvr2.memory_limits import MemoryLimit
+            from examples.seedvr2.memory.limits import MemoryLimit
 
             args = args[:8]
             kwargs["limit"] = MemoryLimit(None, "calibration: no limit")
@@ -120,8 +120,8 @@ def measure(src: str, out_dir: str, batch: int, mode: str, sp: int, tile: int, n
 
 def current_estimate(row: dict) -> int:
     """What the current code estimates for a recorded grid point (demo models, fp32, pinned settings)."""
-    from examples.seedvr2.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG
-    from examples.seedvr2.memory_fit import tile_overlap
+    from examples.seedvr2.models.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG
+    from examples.seedvr2.memory.fit import tile_overlap
     from examples.seedvr2.pipeline import estimate_restore_bytes
 
     width, height = (int(v) for v in row["size"].split("x"))

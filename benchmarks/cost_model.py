@@ -443,10 +443,10 @@ def vae_split_points(data: dict, measure: str = "wall") -> list[dict]:
 
 def fit_vae_split(points: list[dict]) -> dict:
     """Non-negative relative-error least squares of the wavefront's split model
-    (:func:`examples.seedvr2.vae.wavefront.split_cost`): measured time over one rank's (1 / speed-up) minus the ideal
+    (:func:`examples.seedvr2.models.vae.wavefront.split_cost`): measured time over one rank's (1 / speed-up) minus the ideal
     share s (busiest time rank's frames x largest band of r rows) = ``height_comm`` x (H - 1) + ``height_halo`` x s x
     edges / r^2 + ``time_comm`` x (T - 1). Points with more ranks than the machine has cores are left out."""
-    from examples.seedvr2.vae.wavefront import VAESplit, clip_chunk_frames, split_cost
+    from examples.seedvr2.models.vae.wavefront import VAESplit, clip_chunk_frames, split_cost
 
     rows_x, rows_y, labels = [], [], []
     for p in points:
@@ -490,11 +490,11 @@ def fit_vae_split_markdown(fit: dict) -> str:
 def restore_prediction(degrees=(2, 4, 8), vae_shares=(0.3, 0.5, 0.7), grid=(6, 45, 80), frames: int = 21,
                        latent_rows: int = 90) -> list[dict]:
     """Whole-restore speed-up on one NVLink node: the DiT's best window-SP plan from this model (3B, ``grid``) and the
-    VAE wavefront's fitted split model (:func:`examples.seedvr2.vae.wavefront.split_cost`, constants fitted on gloo
+    VAE wavefront's fitted split model (:func:`examples.seedvr2.models.vae.wavefront.split_cost`, constants fitted on gloo
     CPU runs) combined for a VAE share ``v`` of the one-GPU time: ``1 / ((1 - v) / s_DiT + v / s_VAE)``. The input
     decoding and output encoding run on background threads and are left out. The VAE share on a GPU was not measured
     here, hence several."""
-    from examples.seedvr2.vae.wavefront import choose_split, clip_chunk_frames, split_cost
+    from examples.seedvr2.models.vae.wavefront import choose_split, clip_chunk_frames, split_cost
 
     def dit(p: int) -> float:
         return min(pr.forward(SEEDVR2_3B) for pr in predictions(SEEDVR2_3B, grid, p, NVLINK_NODE).values()

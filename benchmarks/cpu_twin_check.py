@@ -1,4 +1,4 @@
-"""The planner's CPU twin (examples/seedvr2/cpu_twin.py) against measured peak RSS, on two configurations.
+"""The planner's CPU twin (examples/seedvr2/memory/cpu_twin.py) against measured peak RSS, on two configurations.
 
     python benchmarks/cpu_twin_check.py            # both configurations, each in fresh processes (real, then twin)
 
@@ -25,7 +25,7 @@ def _stage(name: str):
     import torch
 
     if name == "dit":
-        from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT
+        from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT
 
         cfg = NaDiTConfig.seedvr2_at_size(vid_dim=2560, txt_in_dim=5120, heads=20, head_dim=128, num_layers=4,
                                           mm_layers=2, rope_dim=128)
@@ -39,7 +39,7 @@ def _stage(name: str):
             shapes = torch.tensor([[t, h, w]]), torch.tensor([[58]])
         with torch.no_grad():
             return tuple(model(vid, txt, *shapes, torch.full((1,), 1000.0)).shape)
-    from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig
+    from examples.seedvr2.models.vae import CausalVideoVAE, VideoVAEConfig
 
     vae = CausalVideoVAE(VideoVAEConfig.seedvr2()).eval()
     vae.set_temporal_chunking(4)
@@ -50,11 +50,11 @@ def _stage(name: str):
 def child(name: str, twin: bool) -> dict:
     import torch  # noqa: F401 - imported before the baseline, as in the real run
 
-    import examples.seedvr2.dit  # noqa: F401
-    import examples.seedvr2.vae  # noqa: F401
+    import examples.seedvr2.models.dit  # noqa: F401
+    import examples.seedvr2.models.vae  # noqa: F401
 
     if twin:
-        from examples.seedvr2.cpu_twin import trace_on_cpu
+        from examples.seedvr2.memory.cpu_twin import trace_on_cpu
 
         trace = trace_on_cpu(lambda: _stage(name))
         return {"shape": trace.result, "baseline_rss": trace.baseline_rss, "traced_peak": trace.peak_bytes,

@@ -56,8 +56,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import winsp  # noqa: E402
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
-from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig  # noqa: E402
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
+from examples.seedvr2.models.vae import CausalVideoVAE, VideoVAEConfig  # noqa: E402
 from winsp.attention.backends import explain_backend  # noqa: E402
 from winsp.attention.windows import reference_window_attention, window_attention  # noqa: E402
 from winsp.runtime.runtime import LocalWindows  # noqa: E402
@@ -437,7 +437,7 @@ def section_memory_constants(sizes, device, clock, memory, state) -> dict:
     the driver reports used beyond what the caching allocator reserved), the cuBLAS workspaces (allocated by a first
     bf16 matmul after the workspaces are released), and the allocator's overhead on the DiT forward (reserved peak
     over the fake-GPU trace's peak of live bytes for the same forward, when this torch can trace)."""
-    from examples.seedvr2 import plan
+    from examples.seedvr2.memory import planner as plan
 
     result = {"stated": {"cuda_context_mib": plan.CUDA_CONTEXT_BYTES / 2**20,
                          "cublas_workspace_mib": plan.CUBLAS_WORKSPACE_BYTES / 2**20,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_check import Clock  # noqa: E402  (benchmarks/ is on sys.path when this file runs)
 
 import winsp  # noqa: E402
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT  # noqa: E402
 from winsp.attention.windows import reference_window_attention, select_backend, window_attention  # noqa: E402
 from winsp.runtime.runtime import LocalWindows  # noqa: E402
 

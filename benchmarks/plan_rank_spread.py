@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.seedvr2.fake_gpu_runs import CLIPS, Clip, dit_rank, vae_rank  # noqa: E402
+from examples.seedvr2.memory.fake_gpu_runs import CLIPS, Clip, dit_rank, vae_rank  # noqa: E402
 from winsp.testing.fake_gpu import run_fake_gpu  # noqa: E402
 
 

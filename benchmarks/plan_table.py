@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.seedvr2.fake_gpu_runs import CLIPS  # noqa: E402
-from examples.seedvr2.plan import GiB, PlanRequest, plan_restore  # noqa: E402
+from examples.seedvr2.memory.fake_gpu_runs import CLIPS  # noqa: E402
+from examples.seedvr2.memory.planner import GiB, PlanRequest, plan_restore  # noqa: E402
 
 MEMORIES = (24, 48, 80, 141)
 

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from examples.seedvr2.gguf_file import ORIG_SHAPE_KEY
+from examples.seedvr2.checkpoints.gguf_file import ORIG_SHAPE_KEY
 
 
 def _f16(x: np.ndarray) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig
+from examples.seedvr2.models.vae import CausalVideoVAE, VideoVAEConfig
 
 __all__ = ["tiny_vae", "random_video", "assert_close"]
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from examples.seedvr2.checkpoint_dtypes import match_model_dtypes
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
-from examples.seedvr2.dit.rope import pixel_frequencies
-from examples.seedvr2.vae import load_vae_checkpoint
+from examples.seedvr2.checkpoints.dtypes import match_model_dtypes
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+from examples.seedvr2.models.dit.rope import pixel_frequencies
+from examples.seedvr2.models.vae import load_vae_checkpoint
 from tests.helpers import tiny_vae
 from tests.test_dit import read_golden
 

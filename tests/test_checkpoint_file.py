@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from examples.seedvr2.checkpoint_file import read_checkpoint_file
+from examples.seedvr2.checkpoints.file import read_checkpoint_file
 
 FUZZ_FILES = 400
 

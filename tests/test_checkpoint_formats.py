@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from examples.seedvr2.checkpoint_file import read_checkpoint_file
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
-from examples.seedvr2.gguf_dequant import BLOCK_LAYOUTS, dequantize_blocks
-from examples.seedvr2.quantized_linear import PackedWeight, QuantizedLinear
-from examples.seedvr2.vae import load_vae_checkpoint
+from examples.seedvr2.checkpoints.file import read_checkpoint_file
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+from examples.seedvr2.checkpoints.gguf_dequant import BLOCK_LAYOUTS, dequantize_blocks
+from examples.seedvr2.checkpoints.quantized_linear import PackedWeight, QuantizedLinear
+from examples.seedvr2.models.vae import load_vae_checkpoint
 from tests.helpers import assert_close, random_video, tiny_vae
 from tests.test_dit import random_batch, read_golden, run
 
@@ -305,8 +305,8 @@ def _resident(model) -> int:
 @pytest.mark.parametrize("fmt, weights", [("bf16", "stored"), ("fp8", "stored"), ("Q4_K", "stored"),
                                           ("Q8_0", "stored"), ("Q8_0", "compute"), ("bf16", "fp8")])
 def test_resident_weight_estimate_matches_the_loaded_model(tmp_path, fmt, weights):
-    from examples.seedvr2.dit import packable_dit_weights
-    from examples.seedvr2.weight_memory import resident_weight_bytes
+    from examples.seedvr2.models.dit import packable_dit_weights
+    from examples.seedvr2.weights.footprint import resident_weight_bytes
 
     cfg, state, _, _ = _golden("3b")
     if fmt == "bf16":
@@ -376,7 +376,7 @@ def test_memory_plan_counts_packed_weights_at_their_stored_size(tmp_path):
     import argparse
 
     from examples.seedvr2.cli import _model_sizes
-    from examples.seedvr2.dit import packable_dit_weights
+    from examples.seedvr2.models.dit import packable_dit_weights
 
     _, state, _, _ = _golden("3b")  # many of its keys are the released 3B's
     with torch.device("meta"):
@@ -401,9 +401,9 @@ def test_restore_from_gguf_checkpoints_stays_close_to_the_reference(tmp_path):
     packed) and the VAE from a Q8_0 GGUF (5-D convolutions flattened as the repack tool does): the video within 0.2
     of the reference output (pixel range [-1, 1]; measured 0.093) and 3% relative (measured 1.5%). Slow: about 85 s
     on the loaded 2-core machine."""
-    from examples.seedvr2.dit import NaDiTConfig as Config
+    from examples.seedvr2.models.dit import NaDiTConfig as Config
     from examples.seedvr2.pipeline import SeedVR2Pipeline
-    from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig
+    from examples.seedvr2.models.vae import CausalVideoVAE, VideoVAEConfig
     from tests.test_pipeline import _golden as restore_golden
     from tests.test_pipeline import golden_inputs
 

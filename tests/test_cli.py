@@ -333,8 +333,8 @@ def golden_checkpoints(monkeypatch) -> tuple:
     CLI's released configurations are patched to the tiny ones, so these stand in for the 3B checkpoints."""
     from safetensors import safe_open
 
-    from examples.seedvr2.dit import NaDiTConfig
-    from examples.seedvr2.vae import VideoVAEConfig
+    from examples.seedvr2.models.dit import NaDiTConfig
+    from examples.seedvr2.models.vae import VideoVAEConfig
     from tests.test_pipeline import GOLDEN
 
     with safe_open(GOLDEN, "pt") as f:
@@ -406,7 +406,7 @@ def test_bad_output_paths(tmp_path, capsys):
 
 
 def test_failed_write_leaves_no_file(tmp_path, capsys, monkeypatch):
-    import examples.seedvr2.media as media
+    from examples.seedvr2.media import writing as media
 
     def explode(self, frame, pts=None):
         raise media.MediaError("disk full (simulated)")
@@ -513,7 +513,7 @@ def test_odd_output_size_is_written_in_yuv420p_and_said(tmp_path, capsys):
 
 
 def test_oversized_request_is_refused_before_allocating(tmp_path, capsys, monkeypatch):
-    from examples.seedvr2 import memory_limits
+    from examples.seedvr2.memory import limits as memory_limits
 
     monkeypatch.setattr(memory_limits, "usable_memory",
                         lambda device: memory_limits.MemoryLimit(8 * 2**30, "free RAM"))
@@ -525,7 +525,7 @@ def test_oversized_request_is_refused_before_allocating(tmp_path, capsys, monkey
 
 def test_memory_check_uses_the_memory_it_is_told(tmp_path, capsys, monkeypatch):
     """With 4 MiB usable, a 128x128 png (well over 4 MiB of demo-VAE activations) is refused; with plenty it runs."""
-    from examples.seedvr2 import memory_limits
+    from examples.seedvr2.memory import limits as memory_limits
 
     monkeypatch.setattr(memory_limits, "usable_memory", lambda device: memory_limits.MemoryLimit(4 * 2**20, "told"))
     src = make_png(tmp_path / "in.png", h=128, w=128)
@@ -585,10 +585,10 @@ def test_checkpoint_path_end_to_end(tmp_path, capsys, monkeypatch):
     import torch
     from safetensors.torch import save_file
 
-    from examples.seedvr2.color_fix import wavelet_color_fix
+    from examples.seedvr2.media.color_fix import wavelet_color_fix
     from examples.seedvr2.media import frames_to_model, model_to_frames, plan_geometry, read_media
     from examples.seedvr2.pipeline import SeedVR2Pipeline
-    from examples.seedvr2.temporal import clip_noise
+    from examples.seedvr2.restore.temporal import clip_noise
     from tests.test_pipeline import build_golden_models
 
     dit_state, vae_state, txt = golden_checkpoints(monkeypatch)
@@ -637,7 +637,7 @@ def test_height_sharding_needs_a_latent_row_per_rank(tmp_path):
 def test_scale_is_checked_against_the_real_input(tmp_path, capsys, monkeypatch):
     """--scale 0.2 of 192x128 is 38x26 (allowed); --scale 300 of 32x32 is 9600x9600 (allowed: the memory check is
     what refuses it here, naming that size); the hints are computed from the input."""
-    from examples.seedvr2 import memory_limits
+    from examples.seedvr2.memory import limits as memory_limits
 
     wide = make_png(tmp_path / "wide.png", h=128, w=192)
     assert cli.main(["restore", wide, "-o", str(tmp_path / "o.png"), "--scale", "0.2", "--quiet"]) == 0

@@ -13,15 +13,16 @@ import pytest
 pytest.importorskip("av")
 
 from examples.seedvr2 import cli  # noqa: E402
-from examples.seedvr2.launcher import LaunchError, check_ranks  # noqa: E402
+from examples.seedvr2.cli import stages  # noqa: E402 - where the stages look up what the tests replace
+from examples.seedvr2.cli.launcher import LaunchError, check_ranks  # noqa: E402
 from tests.test_cli import PREFIX, _expect_error, golden_checkpoints, make_png  # noqa: E402
 
 
 def _forbid(monkeypatch, name: str) -> None:
-    """Make ``cli.<name>`` (slow work: weight search, model loading) fail the test if it is reached."""
+    """Make ``stages.<name>`` (slow work: weight search, model loading) fail the test if it is reached."""
     def reached(*args, **kwargs):
         raise AssertionError(f"{name} ran before the mistake was reported")
-    monkeypatch.setattr(cli, name, reached)
+    monkeypatch.setattr(stages, name, reached)
 
 
 def _no_weights_anywhere(monkeypatch, tmp_path) -> None:
@@ -71,7 +72,7 @@ def test_a_random_pth_given_as_the_dit_is_named_not_the_missing_vae(tmp_path, ca
 
 def test_a_missing_checkpoint_is_said_before_any_memory_warning(tmp_path, capsys, monkeypatch):
     """At 3840x2160 under 22 GiB the memory plan would choose tiles and say so loudly; the missing file comes first."""
-    from examples.seedvr2 import memory_limits
+    from examples.seedvr2.memory import limits as memory_limits
 
     monkeypatch.setattr(memory_limits, "usable_memory",
                         lambda device: memory_limits.MemoryLimit(22 * 2**30, "free RAM"))
@@ -102,7 +103,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_torchs_unsafe_advic
 def test_read_error_reason_strips_the_advice_from_torchs_own_message(tmp_path):
     import torch
 
-    from examples.seedvr2.checkpoint_file import read_error_reason
+    from examples.seedvr2.checkpoints.file import read_error_reason
 
     path = tmp_path / "x.pth"
     path.write_bytes(pickle.dumps({"w": _RunsCode()}, protocol=2))
@@ -137,7 +138,7 @@ def test_bf16_checkpoint_that_does_not_fit_in_fp32_names_dtype_bf16(tmp_path, ca
     import torch
     from safetensors.torch import save_file
 
-    from examples.seedvr2 import memory_limits
+    from examples.seedvr2.memory import limits as memory_limits
 
     dit_state, vae_state, _ = golden_checkpoints(monkeypatch)
     save_file({k: v.to(torch.bfloat16) for k, v in dit_state.items()}, str(tmp_path / "dit.safetensors"))
@@ -194,7 +195,7 @@ def test_ranks_limit_message_states_what_actually_runs():
 
 
 def test_an_output_over_8k_is_refused_with_a_time_estimate_unless_allowed(tmp_path, capsys, monkeypatch):
-    from examples.seedvr2 import memory_limits
+    from examples.seedvr2.memory import limits as memory_limits
 
     _forbid(monkeypatch, "load_models")
     src = make_png(tmp_path / "in.png", h=64, w=96)  # --scale 100: 9600x6400, as the sample image gives
@@ -213,7 +214,7 @@ def test_an_output_over_8k_is_refused_with_a_time_estimate_unless_allowed(tmp_pa
     def stop(*args, **kwargs):
         raise cli.InputError("stopped where the models would load")
 
-    monkeypatch.setattr(cli, "load_models", stop)
+    monkeypatch.setattr(stages, "load_models", stop)
     assert cli.main(["restore", str(src), "-o", str(tmp_path / "o.png"), "--scale", "100",
                      "--allow-large-output"]) == 2
     err = capsys.readouterr().err

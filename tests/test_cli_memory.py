@@ -12,8 +12,9 @@ import pytest
 
 av = pytest.importorskip("av")
 
-from examples.seedvr2 import cli, memory_limits  # noqa: E402
-from examples.seedvr2.memory_limits import MemoryLimit  # noqa: E402
+from examples.seedvr2 import cli  # noqa: E402
+from examples.seedvr2.memory import limits as memory_limits  # noqa: E402
+from examples.seedvr2.memory.limits import MemoryLimit  # noqa: E402
 from tests.test_cli import PREFIX, REPO, _expect_error, leftovers, make_mp4, make_png, probe  # noqa: E402
 
 RUN_TIMEOUT = 300
@@ -26,7 +27,7 @@ def _limit_to(monkeypatch, usable: int) -> None:
 def _needs(src, **flags) -> dict:
     """The CLI's own estimate of each setting for ``src`` (replicated at the default batch, and tiled 64/128px)."""
     from examples.seedvr2.media import plan_geometry, probe_media
-    from examples.seedvr2.memory_fit import PinnedSettings
+    from examples.seedvr2.memory.fit import PinnedSettings
 
     info = probe_media(src)
     args = cli.build_parser().parse_args(["restore", src])
@@ -96,7 +97,9 @@ def test_vae_tile_goes_with_tiled_only(tmp_path, capsys):
 _CHILD = textwrap.dedent("""
     import faulthandler, os, resource, signal, sys
     faulthandler.register(signal.SIGUSR1)
-    from examples.seedvr2 import cli, memory_limits, pipeline
+    from examples.seedvr2 import cli
+    from examples.seedvr2.memory import estimate as pipeline
+    from examples.seedvr2.memory import limits as memory_limits
     extra_mib, ranks, mode = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
     def limit_now():
         if os.environ.get("RANK", "0") in ranks:
@@ -176,5 +179,5 @@ def test_allocation_failure_on_one_rank_ends_every_rank(tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith(PREFIX)]
     assert len(errors) == 1 and "rank 1: out of memory on cpu" in errors[0], result.stderr
-    assert "examples/seedvr2/cli.py" not in result.stderr  # no traceback from our processes (torchrun adds its report)
+    assert "examples/seedvr2/cli/" not in result.stderr  # no traceback from our processes (torchrun adds its report)
     assert leftovers(tmp_path, {"in.mp4", "limited_child.py"}) == []

@@ -17,8 +17,8 @@ av = pytest.importorskip("av")
 
 from examples.seedvr2 import cli  # noqa: E402
 from examples.seedvr2.media import plan_geometry  # noqa: E402
-from examples.seedvr2.memory_fit import PinnedSettings  # noqa: E402
-from examples.seedvr2.memory_limits import MemoryLimit  # noqa: E402
+from examples.seedvr2.memory.fit import PinnedSettings  # noqa: E402
+from examples.seedvr2.memory.limits import MemoryLimit  # noqa: E402
 from tests.streamed_checkpoint import manifest, write_safetensors_streamed  # noqa: E402
 from tests.test_cli import PREFIX, REPO, leftovers, make_png, run_cli  # noqa: E402
 
@@ -43,7 +43,7 @@ def _plan(args_list, limit_bytes, sp_size=2):
 
 
 def test_fitter_counts_half_the_blocks_and_two_gathered_ones(full_size_headers):
-    from examples.seedvr2.weight_memory import resident_weight_bytes, sharded_weight_bytes
+    from examples.seedvr2.weights.footprint import resident_weight_bytes, sharded_weight_bytes
 
     dit, _ = full_size_headers
     whole = resident_weight_bytes(dit, compute_dtype=torch.bfloat16)
@@ -62,7 +62,7 @@ def test_the_header_of_a_16_gb_checkpoint_reads_under_a_4_gib_address_space_limi
     checkpoint (``ulimit -v``) still gets an estimate, and its refusal, instead of a failed map."""
     dit, _ = full_size_headers
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30)); "
-            "from examples.seedvr2.weight_memory import sharded_weight_bytes; import torch; "
+            "from examples.seedvr2.weights.footprint import sharded_weight_bytes; import torch; "
             "print(sharded_weight_bytes(sys.argv[1], compute_dtype=torch.bfloat16, parts=2))")
     result = subprocess.run([sys.executable, "-c", code, dit], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))

@@ -19,6 +19,7 @@ import pytest
 av = pytest.importorskip("av")
 
 from examples.seedvr2 import cli  # noqa: E402
+from examples.seedvr2.cli import stages  # noqa: E402 - where the stages look up what the tests replace
 from tests.test_cli import PREFIX, REPO, _expect_error, leftovers, make_mp4, make_png  # noqa: E402
 
 TIMEOUT = 240
@@ -234,13 +235,13 @@ def _entries(directory: str) -> list[str]:
 def test_unwritable_output_directory_is_refused_before_reading(tmp_path, capsys, monkeypatch, how):
     """One line, exit 2, naming the directory, before the input is read or any model loaded (the input here does
     not even exist, and reading or loading would fail the test)."""
-    import examples.seedvr2.media as media
+    from examples.seedvr2.media import reading as media
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("read or loaded before the output directory was checked")
 
     monkeypatch.setattr(media, "probe_media", must_not_run)
-    monkeypatch.setattr(cli, "load_models", must_not_run)
+    monkeypatch.setattr(stages, "load_models", must_not_run)
     with _unwritable_directory(tmp_path, how) as directory:
         before = _entries(directory)
         line = _expect_error(capsys, ["restore", tmp_path / "missing.mp4", "-o", os.path.join(directory, "o.mp4")],

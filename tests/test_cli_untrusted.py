@@ -16,7 +16,8 @@ import torch
 
 av = pytest.importorskip("av")
 
-from examples.seedvr2 import cli, media  # noqa: E402
+from examples.seedvr2 import cli  # noqa: E402
+from examples.seedvr2.media import writing as media  # noqa: E402
 from tests.test_cli import PREFIX, REPO, _expect_error, leftovers, make_mp4, make_png  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def _embeds(tmp_path, value, name="txt.pth"):
 def test_text_embeddings_are_checked_for_what_they_are(tmp_path, capsys, case, match):
     """NaN embeddings made an all-black video with exit 0; complex ones only a torch warning; keys of mixed types a
     TypeError traceback. Each is now one line naming the file."""
-    from examples.seedvr2.demo import DEMO_DIT_CONFIGS
+    from examples.seedvr2.models.demo import DEMO_DIT_CONFIGS
 
     dim = DEMO_DIT_CONFIGS["3b"].txt_in_dim
     good = torch.randn(64 // dim, dim)
@@ -63,7 +64,7 @@ def test_text_embeddings_are_checked_for_what_they_are(tmp_path, capsys, case, m
 
 def test_a_dit_that_produces_nan_ends_the_run_naming_the_stage(tmp_path, capsys, monkeypatch):
     """Damaged weights (one NaN in the DiT) made a black video with exit 0; now one line, no output file."""
-    from examples.seedvr2 import demo
+    from examples.seedvr2.models import demo
 
     build = demo.demo_models
 
@@ -80,7 +81,7 @@ def test_a_dit_that_produces_nan_ends_the_run_naming_the_stage(tmp_path, capsys,
 
 def test_demo_vae_widths_hook(monkeypatch):
     """``SEEDVR2_DEMO_VAE_CHANNELS`` (a benchmark hook) gives the demo VAE those widths; unset, the tiny one."""
-    from examples.seedvr2 import demo
+    from examples.seedvr2.models import demo
 
     monkeypatch.delenv(demo.DEMO_VAE_CHANNELS_ENV, raising=False)
     assert demo.demo_vae_config() == demo.DEMO_VAE_CONFIG
@@ -224,7 +225,7 @@ def test_checkpoint_key_names_are_escaped_in_the_error(tmp_path, capsys):
 
 
 def test_printable_escapes_control_and_bidi_characters():
-    from examples.seedvr2.terminal_text import printable
+    from examples.seedvr2.cli.terminal_text import printable
 
     assert printable("a\x1b[2Jb\x07\u202ec\\") == "a\\x1b[2Jb\\x07\\u202ec\\"
     assert printable("plain text / ünïcödé") == "plain text / ünïcödé"

@@ -13,7 +13,7 @@ import pytest
 
 av = pytest.importorskip("av")
 
-from examples.seedvr2.progress import expected_calls, format_seconds, summary_line  # noqa: E402
+from examples.seedvr2.cli.progress import expected_calls, format_seconds, summary_line  # noqa: E402
 from tests.test_cli import make_mp4, make_png, probe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

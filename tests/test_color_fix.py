@@ -1,4 +1,4 @@
-"""The colour fixes (examples/seedvr2/color_fix.py) and the sRGB <-> CIE L*a*b* conversion (color_space.py).
+"""The colour fixes (examples/seedvr2/media/color_fix.py) and the sRGB <-> CIE L*a*b* conversion (color_space.py).
 
 The wavelet fix itself is tested in tests/test_media.py; here: AdaIN against the formula in float64, the LAB
 conversion against published values and its own inverse, and the LAB transfer's promises (a neutral grey stays
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from examples.seedvr2.color_fix import (
+from examples.seedvr2.media.color_fix import (
     COLOR_FIXES,
     adain_color_fix,
     apply_color_fix,
     lab_color_fix,
     wavelet_color_fix,
 )
-from examples.seedvr2.color_space import lab_to_srgb, srgb_to_lab
+from examples.seedvr2.media.color_space import lab_to_srgb, srgb_to_lab
 
 
 def _rand(*shape, seed=0, low=0.0, high=1.0, dtype=torch.float64):

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint, normalize_checkpoint_keys
-from examples.seedvr2.dit.layers import Modulation, sinusoidal_embedding
-from examples.seedvr2.dit.patch import plan_patches
-from examples.seedvr2.dit.rope import RotaryEmbedding3d, apply_rope, rope_frequencies, rope_tables
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint, normalize_checkpoint_keys
+from examples.seedvr2.models.dit.layers import Modulation, sinusoidal_embedding
+from examples.seedvr2.models.dit.patch import plan_patches
+from examples.seedvr2.models.dit.rope import RotaryEmbedding3d, apply_rope, rope_frequencies, rope_tables
 from tests.helpers import assert_close
 
 GOLDEN = Path(__file__).parent / "golden"

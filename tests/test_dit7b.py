@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import winsp
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint, normalize_checkpoint_keys
-from examples.seedvr2.dit.rope import RotaryEmbedding3d, pixel_frequencies, unit_positions
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint, normalize_checkpoint_keys
+from examples.seedvr2.models.dit.rope import RotaryEmbedding3d, pixel_frequencies, unit_positions
 from tests.test_dit import random_batch, read_golden, run, split_batch
 from winsp.testing import run_ranks
 
@@ -288,7 +288,7 @@ def test_cli_model_7b_with_half_precision_checkpoints(tmp_path, capsys, monkeypa
     from examples.seedvr2 import cli
     from examples.seedvr2.media import frames_to_model, model_to_frames, plan_geometry, read_media
     from examples.seedvr2.pipeline import SeedVR2Pipeline
-    from examples.seedvr2.vae import VideoVAEConfig
+    from examples.seedvr2.models.vae import VideoVAEConfig
     from tests.helpers import tiny_vae
     from tests.test_cli import make_png
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import winsp
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
 from tests.test_dit import random_batch, read_golden, run, split_batch
 from winsp.testing import run_ranks
 

@@ -214,8 +214,8 @@ def test_backward_stops_in_the_autograd_engine():
 def _seedvr2_rank(rank: int, world: int, dp: int, sp: int, config, latent: tuple, shard_root: bool) -> dict:
     """SeedVR2's DiT: runtime on ``mesh["sp"]``, each block sharded over every rank with FSDP2, and the root too when
     ``shard_root`` (``winsp.shard_weights``); one bf16 Euler step on every rank."""
-    from examples.seedvr2.dit import SeedVR2NaDiT
-    from examples.seedvr2.fake_gpu_runs import TEXT_TOKENS
+    from examples.seedvr2.models.dit import SeedVR2NaDiT
+    from examples.seedvr2.memory.fake_gpu_runs import TEXT_TOKENS
 
     mesh = _mesh(dp, sp)
     with torch.device("meta"):
@@ -242,7 +242,7 @@ def _seedvr2_rank(rank: int, world: int, dp: int, sp: int, config, latent: tuple
 
 
 def _small_seedvr2():
-    from examples.seedvr2.dit import NaDiTConfig
+    from examples.seedvr2.models.dit import NaDiTConfig
 
     return NaDiTConfig.seedvr2_at_size(vid_dim=128, txt_in_dim=64, heads=2, head_dim=64, num_layers=3, mm_layers=1,
                                        rope_dim=64)
@@ -289,8 +289,8 @@ def test_seedvr2_architecture_with_fsdp2_on_its_blocks(dp, sp):
 @pytest.mark.slow  # 4 ranks of the 3B at full width and depth: about a minute each on 2 busy cores
 @pytest.mark.parametrize("dp,sp", [(2, 2), (1, 4)])
 def test_released_3b_dit_with_fsdp2_at_720p(dp, sp):
-    from examples.seedvr2.dit import NaDiTConfig
-    from examples.seedvr2.fake_gpu_runs import CLIPS
+    from examples.seedvr2.models.dit import NaDiTConfig
+    from examples.seedvr2.memory.fake_gpu_runs import CLIPS
     from winsp.testing.fake_gpu import run_fake_gpu
 
     config, latent = NaDiTConfig.released("3b"), CLIPS["720p"].latent

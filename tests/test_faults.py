@@ -19,7 +19,8 @@ import pytest
 av = pytest.importorskip("av")
 
 from examples.seedvr2 import cli  # noqa: E402
-from examples.seedvr2.launcher import LAUNCHED_ENV, env_rank, launched_rank, wants_launcher  # noqa: E402
+from examples.seedvr2.cli import stages  # noqa: E402 - where the stages look up what the tests replace
+from examples.seedvr2.cli.launcher import LAUNCHED_ENV, env_rank, launched_rank, wants_launcher  # noqa: E402
 from tests.test_cli import PREFIX, REPO, _expect_error, leftovers, make_mp4, make_png  # noqa: E402
 from tests.test_cli_stop import _rank_0_names_rank_1_stuck, _wait_for  # noqa: E402
 from tests.test_launcher import _env, _torch_debug_log  # noqa: E402
@@ -211,7 +212,7 @@ def test_4_a_taken_port_is_retried(tmp_path):
     src = make_png(tmp_path / "in.png")
     out = tmp_path / "o.png"
     code = ("import socket, sys\n"
-            "from examples.seedvr2 import launcher\n"
+            "from examples.seedvr2.cli import launcher\n"
             "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
             "ports = [held.getsockname()[1]]\n"
             "free = launcher.free_port\n"
@@ -282,7 +283,7 @@ def test_8_a_missing_input_is_refused_before_the_ranks_start(tmp_path):
 
 def test_8_the_launcher_tells_inputs_from_option_values_as_the_parser_does():
     """preflight's torch-free tables hold every option of ``restore``, so that it never takes a value for an input."""
-    from examples.seedvr2.launcher import FLAG_OPTIONS, VALUE_OPTIONS, restore_inputs
+    from examples.seedvr2.cli.launcher import FLAG_OPTIONS, VALUE_OPTIONS, restore_inputs
 
     parser = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["restore"]
     takes_value = {o for a in parser._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
@@ -313,13 +314,13 @@ def test_8_a_bad_checkpoint_under_ranks_is_one_line_from_rank_0(tmp_path):
 
 def _must_not_run(monkeypatch):
     """Nothing may be read or loaded: the refusal comes before anything runs."""
-    import examples.seedvr2.media as media
+    from examples.seedvr2.media import reading as media
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("read or loaded before the refusal")
 
     monkeypatch.setattr(media, "probe_media", must_not_run)
-    monkeypatch.setattr(cli, "load_models", must_not_run)
+    monkeypatch.setattr(stages, "load_models", must_not_run)
 
 
 def test_9_colliding_outputs_without_o_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
@@ -368,7 +369,7 @@ def test_10_failing_names_with_escapes_and_newlines_are_printed_escaped(tmp_path
 
 def test_11_an_unreadable_input_folder_is_one_line(tmp_path, capsys, monkeypatch):
     """A folder without read permission (simulated: root reads any folder) is named, not a PermissionError."""
-    import examples.seedvr2.inputs as inputs
+    import examples.seedvr2.media.inputs as inputs
 
     folder = tmp_path / "in"
     folder.mkdir()
@@ -386,7 +387,7 @@ def test_11_an_unreadable_input_folder_is_one_line(tmp_path, capsys, monkeypatch
 
 def test_11_an_unreadable_input_folder_for_real(tmp_path, capsys):
     """A folder whose name is a symbolic link loop (ELOOP even for root) is one line naming it."""
-    from examples.seedvr2.inputs import media_in_folder
+    from examples.seedvr2.media.inputs import media_in_folder
     from examples.seedvr2.media import MediaError
 
     loop = tmp_path / "loop"
@@ -457,7 +458,7 @@ def test_14_an_unreadable_snapshot_is_an_error_not_the_demo(world, capsys):
 
 def test_14_a_folder_without_permission_is_an_error(world, monkeypatch):
     """``./ckpts`` (or a snapshot folder) that cannot be listed (simulated: root lists any folder)."""
-    import examples.seedvr2.weights_discovery as discovery
+    import examples.seedvr2.weights.discovery as discovery
 
     cwd, hub = world
     (cwd / "ckpts").mkdir()
@@ -475,7 +476,7 @@ def test_14_a_folder_without_permission_is_an_error(world, monkeypatch):
 
 
 def test_15_the_plain_7b_anywhere_is_preferred_to_the_sharp_7b(world):
-    from examples.seedvr2.weights_discovery import find_weights
+    from examples.seedvr2.weights.discovery import find_weights
     from tests.test_weights_discovery import _file, _hub_snapshot
 
     cwd, hub = world
@@ -522,9 +523,9 @@ def test_16_an_integer_weight_is_one_line(tmp_path, capsys, kind):
 def test_17_the_sharded_loader_refuses_what_the_whole_one_does_with_the_same_message(tmp_path):
     import torch
 
-    from examples.seedvr2.dit import load_dit_checkpoint
+    from examples.seedvr2.models.dit import load_dit_checkpoint
     from examples.seedvr2.pipeline import released_models_on_meta
-    from examples.seedvr2.sharded_weights import load_sharded_dit
+    from examples.seedvr2.weights.sharded import load_sharded_dit
 
     dit, key = _int8_dit(tmp_path)
     messages = []

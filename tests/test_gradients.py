@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import winsp
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
 from tests.test_dit import random_batch, read_golden
 from winsp.testing import check_parallel, run_ranks
 

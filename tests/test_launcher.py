@@ -1,4 +1,4 @@
-"""The CLI's own launcher (``restore ... --ranks N``, examples/seedvr2/launcher.py): the same output as torchrun, a
+"""The CLI's own launcher (``restore ... --ranks N``, examples/seedvr2/cli/launcher.py): the same output as torchrun, a
 mistake or a mid-run failure as one line with exit code 2 and every rank gone, no torch in the launcher."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from examples.seedvr2.launcher import (
+from examples.seedvr2.cli.launcher import (
     FAILED_ENV,
     LAUNCHED_ENV,
     LaunchError,
@@ -68,7 +68,7 @@ def test_rank_environment():
 
 
 def test_the_launcher_does_not_import_torch():
-    code = ("import sys; import examples.seedvr2.__main__, examples.seedvr2.launcher; "
+    code = ("import sys; import examples.seedvr2.__main__, examples.seedvr2.cli.launcher; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
@@ -135,7 +135,7 @@ def test_a_rank_failing_mid_run_is_one_line_and_every_rank_goes(clip, tmp_path):
     seconds, no output."""
     out = tmp_path / "o.mp4"
     argv = ["oom", "1", "restore", clip, "-o", str(out), "--ranks", "2", "--quiet"]
-    code = ("import sys; from examples.seedvr2.launcher import launch; "
+    code = ("import sys; from examples.seedvr2.cli.launcher import launch; "
             f"sys.exit(launch({argv!r}, module='tests.cli_with_fault'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=TIMEOUT)

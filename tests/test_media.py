@@ -1,4 +1,4 @@
-"""Video/image I/O, the resize/crop geometry, and the wavelet colour fix (examples/seedvr2/media.py, color_fix.py)."""
+"""Video/image I/O, the resize/crop geometry, and the wavelet colour fix (examples/seedvr2/media/, color_fix.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 av = pytest.importorskip("av")
 
-from examples.seedvr2.color_fix import wavelet_color_fix, wavelet_lowpass  # noqa: E402
+from examples.seedvr2.media.color_fix import wavelet_color_fix, wavelet_lowpass  # noqa: E402
 from examples.seedvr2.media import (  # noqa: E402
     DecoderOutOfMemory,
     MediaError,
@@ -115,7 +115,7 @@ def test_writing_many_frames_to_png_is_refused_and_leaves_nothing(tmp_path):
 
 
 def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    import examples.seedvr2.media as media_mod
+    from examples.seedvr2.media import writing as media_mod
 
     real_write = media_mod.MediaWriter.write
     calls = []
@@ -236,7 +236,7 @@ class _DecoderStarved:
 def test_decoder_short_of_memory_is_out_of_memory_not_a_damaged_file(tmp_path, monkeypatch, code):
     """Under a low memory limit FFmpeg fails with EAGAIN / ENOMEM: that is reported as memory (the CLI's
     out-of-memory error), not as a truncated file or a decoding error of the input."""
-    from examples.seedvr2 import media
+    from examples.seedvr2.media import reading as media
 
     path = tmp_path / "clip.mp4"
     write_media(path, smooth_clip(6, 16, 32), Fraction(10))
@@ -577,7 +577,7 @@ def test_written_files_get_normal_permissions(tmp_path):
 
 def test_shipped_samples_are_the_generated_clip():
     """examples/seedvr2/assets/sample.{mp4,png} are demo.sample_frames(9, 64, 96) (frame 4 for the png)."""
-    from examples.seedvr2.demo import sample_frames
+    from examples.seedvr2.models.demo import sample_frames
 
     assets = os.path.join(os.path.dirname(__file__), "..", "examples", "seedvr2", "assets")
     frames = sample_frames(9, 64, 96).numpy()

@@ -39,7 +39,7 @@ def test_the_table_has_the_replicated_vae_at_720p_and_1080p():
 def test_large_frames_are_not_estimated_like_small_ones():
     """Past the allocator's heap blocks the estimate grows with what is alive, not with everything that died: the
     720p estimate per pixel is well under the small frames' (the old linear estimate was 3-4x the measured peak)."""
-    from examples.seedvr2.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG
+    from examples.seedvr2.models.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG
     from examples.seedvr2.pipeline import estimate_restore_bytes
 
     def vae_per_pixel(width, height):

@@ -1,8 +1,8 @@
-"""Choosing the settings of a restore that fit the memory (``examples.seedvr2.memory_fit``): order and pinning."""
+"""Choosing the settings of a restore that fit the memory (``examples.seedvr2.memory.fit``): order and pinning."""
 
 from __future__ import annotations
 
-from examples.seedvr2.memory_fit import (
+from examples.seedvr2.memory.fit import (
     PinnedSettings,
     RunSettings,
     candidate_settings,

@@ -1,4 +1,4 @@
-"""Usable-memory detection (``examples.seedvr2.memory_limits``): fake /proc and cgroup files, and a real
+"""Usable-memory detection (``examples.seedvr2.memory.limits``): fake /proc and cgroup files, and a real
 ``setrlimit`` in a subprocess."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from examples.seedvr2.memory_limits import (
+from examples.seedvr2.memory.limits import (
     ADDRESS_SPACE_RESERVE,
     SystemFiles,
     host_memory_limits,
@@ -117,7 +117,7 @@ def test_a_real_address_space_limit_in_a_subprocess():
     """``setrlimit(RLIMIT_AS)`` in a child: the limit binds, and it is the limit minus what the process maps."""
     code = (
         "import resource, sys\n"
-        "from examples.seedvr2.memory_limits import ADDRESS_SPACE_RESERVE, usable_memory\n"
+        "from examples.seedvr2.memory.limits import ADDRESS_SPACE_RESERVE, usable_memory\n"
         "size = [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:')][0]\n"
         "limit = size + 700 * 2**20\n"
         "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"

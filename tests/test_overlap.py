@@ -1,5 +1,5 @@
-"""The restore's background reader / writer (:mod:`examples.seedvr2.overlap`) and stage clock
-(:mod:`examples.seedvr2.stage_clock`): same items in the same order, failures raised in the caller, threads that
+"""The restore's background reader / writer (:mod:`examples.seedvr2.restore.overlap`) and stage clock
+(:mod:`examples.seedvr2.restore.stage_clock`): same items in the same order, failures raised in the caller, threads that
 stop; and the command's output bytes with the background threads equal to those of the serial path."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from fractions import Fraction
 
 import pytest
 
-from examples.seedvr2 import stage_clock
-from examples.seedvr2.overlap import (
+from examples.seedvr2.restore import stage_clock
+from examples.seedvr2.restore.overlap import (
     SERIAL_IO_ENV,
     BackgroundWorker,
     InlineWorker,
@@ -203,7 +203,7 @@ def test_background_io_writes_the_same_bytes_on_two_ranks(tmp_path):
 def _spread_rank(rank: int, world: int, color_fix: str) -> bool:
     import torch
 
-    from examples.seedvr2.demo import demo_models, demo_text_embeds
+    from examples.seedvr2.models.demo import demo_models, demo_text_embeds
     from examples.seedvr2.media import model_to_frames, plan_geometry
     from examples.seedvr2.pipeline import SeedVR2Pipeline
     from winsp.comm.group import SPGroup

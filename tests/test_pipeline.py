@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
 from examples.seedvr2.pipeline import (
     SCALING_FACTOR,
     SeedVR2Pipeline,
@@ -25,7 +25,7 @@ from examples.seedvr2.pipeline import (
     trailing_timesteps,
     v_lerp_endpoint,
 )
-from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint
+from examples.seedvr2.models.vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint
 from winsp.testing import run_ranks
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "restore_tiny.safetensors")
@@ -295,9 +295,9 @@ def test_memory_estimate_bounds_the_measured_peak(frames, height, width):
     by its shape-dependent parts alone (without the fixed overhead). It is calibrated against peak RSS, which is
     several times the live tensors on the CPU (convolution unfold buffers, allocator caching): that calibration, -10 %
     to +35 % of the measured RSS, is benchmarks/calibrate_memory.py's table in benchmarks/README.md."""
-    from examples.seedvr2.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG, demo_models, demo_text_embeds
+    from examples.seedvr2.models.demo import DEMO_DIT_CONFIG, DEMO_VAE_CONFIG, demo_models, demo_text_embeds
     from examples.seedvr2.pipeline import estimate_restore_bytes
-    from examples.seedvr2.vae.memory import peak_tensor_bytes
+    from examples.seedvr2.models.vae.memory import peak_tensor_bytes
 
     dit, vae = demo_models()
     pipe = SeedVR2Pipeline(dit, vae)

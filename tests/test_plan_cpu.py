@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.seedvr2.plan import GiB
+from examples.seedvr2.memory.planner import GiB
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def _clip(path: Path, frames: int, width: int, height: int) -> Path:
     the decoder and encoder more (measured: 0.73 GiB of peak RSS at one rank, not 0.69) than the planner assumes."""
     import av
 
-    from examples.seedvr2.demo import sample_frames
+    from examples.seedvr2.models.demo import sample_frames
 
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=24)
@@ -91,7 +91,7 @@ def test_demo_plans_only_a_cpu_run():
 def test_the_twin_counts_the_cpu_convolutions_unfolded_input():
     import torch
 
-    from examples.seedvr2.cpu_twin import trace_on_cpu, unfold_bytes
+    from examples.seedvr2.memory.cpu_twin import trace_on_cpu, unfold_bytes
 
     def run():
         conv = torch.nn.Conv3d(8, 8, 3, padding=1)
@@ -121,7 +121,7 @@ def test_the_twin_traces_a_convolution_sent_to_onednn_by_name():
     """The VAE's band of rows asks for oneDNN by name (``band_conv3d``); the twin traces it as the same convolution."""
     import torch
 
-    from examples.seedvr2.cpu_twin import trace_on_cpu
+    from examples.seedvr2.memory.cpu_twin import trace_on_cpu
 
     def run():
         x, w = torch.randn(1, 8, 4, 16, 16), torch.randn(8, 8, 3, 3, 3)

@@ -41,7 +41,7 @@ DIT_MATRIX = [(m, c, p) for m in ("3b", "7b") for c in ("720p", "1080p") for p i
 
 
 def _check_dit(model: str, clip_name: str, world: int, **kwargs):
-    from examples.seedvr2.fake_gpu_runs import CLIPS, dit_rank
+    from examples.seedvr2.memory.fake_gpu_runs import CLIPS, dit_rank
 
     t, h, w = CLIPS[clip_name].latent
     report = _run(dit_rank, world, model, (t, h, w), **kwargs)
@@ -61,7 +61,7 @@ def test_released_dit_runs_on_every_rank(model, clip, world):
 def test_released_dit_with_ranks_that_hold_no_window(model):
     """A 4x4 latent is one window (post-patch 1x2x2): at P = 4 three ranks hold nothing, and still send zero tensors of
     their peers' dtype and size to every collective."""
-    from examples.seedvr2.fake_gpu_runs import dit_rank
+    from examples.seedvr2.memory.fake_gpu_runs import dit_rank
 
     report = _run(dit_rank, 4, model, (1, 4, 4))
     assert all(t.result == ((16, 16), torch.bfloat16) for t in report.ranks.values())
@@ -84,7 +84,7 @@ VAE_MATRIX = ([("replicated", 1, 256), ("tiled", 1, 256)]
 
 
 def _check_vae(mode: str, world: int, clip_name: str = "720p", tile_size: int = 256):
-    from examples.seedvr2.fake_gpu_runs import CLIPS, vae_rank
+    from examples.seedvr2.memory.fake_gpu_runs import CLIPS, vae_rank
 
     clip = CLIPS[clip_name]
     report = _run(vae_rank, world, mode, clip, tile_size=tile_size)
@@ -113,7 +113,7 @@ def test_height_sharded_vae_holds_less_per_rank_than_replicated():
 @pytest.mark.parametrize("vae_mode", ["height", "wavefront", "tiled", "replicated"])
 def test_restore_step_runs_on_every_rank(vae_mode):
     """Encode, one DiT step and decode of a host clip (the CLI's per-batch compute) with no host read on the way."""
-    from examples.seedvr2.fake_gpu_runs import CLIPS, pipeline_rank
+    from examples.seedvr2.memory.fake_gpu_runs import CLIPS, pipeline_rank
 
     clip = CLIPS["720p"]
     report = _run(pipeline_rank, 2, "3b", clip, vae_mode)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from examples.seedvr2.pipeline import FiniteChecks, NonFiniteOutput
-from examples.seedvr2.plan import GiB, _batch_count, parse_bytes, sp_degrees
+from examples.seedvr2.memory.planner import GiB, _batch_count, parse_bytes, sp_degrees
 
 
 def test_memory_sizes_read_as_gpu_specs_write_them():
@@ -75,7 +75,7 @@ def test_finite_checks_name_the_first_bad_stage_with_one_read():
 
 
 def test_rope_keys_follow_loads_and_moves_without_reading_the_buffers():
-    from examples.seedvr2.dit.rope import RotaryEmbedding3d
+    from examples.seedvr2.models.dit.rope import RotaryEmbedding3d
 
     a, b = RotaryEmbedding3d(24), RotaryEmbedding3d(24)
     assert a.frequency_key() == b.frequency_key() == ("exact", "mmrope3d", 24)

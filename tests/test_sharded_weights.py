@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 import winsp
-from examples.seedvr2.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
-from examples.seedvr2.sharded_weights import load_sharded_dit, shard_loaded_dit, sharded_weights_of
+from examples.seedvr2.models.dit import NaDiTConfig, SeedVR2NaDiT, load_dit_checkpoint
+from examples.seedvr2.weights.sharded import load_sharded_dit, shard_loaded_dit, sharded_weights_of
 from tests.test_dit import GOLDEN, random_batch, read_golden, run
 from winsp.comm.group import SPGroup
 from winsp.runtime.weight_shards import FlatShardLayout, GatheredModules, module_layout, shard_of_module
@@ -163,7 +163,7 @@ def test_fp8_gguf_and_fp8_conversion_are_refused_in_one_line(tmp_path):
     gguf = tmp_path / "dit.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(ValueError, match="GGUF"):
-        from examples.seedvr2.sharded_weights import check_shardable_checkpoint
+        from examples.seedvr2.weights.sharded import check_shardable_checkpoint
 
         check_shardable_checkpoint(str(gguf), {}, "stored")
     plain = _save(tmp_path, "3b", ".safetensors", torch.float32)

@@ -15,14 +15,14 @@ import time
 
 import pytest
 
-from examples.seedvr2.stop_signals import STOP_SIGNALS
+from examples.seedvr2.cli.stop_signals import STOP_SIGNALS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r"""
 import os, sys, time
 from examples.seedvr2.media import atomic_output
-from examples.seedvr2.stop_signals import StopOnSignals
+from examples.seedvr2.cli.stop_signals import StopOnSignals
 mode, out = sys.argv[1], sys.argv[2]
 
 def message(signum, removed):
@@ -102,7 +102,7 @@ def test_watchdog_ends_a_process_whose_cleanup_blocks(tmp_path):
 
 def test_no_watchdog_is_left_behind_after_a_normal_exit(tmp_path):
     """The forked child ends with the context (the wakeup pipe closes); nothing stays a child of this process."""
-    from examples.seedvr2.stop_signals import StopOnSignals
+    from examples.seedvr2.cli.stop_signals import StopOnSignals
 
     with StopOnSignals(lambda s, r: None) as stop:
         child = stop._child[0]

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from examples.seedvr2.temporal import (
+from examples.seedvr2.restore.temporal import (
     TemporalBatch,
     TemporalBlender,
     check_batching,
@@ -107,7 +107,7 @@ def test_clip_noise_is_keyed_by_position_so_aligned_batches_share_it():
 
 @pytest.fixture(scope="module")
 def demo_pipeline():
-    from examples.seedvr2.demo import demo_models, demo_text_embeds
+    from examples.seedvr2.models.demo import demo_models, demo_text_embeds
     from examples.seedvr2.pipeline import SeedVR2Pipeline
 
     dit, vae = demo_models()
@@ -115,7 +115,7 @@ def demo_pipeline():
 
 
 def _clip(t: int, h: int = 16, w: int = 32) -> torch.Tensor:
-    from examples.seedvr2.demo import sample_frames
+    from examples.seedvr2.models.demo import sample_frames
 
     return sample_frames(t, h, w).permute(3, 0, 1, 2).float() / 127.5 - 1  # [3, t, h, w]
 
@@ -148,7 +148,7 @@ def test_stream_of_many_batches_equals_its_batches_blended(demo_pipeline):
 @pytest.mark.slow  # the default run's budget
 def test_stream_memory_does_not_grow_with_the_clip(demo_pipeline):
     """Peak live tensor bytes of a 160-frame stream is within 1.3x of a 40-frame one (same batch settings)."""
-    from examples.seedvr2.vae.memory import peak_tensor_bytes
+    from examples.seedvr2.models.vae.memory import peak_tensor_bytes
 
     pipe, txt = demo_pipeline
     peaks = {}

@@ -20,9 +20,9 @@ import zipfile
 import pytest
 import torch
 
-from examples.seedvr2 import gguf_file
-from examples.seedvr2.checkpoint_file import read_checkpoint_file
-from examples.seedvr2.weight_memory import checkpoint_layout, resident_weight_bytes
+from examples.seedvr2.checkpoints import gguf_file
+from examples.seedvr2.checkpoints.file import read_checkpoint_file
+from examples.seedvr2.weights.footprint import checkpoint_layout, resident_weight_bytes
 from tests.gguf_writers import gguf_bytes, gguf_entry, gguf_string, gguf_tensor_entry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,8 +208,8 @@ def _cases() -> list[tuple[str, bytes]]:
 _CHILD = r"""
 import json, os, resource, sys, warnings
 import torch
-from examples.seedvr2.checkpoint_file import read_checkpoint_file
-from examples.seedvr2.weight_memory import resident_weight_bytes
+from examples.seedvr2.checkpoints.file import read_checkpoint_file
+from examples.seedvr2.weights.footprint import resident_weight_bytes
 held = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (held + int(sys.argv[2]), held + int(sys.argv[2])))
 outcomes = []

@@ -9,10 +9,10 @@ import pathlib
 import pytest
 import torch
 
-from examples.seedvr2.vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint, moments_to_latent
-from examples.seedvr2.vae.context import CausalCache, RunContext
-from examples.seedvr2.vae.memory import peak_tensor_bytes
-from examples.seedvr2.vae.model import _chunk_bounds
+from examples.seedvr2.models.vae import CausalVideoVAE, VideoVAEConfig, load_vae_checkpoint, moments_to_latent
+from examples.seedvr2.models.vae.context import CausalCache, RunContext
+from examples.seedvr2.models.vae.memory import peak_tensor_bytes
+from examples.seedvr2.models.vae.model import _chunk_bounds
 from tests.helpers import random_video, tiny_vae
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.seedvr2.vae.memory import peak_tensor_bytes
-from examples.seedvr2.vae.sharding import decode_sharded, encode_sharded
-from examples.seedvr2.vae.tiling import decode_tiled, encode_tiled
+from examples.seedvr2.models.vae.memory import peak_tensor_bytes
+from examples.seedvr2.models.vae.sharding import decode_sharded, encode_sharded
+from examples.seedvr2.models.vae.tiling import decode_tiled, encode_tiled
 from tests.helpers import random_video, tiny_vae
 from winsp.comm.group import SPGroup
 from winsp.comm.spatial import (
@@ -201,7 +201,7 @@ def test_tiling_arguments_are_validated():
 
 
 def _runner_rank(rank: int, world: int) -> float:
-    from examples.seedvr2.vae import make_vae_runner
+    from examples.seedvr2.models.vae import make_vae_runner
 
     torch.set_num_threads(1)
     vae = tiny_vae()
@@ -218,7 +218,7 @@ def test_height_runner_by_name():
 
 
 def test_runner_modes_by_name():
-    from examples.seedvr2.vae import make_vae_runner
+    from examples.seedvr2.models.vae import make_vae_runner
 
     vae = tiny_vae()
     video = random_video(1, 16, 16)

@@ -1,4 +1,4 @@
-"""The VAE's temporal wavefront (``examples.seedvr2.vae.wavefront``) against the single-rank chunked run.
+"""The VAE's temporal wavefront (``examples.seedvr2.models.vae.wavefront``) against the single-rank chunked run.
 
 Time-only splits run every chunk with the single-rank arithmetic, so they must agree bit for bit; splits that also
 shard the height sum norm statistics and convolutions in another order and use the height-sharding tolerance.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.seedvr2.vae.wavefront import (
+from examples.seedvr2.models.vae.wavefront import (
     VAESplit,
     WaveStats,
     choose_split,
@@ -129,7 +129,7 @@ def test_wavefront_inside_sp_subgroups():
 
 
 def _runner_rank(rank: int, world: int) -> float:
-    from examples.seedvr2.vae import make_vae_runner
+    from examples.seedvr2.models.vae import make_vae_runner
 
     torch.set_num_threads(1)
     vae = tiny_vae()

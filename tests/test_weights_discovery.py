@@ -1,4 +1,4 @@
-"""Weights discovery (examples/seedvr2/weights_discovery.py): every location, precedence, broken files, and the CLI's
+"""Weights discovery (examples/seedvr2/weights/discovery.py): every location, precedence, broken files, and the CLI's
 use of it, on fake folders and fake Hugging Face cache layouts (small files, no network)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from examples.seedvr2.weights_discovery import (
+from examples.seedvr2.weights.discovery import (
     DIT_FILES,
     VAE_FILES,
     WeightsError,

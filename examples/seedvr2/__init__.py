@@ -8,13 +8,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "NaDiTConfig": ".dit",
-    "SeedVR2NaDiT": ".dit",
-    "load_dit_checkpoint": ".dit",
-    "VideoVAEConfig": ".vae",
-    "CausalVideoVAE": ".vae",
-    "load_vae_checkpoint": ".vae",
-    "SeedVR2Pipeline": ".pipeline",
+    "NaDiTConfig": ".models.dit",
+    "SeedVR2NaDiT": ".models.dit",
+    "load_dit_checkpoint": ".models.dit",
+    "VideoVAEConfig": ".models.vae",
+    "CausalVideoVAE": ".models.vae",
+    "load_vae_checkpoint": ".models.vae",
+    "SeedVR2Pipeline": ".restore.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

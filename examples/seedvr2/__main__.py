@@ -1,6 +1,6 @@
 """``python -m examples.seedvr2 restore INPUT -o OUTPUT``: see :mod:`examples.seedvr2.cli`.
 
-With ``--ranks N`` this process is the launcher (:mod:`examples.seedvr2.launcher`): it starts the N ranks before
+With ``--ranks N`` this process is the launcher (:mod:`examples.seedvr2.cli.launcher`): it starts the N ranks before
 anything imports torch here, so torch is imported once per rank and never in the launcher.
 Importing torch takes seconds; a stop signal in that time (Ctrl-C, SIGTERM, SIGHUP, ...: every one the CLI handles,
 before it installs its own handling) ends the process at once with one line and exit 128 + N like any other stop,
@@ -25,7 +25,7 @@ def _stop_now(signum, frame) -> None:
     """Until the CLI's own handling (or the launcher's forwarding) takes over: one line, and out."""
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)  # a second signal (Ctrl-C and the launcher's copy) adds no line
     try:
-        from .launcher import speaks_for_stop
+        from .cli.launcher import speaks_for_stop
 
         speak = speaks_for_stop()
     except Exception:  # noqa: BLE001 - the signal came while the launcher module itself was being imported
@@ -33,6 +33,13 @@ def _stop_now(signum, frame) -> None:
     if speak:
         os.write(2, (STOPPED_LINE.format(name=signal.Signals(signum).name) + "\n").encode())
     os._exit(128 + signum)
+
+
+def _restore_here(argv: list[str]) -> int:
+    """The restore command in this process (``--ranks 1``): imported only then, as torch comes with it."""
+    from .cli.restore import main
+
+    return main(argv)
 
 
 def _run() -> int:
@@ -43,15 +50,15 @@ def _run() -> int:
     previous = {s: signal.signal(s, _stop_now) for s in _STOPS}
     try:
         if sys.argv[1:2] == ["plan"]:  # the memory planner: no launcher, no restore CLI
-            from .plan import main as plan
+            from .cli.plan import main as plan
 
             return plan(sys.argv[2:])
-        from .launcher import launch, wants_launcher
+        from .cli.launcher import launch, wants_launcher
 
         launcher = wants_launcher(sys.argv[1:])
         if not launcher:
-            from .cli import main
-        code = launch(sys.argv[1:]) if launcher else main()
+            from .cli.restore import main
+        code = launch(sys.argv[1:], run_here=_restore_here) if launcher else main()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .. import launcher
+from ..cli import launcher
 
 __all__ = ["RankPool", "Outcome", "StartError"]
 

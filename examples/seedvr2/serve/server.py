@@ -70,7 +70,7 @@ class Server:
 
         from .. import cli
         from ..media import MediaError, probe_media
-        from ..memory_limits import MemoryLimit
+        from ..memory.limits import MemoryLimit
 
         try:
             flags = job_flags(options)
@@ -205,7 +205,10 @@ class Server:
 
 def _import_the_checks() -> None:
     """Import what accepting a job runs (restore's checks and memory estimate) now, not on the first upload."""
-    from .. import cli, media, memory_fit, memory_limits, pipeline  # noqa: F401
+    from ..cli import restore  # noqa: F401
+    from ..media import reading  # noqa: F401
+    from ..memory import fit, limits  # noqa: F401
+    from ..restore import pipeline  # noqa: F401
 
 
 def _public(message: str, input_path: str, name: str, folder: str) -> str:
@@ -229,7 +232,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``serve``; returns the exit code (0 after a drain, 2 for a mistake or ranks that fail)."""
     argv = list(sys.argv[2:] if argv is None else argv)
-    from ..launcher import LAUNCHED_ENV, LaunchError, check_ranks, gpu_count
+    from ..cli.launcher import LAUNCHED_ENV, LaunchError, check_ranks, gpu_count
 
     world = int(os.environ.get("WORLD_SIZE") or 1)
     torchrun = world > 1 and not os.environ.get(LAUNCHED_ENV)

@@ -1,7 +1,7 @@
 """One rank of ``serve``: load the models once, then restore the jobs the server sends, one at a time.
 
 The server starts N copies of ``python -m examples.seedvr2.serve.worker RESTORE_FLAGS...`` with torchrun's
-environment (:func:`examples.seedvr2.launcher.rank_environment`). Each rank restores a tiny image first (the weights
+environment (:func:`examples.seedvr2.cli.launcher.rank_environment`). Each rank restores a tiny image first (the weights
 load through the exact path of ``restore``), then reads jobs from its stdin, one JSON line each, the same line to
 every rank, and runs each through the CLI's own per-file function with the models kept (as a folder run does), so a
 job's output is byte for byte that of ``restore`` with the same flags.
@@ -188,8 +188,8 @@ def _apply_test_memory_limit(rank: int) -> None:
         return
     import resource
 
-    from .. import pipeline
-    from ..memory_limits import ADDRESS_SPACE_RESERVE
+    from ..memory import estimate as pipeline
+    from ..memory.limits import ADDRESS_SPACE_RESERVE
 
     mib, _, ranks = value.partition(":")
     pipeline.estimate_restore_bytes = lambda **_: pipeline.MemoryEstimate(0, 0, 0)  # type: ignore[assignment]
@@ -209,7 +209,7 @@ def serve_jobs(rank: Rank, jobs: Iterator[dict], answer: Callable[[dict], None])
     if warm["code"] != 0:
         answer(dict(event="failed", rank=rank.launch.rank, error=warm["error"] or "the warm-up restore failed"))
         return "broken" if warm["broken"] else "failed"
-    from ..memory_limits import usable_memory
+    from ..memory.limits import usable_memory
 
     answer(dict(event="ready", rank=rank.launch.rank, world=rank.launch.world_size,
                 usable=usable_memory(rank.launch.device).usable, device=rank.launch.device.type,

@@ -24,10 +24,10 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..checkpoint_dtypes import match_model_dtypes
-from ..checkpoint_file import read_checkpoint_file, tensor_state
-from ..checkpoint_match import check_checkpoint_matches
-from ..quantized_linear import PackedWeight, linear_weight_keys, pack_linear_layers
+from ...checkpoints.dtypes import match_model_dtypes
+from ...checkpoints.file import read_checkpoint_file, tensor_state
+from ...checkpoints.match import check_checkpoint_matches
+from ...checkpoints.quantized_linear import PackedWeight, linear_weight_keys, pack_linear_layers
 from .rope import RotaryEmbedding3d
 
 __all__ = ["load_dit_checkpoint", "check_dit_keys", "read_state_dict", "normalize_checkpoint_keys",

@@ -1,7 +1,8 @@
 """How many bytes a checkpoint's weights will take once loaded, from the file's header alone.
 
 The resident size is not the file size: an fp32 file run in bf16 takes half of it, an fp8 file expanded to bf16 twice
-it, and Linear weights kept packed (``--weights stored`` / ``fp8``, see :mod:`.checkpoint_dtypes`) take their stored
+it, and Linear weights kept packed (``--weights stored`` / ``fp8``, see :mod:`~examples.seedvr2.checkpoints.dtypes`)
+take their stored
 size, plus one layer's weight expanded to the compute dtype at a time. :func:`resident_weight_bytes` reads only the
 dtypes and shapes (the safetensors header, the GGUF tensor table (parsed once, shared with the loader), a
 memory-mapped ``.pth``) so that the memory plan is made before any weight is read.
@@ -16,8 +17,8 @@ from typing import Collection, Optional
 
 import torch
 
-from .gguf_dequant import BLOCK_LAYOUTS, packed_nbytes
-from .quantized_linear import FP8_KINDS
+from ..checkpoints.gguf_dequant import BLOCK_LAYOUTS, packed_nbytes
+from ..checkpoints.quantized_linear import FP8_KINDS
 
 __all__ = ["checkpoint_layout", "resident_weight_bytes", "run_weight_bytes", "sharded_weight_bytes"]
 
@@ -38,7 +39,7 @@ def checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     except ValueError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged header fails in any way inside the readers
-        from .checkpoint_file import read_error_reason
+        from ..checkpoints.file import read_error_reason
 
         raise ValueError(f"checkpoint {path!r}: its header cannot be read ({read_error_reason(err)})") from None
 
@@ -47,17 +48,17 @@ def _layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     suffix = os.path.splitext(path)[1].lower()
     layout: dict[str, tuple[str, tuple[int, ...], int]] = {}
     if suffix == ".safetensors":
-        from .checkpoint_file import safetensors_header
+        from ..checkpoints.file import safetensors_header
 
         for key, entry in safetensors_header(path).items():
             layout[key] = (_SAFETENSORS_KIND.get(entry.dtype, entry.dtype), entry.shape,
                            math.prod(entry.shape) * _SAFETENSORS_BYTES.get(entry.dtype, 4))
     elif suffix == ".gguf":
-        from .gguf_file import gguf_header
+        from ..checkpoints.gguf_file import gguf_header
 
         layout = gguf_header(path).layout()  # parsed once: the loader reuses it
     else:
-        from .checkpoint_file import compressed_zip_records
+        from ..checkpoints.file import compressed_zip_records
 
         if compressed_zip_records(path):  # mmap would misread it; reading it whole here would double the load
             raise ValueError(f"{path!r} has compressed records; its layout is not read without loading it")
@@ -110,7 +111,7 @@ def _resident_bytes_by_key(path: str, compute_dtype: torch.dtype, weights: str,
 
 def sharded_weight_bytes(path: str, *, compute_dtype: torch.dtype, parts: int) -> int:
     """Bytes one of ``parts`` ranks holds of the DiT checkpoint at ``path`` with its blocks sharded (see
-    :mod:`.sharded_weights`): its share of the blocks, everything else whole, and two blocks gathered at once (the
+    :mod:`.sharded`): its share of the blocks, everything else whole, and two blocks gathered at once (the
     running one and the prefetched next one; none at one rank, whose chunk is the whole block)."""
     by_key, _ = _resident_bytes_by_key(path, compute_dtype, "compute", ())
     blocks: dict[str, int] = {}
@@ -132,7 +133,7 @@ def run_weight_bytes(model: str, dit_path: str, vae_path: str, *, compute_dtype:
     with ``shard_parts``, the DiT's blocks sharded over that many ranks (see :func:`sharded_weight_bytes`).
 
     A file whose header cannot be read counts its size on disk (the loader then reports what is wrong with it)."""
-    from .dit import NaDiTConfig, SeedVR2NaDiT, packable_dit_weights
+    from ..models.dit import NaDiTConfig, SeedVR2NaDiT, packable_dit_weights
 
     with torch.device("meta"):
         packable = packable_dit_weights(SeedVR2NaDiT(NaDiTConfig.released(model)))

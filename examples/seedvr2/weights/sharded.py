@@ -36,8 +36,8 @@ from torch import nn
 from winsp.comm.group import SPGroup
 from winsp.runtime.weight_shards import FlatShardLayout, GatheredModules, module_layout, shard_of_module
 
-from .checkpoint_dtypes import match_model_dtypes
-from .quantized_linear import FP8_KINDS
+from ..checkpoints.dtypes import match_model_dtypes
+from ..checkpoints.quantized_linear import FP8_KINDS
 
 __all__ = ["load_sharded_dit", "shard_loaded_dit", "sharded_weights_of", "check_shardable_checkpoint",
            "block_layouts"]
@@ -93,7 +93,7 @@ class _RangeReader:
     """
 
     def __init__(self, path: str) -> None:
-        from .checkpoint_file import safetensors_header
+        from ..checkpoints.file import safetensors_header
 
         self.path = path
         self.suffix = os.path.splitext(path)[1].lower()
@@ -182,14 +182,14 @@ def load_sharded_dit(model: nn.Module, path: str, group=None, *, weights: str = 
     """Load ``path`` into ``model`` (a DiT built on the meta device in its compute dtype) with its blocks sharded over
     ``group``: this rank reads only its chunk of each block (see the module docstring) and the rest whole.
 
-    The checks of :func:`~examples.seedvr2.dit.load_dit_checkpoint` (missing, unexpected, mismatched keys, and
+    The checks of :func:`~examples.seedvr2.models.dit.load_dit_checkpoint` (missing, unexpected, mismatched keys, and
     dtypes: the same function, the same message) run on the file's header before anything is read. The shards go to
     ``device`` (the rest of the model stays on the CPU for the caller's ``.to(device)``). Returns the gatherer.
     ``report`` gets one line on what was cast.
     """
-    from .dit.loader import _drop_extra_blocks, _restore_exact_rope, check_dit_keys, normalize_checkpoint_keys
-    from .dit.rope import RotaryEmbedding3d
-    from .weight_memory import checkpoint_layout
+    from ..models.dit.loader import _drop_extra_blocks, _restore_exact_rope, check_dit_keys, normalize_checkpoint_keys
+    from ..models.dit.rope import RotaryEmbedding3d
+    from .footprint import checkpoint_layout
 
     group = group if isinstance(group, SPGroup) else SPGroup(group)
     path = os.fspath(path)

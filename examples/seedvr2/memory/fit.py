@@ -9,7 +9,7 @@ ranks run consecutive causal chunks, with the height split too where the cost mo
 with the largest tile that fits (approximate). The first candidate whose estimate fits is used.
 
 Pure functions of numbers: the caller supplies the estimate (``need``) and the usable bytes (see
-:mod:`.memory_limits`), which keeps this testable without models or limits.
+:mod:`.limits`), which keeps this testable without models or limits.
 """
 
 from __future__ import annotations

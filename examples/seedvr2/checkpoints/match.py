@@ -3,7 +3,7 @@
 Shared by the DiT loader (whole weights), the sharded DiT loader (``--shard-weights``, which sees only the file's
 header), the VAE loader, and the CLI's check before the ranks start (from the headers too), so each refuses the same
 files with the same message. A floating-point model entry takes any real floating-point tensor (fp32/fp16/bf16 are
-cast, fp8 and GGUF-quantised ones kept packed or expanded, see :mod:`.checkpoint_dtypes`); an integer, bool or complex
+cast, fp8 and GGUF-quantised ones kept packed or expanded, see :mod:`.dtypes`); an integer, bool or complex
 tensor there is refused, never cast (a cast int8 or bool "weight" would run, and restore nothing). A non-floating
 model entry takes its own dtype only.
 

@@ -11,9 +11,9 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from ..checkpoint_dtypes import match_model_dtypes
-from ..checkpoint_file import read_checkpoint_file
-from ..checkpoint_match import check_checkpoint_matches
+from ...checkpoints.dtypes import match_model_dtypes
+from ...checkpoints.file import read_checkpoint_file
+from ...checkpoints.match import check_checkpoint_matches
 
 __all__ = ["load_vae_checkpoint", "check_state_dict"]
 

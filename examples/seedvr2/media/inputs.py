@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, default_output_path
+from .reading import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, default_output_path
 
 __all__ = ["Job", "INPUT_VIDEO_EXTENSIONS", "INPUT_IMAGE_EXTENSIONS", "media_in_folder", "plan_jobs"]
 

@@ -1,5 +1,5 @@
 """SeedVR2's GPU paths as fake-GPU rank functions (:mod:`winsp.testing.fake_gpu`): the released models at full width
-and depth in bf16 on fake CUDA tensors, for the tests and for the memory planner (:mod:`.plan`).
+and depth in bf16 on fake CUDA tensors, for the tests and for the memory planner (:mod:`.planner`).
 
 Each ``*_rank`` function has the signature ``fn(rank, world_size, ...)`` that
 :func:`winsp.testing.fake_gpu.run_fake_gpu` calls inside a fake GPU: it builds what it runs on the fake device
@@ -34,7 +34,7 @@ class Clip:
 
     @property
     def latent(self) -> tuple[int, int, int]:
-        from .pipeline import causal_frame_count
+        from ..restore.pipeline import causal_frame_count
 
         return 1 + (causal_frame_count(self.frames) - 1) // 4, self.height // 8, self.width // 8
 
@@ -54,7 +54,7 @@ def _on_fake_cuda(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modul
 
 def build_dit(model: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """The released ``model``'s DiT (``"3b"``/``"7b"``) at full width and depth on the (fake) CUDA device."""
-    from .dit import NaDiTConfig, SeedVR2NaDiT
+    from ..models.dit import NaDiTConfig, SeedVR2NaDiT
 
     with torch.device("meta"):
         dit = SeedVR2NaDiT(NaDiTConfig.released(model))
@@ -63,7 +63,7 @@ def build_dit(model: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Modul
 
 def build_vae(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """The released VAE on the (fake) CUDA device."""
-    from .vae import CausalVideoVAE, VideoVAEConfig
+    from ..models.vae import CausalVideoVAE, VideoVAEConfig
 
     with torch.device("meta"):
         vae = CausalVideoVAE(VideoVAEConfig.seedvr2())
@@ -88,7 +88,7 @@ def dit_rank(rank: int, world: int, model: str, latent: tuple[int, int, int], *,
     dit = build_dit(model, dtype)
     group = _world_group()
     if shard_weights:
-        from .sharded_weights import shard_loaded_dit
+        from ..weights.sharded import shard_loaded_dit
 
         shard_loaded_dit(dit, group)
     dit.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=world), group=group)
@@ -108,9 +108,9 @@ def vae_rank(rank: int, world: int, mode: str, clip: Clip, *, dtype: torch.dtype
              stage: str = "both", tile_size: int = 256) -> tuple:
     """Encode and/or decode (``stage``: ``"encode"``, ``"decode"``, ``"both"``) a clip in VAE ``mode`` (the
     pipeline's temporal chunking of 4 latent frames; ``tile_size`` pixels a tile when tiled, with the CLI's overlap)."""
-    from .memory_fit import tile_overlap
-    from .pipeline import causal_frame_count
-    from .vae.modes import make_vae_runner
+    from ..models.vae.modes import make_vae_runner
+    from ..restore.pipeline import causal_frame_count
+    from .fit import tile_overlap
 
     vae = build_vae(dtype)
     vae.set_temporal_chunking(4)
@@ -137,7 +137,7 @@ def pipeline_rank(rank: int, world: int, model: str, clip: Clip, vae_mode: str, 
                   dtype: torch.dtype = torch.bfloat16) -> tuple:
     """The restore pipeline's per-batch compute (:meth:`SeedVR2Pipeline.restore_on_device`: encode, one DiT step,
     decode) of a host clip in [-1, 1], with host noise as the CLI draws it."""
-    from .pipeline import SeedVR2Pipeline
+    from ..restore.pipeline import SeedVR2Pipeline
 
     pipe = SeedVR2Pipeline(build_dit(model, dtype), build_vae(dtype), vae_mode, group=_world_group(),
                            shard_weights=shard_weights)

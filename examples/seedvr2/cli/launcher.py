@@ -35,8 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
+from ..media.launch_record import LAUNCH_DIR_ENV, LAUNCHED_ENV, PARTIALS_FILE, launched_rank, record_partial
+from ..media.launch_record import launch_file as _launch_file
 from .terminal_text import printable
 
 __all__ = ["LaunchError", "wants_launcher", "requested_ranks", "gpu_count", "rank_environment", "launch",
@@ -44,12 +46,8 @@ __all__ = ["LaunchError", "wants_launcher", "requested_ranks", "gpu_count", "ran
            "leave_note", "record_port_taken", "preflight", "restore_inputs", "PORT_TAKEN_EXIT", "speaks_for_stop"]
 
 PROG = "python -m examples.seedvr2"
-#: set in every rank the launcher starts, to the launcher's process id (see :func:`launched_rank`)
-LAUNCHED_ENV = "SEEDVR2_LAUNCHED"
 #: a path the launcher creates once a rank has failed: a rank stopped by SIGTERM after it prints nothing
 FAILED_ENV = "SEEDVR2_LAUNCH_FAILED"
-#: the launcher's folder, where ranks record their temporary output files and leave notes (see the module docstring)
-LAUNCH_DIR_ENV = "SEEDVR2_LAUNCH_DIR"
 #: seconds the other ranks get to stop on their own after one failed, before SIGTERM; then until SIGKILL
 GRACE_S, KILL_S = 2.0, 5.0
 #: how often a stop signal is sent again to ranks that have not ended yet
@@ -61,19 +59,12 @@ PORT_ATTEMPTS = 3
 FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
                                                      "SIGALRM") if hasattr(signal, name))
 _STOP_CODES = {128 + int(s): s for s in FORWARDED}
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_PARTIALS, _PORT_TAKEN = "partials", "port-taken"
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_PARTIALS, _PORT_TAKEN = PARTIALS_FILE, "port-taken"
 
 
 class LaunchError(ValueError):
     """A --ranks request that cannot be started (reported as one line, exit code 2)."""
-
-
-def launched_rank(env: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether this process is a rank started by the launcher: ``SEEDVR2_LAUNCHED`` names its parent process. A value
-    inherited from a shell (or from a launcher further up) names another process and is ignored."""
-    env = os.environ if env is None else env
-    return bool(env.get(LAUNCHED_ENV)) and env.get(LAUNCHED_ENV) == str(os.getppid())
 
 
 def speaks_for_stop(rank: Optional[int] = None) -> bool:
@@ -237,24 +228,6 @@ def rank_environment(base: Mapping[str, str], rank: int, ranks: int, port: int, 
 # ---- what the ranks tell the launcher (files in its folder; nothing when not launched) ------------------------------
 
 
-def _launch_file(name: str) -> Optional[str]:
-    directory = os.environ.get(LAUNCH_DIR_ENV)
-    return os.path.join(directory, name) if directory and launched_rank() else None
-
-
-def record_partial(path: str) -> None:
-    """Called by a rank as it creates a temporary output file: the launcher removes it should the rank be killed
-    before it can (the OOM killer's SIGKILL). Nothing outside the launcher."""
-    record = _launch_file(_PARTIALS)
-    if record is None:
-        return
-    fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, os.fsencode(os.path.abspath(path)) + b"\0")  # one write: records of two ranks never interleave
-    finally:
-        os.close(fd)
-
-
 def leave_note(rank: int, line: str) -> bool:
     """A rank that stops because of another (its collective failed) leaves its line here instead of printing it; the
     launcher prints it only when no rank said why (a rank that stopped answering). False when not launched."""
@@ -293,9 +266,12 @@ def _prepare_rank() -> None:
 # ---- the launcher -----------------------------------------------------------------------------------------------
 
 
-def launch(argv: Sequence[str], stream=None, module: str = "examples.seedvr2") -> int:
+def launch(argv: Sequence[str], stream=None, module: str = "examples.seedvr2",
+           run_here: Optional[Callable[[list[str]], int]] = None) -> int:
     """Run the command ``argv`` (as given to ``python -m examples.seedvr2``) on ``--ranks`` ranks; returns the exit
-    code (see the module docstring). ``module`` is what each rank runs with ``python -m`` (tests inject faults)."""
+    code (see the module docstring). ``module`` is what each rank runs with ``python -m`` (tests inject faults);
+    ``run_here`` runs the command in this process when one rank is asked for (``__main__`` passes the restore
+    command's ``main``: the launcher sits below the commands it starts)."""
     stream = sys.stderr if stream is None else stream
 
     def say(line: str) -> None:
@@ -313,9 +289,9 @@ def launch(argv: Sequence[str], stream=None, module: str = "examples.seedvr2") -
         say(f"error: {exc} (see {PROG} restore --help)")
         return 2
     if ranks == 1:
-        from .cli import main
-
-        return main(list(argv))
+        if run_here is None:
+            raise TypeError("launch(): --ranks 1 runs the command in this process; pass run_here (its main)")
+        return run_here(list(argv))
     problem = preflight(argv)
     if problem is not None:
         say(f"error: {problem}")

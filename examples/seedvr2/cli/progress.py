@@ -20,9 +20,12 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
-__all__ = ["RestoreProgress", "expected_calls", "format_seconds", "LINE_INTERVAL_S"]
+from .terminal_text import printable
+
+__all__ = ["RestoreProgress", "expected_calls", "format_seconds", "LINE_INTERVAL_S", "StageProgress", "STAGES"]
 
 _SHARES = {"encode": 0.25, "dit": 0.25, "decode": 0.5}
 #: seconds between progress lines within a batch when stderr is not a terminal
@@ -49,7 +52,8 @@ def _chunks(frames: int, chunk: Optional[int]) -> int:
 def expected_calls(frames: int, *, steps: int, temporal_chunk: Optional[int] = 4, temporal_factor: int = 4,
                    tiles: int = 1) -> dict[str, int]:
     """How many encoder, DiT and decoder calls one batch of ``frames`` frames makes (the chunking of
-    :mod:`.vae.model`: the first frame and a chunk, then a chunk at a time; the decoder in latent frames)."""
+    :mod:`~examples.seedvr2.models.vae.model`: the first frame and a chunk, then a chunk at a time; the decoder in
+    latent frames)."""
     padded = 1 + math.ceil((frames - 1) / temporal_factor) * temporal_factor
     latent = 1 + (padded - 1) // temporal_factor
     latent_chunk = None if temporal_chunk is None else max(1, temporal_chunk // temporal_factor)
@@ -200,3 +204,81 @@ def summary_line(prog: str, output: str, size: tuple[int, int], frames: int, fps
     return (f"{prog}: wrote {output}: {what} | {weights} {dtype} {device}, {ranks}, VAE {vae}, colour "
             f"{color_fix} | {run} | "
             f"{seconds:.1f}s, {frames / max(seconds, 1e-9):.2f} frames/s, {peak}")
+
+
+STAGES = ("read", "load", "restore")
+
+
+@dataclass
+class StageProgress:
+    """A tiny progress bar over named stages on stderr, and the seconds each stage took.
+
+    On a terminal the bar is redrawn in place as stages start and finish (the restore stage's own bar, with an ETA,
+    is :mod:`.progress`'s); otherwise (a log, a pipe) it draws nothing: the restore stage prints one line per batch.
+    """
+
+    stages: Sequence[str]
+    enabled: bool = True
+    stream: object = field(default_factory=lambda: sys.stderr)
+    seconds: dict = field(default_factory=dict)
+    _current: Optional[str] = None
+    _started: float = 0.0
+    _open_line: bool = False
+    _last_done: int = 0
+
+    def start(self, stage: str) -> None:
+        self._finish_current()
+        self._current, self._started = stage, time.perf_counter()
+        if self._is_tty():
+            self._draw(self.stages.index(stage), f"{stage} ...")
+
+    def note(self, message: str) -> None:
+        """Print a message line (even when the bar is disabled) without tearing the bar."""
+        self.break_line()
+        self.stream.write(f"{printable(message)}\n")  # loader notes name keys from the file
+        self.stream.flush()
+
+    def break_line(self) -> None:
+        """End a bar line drawn in place, so that what follows starts on a fresh line."""
+        if self._open_line:
+            self.stream.write("\n")
+            self._open_line = False
+
+    def frames(self, done: int, total: int) -> None:  # kept for callers; the restore stage's bar is .progress
+        """Show the frames of the whole clip written so far during the current stage (redrawn on a terminal; in a
+        log, one line per tenth of the clip)."""
+        if not self.enabled or self._current is None:
+            return
+        label = f"{self._current} {done}/{total} frames"
+        if self._is_tty():
+            self._draw(self.stages.index(self._current), label)
+        elif done == total or done * 10 // total > (self._last_done * 10 // total if total else 0):
+            self._draw(self.stages.index(self._current), label)
+        self._last_done = done
+
+    def done(self) -> None:
+        self._finish_current()
+        self.break_line()
+
+    def _finish_current(self) -> None:
+        if self._current is not None:
+            spent = time.perf_counter() - self._started
+            self.seconds[self._current] = spent
+            self._draw(self.stages.index(self._current) + 1, f"{self._current} {spent:.2f}s")
+            self._current = None
+
+    def _is_tty(self) -> bool:
+        return bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def _draw(self, finished: int, label: str) -> None:
+        if not self.enabled or not self._is_tty():  # a log or a pipe gets the batches' lines (.progress) only
+            return
+        width = 24
+        filled = round(width * finished / len(self.stages))
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{len(self.stages)} {label}"
+        if self._is_tty():
+            self.stream.write(f"\r{line:<56}")
+            self._open_line = True
+        else:
+            self.stream.write(f"{line}\n")
+        self.stream.flush()

@@ -18,6 +18,7 @@ Everything here is plain data and small iterators, independent of models and of 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -44,6 +45,16 @@ DEFAULT_BATCH_FRAMES = 21
 #: start 16 frames apart, a whole number of latent frames, so their shared latent frames get the same noise (see
 #: :func:`clip_noise`), which shrinks the difference the cross-fade has to hide (see benchmarks/README.md).
 DEFAULT_OVERLAP = 5
+
+
+def causal_frame_count(num_frames: int, temporal_factor: int = 4) -> int:
+    """The frame count a clip is padded to: unchanged for one frame, else the next ``4k + 1`` with ``k >= 1``."""
+    if num_frames < 1:
+        raise ValueError(f"a clip needs at least one frame, got {num_frames}")
+    if num_frames == 1:
+        return 1
+    k = max(1, math.ceil((num_frames - 1) / temporal_factor))
+    return temporal_factor * k + 1
 
 
 @dataclass(frozen=True)
@@ -191,8 +202,6 @@ def clip_noise(seed: int, start: int, num_frames: int, latent_hw: tuple[int, int
     ``4m + 1`` (batch starts 4 frames apart) the latent frames two batches share see the same noise, which makes the
     two restorations of the shared frames agree more closely before they are cross-faded.
     """
-    from .pipeline import causal_frame_count
-
     padded = causal_frame_count(num_frames, temporal_factor)
     frames = []
     for j in range(1 + (padded - 1) // temporal_factor):

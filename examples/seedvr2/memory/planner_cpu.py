@@ -1,6 +1,6 @@
 """``python -m examples.seedvr2 plan --device cpu``: what a CPU restore needs in host RAM per rank, from the CPU twin.
 
-The same search as the GPU planner (:func:`.plan.plan_restore`: SP degrees that divide the rank count, temporal
+The same search as the GPU planner (:func:`.planner.plan_restore`: SP degrees that divide the rank count, temporal
 batches, VAE modes, ``--shard-weights``, fastest first), with each stage traced by the CPU twin
 (:mod:`.cpu_twin`: the real model built on fake CPU tensors, planning on real ones, as rank 0 of a fake process group
 of the SP degree) instead of the fake GPU. What differs from the GPU planner's figures:
@@ -35,16 +35,17 @@ _BASELINE: list[int] = []
 
 def measure_baseline(dtype: torch.dtype = torch.float32) -> int:
     """This process's resident set once it holds what a restore rank holds before its models: the imports (torch,
-    the models' code, the command line and media modules with PyAV) and the code pages of the kernels a restore runs
+    the models' code, the media modules with PyAV; the plan command imports the command line's first, as
+    :mod:`examples.seedvr2.cli.plan` does) and the code pages of the kernels a restore runs
     (a real restore of a 5-frame 32x32 clip through the tiny demo models, in ``dtype``: the same modules and kernels
     as the released ones, at a size whose tensors are negligible). Measured once, before any tracing, and kept."""
     if not _BASELINE:
         import gc
 
-        from . import cli, media  # noqa: F401 - imported for their resident pages, as a restore does
+        from ..media import reading as media  # noqa: F401 - imported for their resident pages, as a restore does
+        from ..models.demo import demo_models, demo_text_embeds
+        from ..restore.pipeline import SeedVR2Pipeline
         from .cpu_twin import current_rss
-        from .demo import demo_models, demo_text_embeds
-        from .pipeline import SeedVR2Pipeline
 
         dit, vae = demo_models("cpu", dtype)
         with torch.no_grad():
@@ -68,14 +69,14 @@ def cpu_assumptions(baseline: int) -> str:
 def _build(model: str, demo: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The DiT and the VAE in ``dtype``, built where the caller is (the meta device, or under the twin's fake mode,
     where ``.to(dtype)`` cannot swap a fake parameter: they are built in ``dtype`` instead)."""
-    from .dit import NaDiTConfig, SeedVR2NaDiT
-    from .vae import CausalVideoVAE, VideoVAEConfig
+    from ..models.dit import NaDiTConfig, SeedVR2NaDiT
+    from ..models.vae import CausalVideoVAE, VideoVAEConfig
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         if demo:
-            from .demo import DEMO_DIT_CONFIGS, demo_vae_config
+            from ..models.demo import DEMO_DIT_CONFIGS, demo_vae_config
 
             dit, vae = SeedVR2NaDiT(DEMO_DIT_CONFIGS[model]), CausalVideoVAE(VideoVAEConfig(**demo_vae_config()))
         else:
@@ -97,7 +98,7 @@ def _sp_group(sp: int):
 @dataclass
 class CpuTracer:
     """The CPU twin's traces of rank 0 of an SP group of ``sp`` ranks, cached in ``cache`` by what they depend on;
-    the same interface as :class:`.plan.Tracer`."""
+    the same interface as :class:`.planner.Tracer`."""
 
     model: str
     sp: int
@@ -117,7 +118,7 @@ class CpuTracer:
     def weights(self, shard: bool) -> tuple[int, int]:
         key = ("cpu weights", self.model, self.demo, str(self.dtype), self.sp, shard)
         if key not in self.cache:
-            from .plan import weight_bytes
+            from .traced_peaks import weight_bytes
 
             with torch.device("meta"):
                 self.cache[key] = weight_bytes(*_build(self.model, self.demo, self.dtype), self.sp, shard)
@@ -138,7 +139,7 @@ class CpuTracer:
 
     def dit(self, latent: tuple[int, int, int], shard: bool) -> int:
         """One DiT step's peak, the built model's weights included (counted from the built model on, as
-        :meth:`.plan.Tracer.dit`)."""
+        :meth:`.planner.Tracer.dit`)."""
 
         def run(trace) -> None:
             import winsp
@@ -149,7 +150,7 @@ class CpuTracer:
             dit, _ = _build(self.model, self.demo, self.dtype)
             group = _sp_group(self.sp)
             if shard:
-                from .sharded_weights import shard_loaded_dit
+                from ..weights.sharded import shard_loaded_dit
 
                 shard_loaded_dit(dit, group)
             dit.build_runtime(winsp.DiffusionParallelConfig(ulysses_degree=self.sp), group=group)
@@ -167,7 +168,7 @@ class CpuTracer:
         return self._trace(("cpu dit", self.model, self.demo, self.sp, str(self.dtype), latent, shard), run)
 
     def vae(self, stage: str, mode: str, clip, tile: Optional[int]) -> int:
-        from .plan import vae_stage_peak
+        from .traced_peaks import vae_stage_peak
 
         return vae_stage_peak(self, stage, mode, clip, tile)
 
@@ -175,9 +176,9 @@ class CpuTracer:
         """One VAE stage in ``mode`` (the pipeline's temporal chunks of 4 latent frames), the VAE's weights included."""
 
         def run(trace) -> None:
-            from .memory_fit import tile_overlap
-            from .pipeline import causal_frame_count
-            from .vae.modes import make_vae_runner
+            from ..models.vae.modes import make_vae_runner
+            from ..restore.pipeline import causal_frame_count
+            from .fit import tile_overlap
 
             _, vae = _build(self.model, self.demo, self.dtype)
             vae.set_temporal_chunking(4)

@@ -5,7 +5,7 @@ shapes and dtypes, no values, no GPU) and one temporal batch is run through each
 trace's peak of live device bytes per stage, plus the resident weights of the other model, plus stated constants, is
 the stage's need per rank. Settings are tried best first: the longest temporal batch first; for each batch the exact
 VAE modes on every SP degree that divides the GPU count (:func:`sp_degrees`: fastest first by the ideal-SP rounds,
-ties to the smaller degree), in :func:`.memory_fit.candidate_settings`' order, whole weights before
+ties to the smaller degree), in :func:`.fit.candidate_settings`' order, whole weights before
 ``--shard-weights``; then the tiled VAE likewise. The first that fits is printed, with each stage's peak and what does
 not fit by how much.
 
@@ -18,18 +18,18 @@ gathered blocks (the running one and the prefetched one).
 
 Needs the CUDA build of torch (no GPU): on a CPU-only build it says so in one line. ``--device cpu`` answers for a
 CPU restore instead, in host RAM per rank, on any torch: the same search, each stage traced by the CPU twin
-(:mod:`.plan_cpu`, which states what differs).
+(:mod:`.planner_cpu`, which states what differs).
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
-__all__ = ["PlanRequest", "StagePeaks", "plan_restore", "main", "parse_bytes", "ASSUMPTIONS"]
+from .traced_peaks import _weights, tiled_frame_bytes, vae_stage_peak, weight_bytes  # noqa: F401 - their home was here
+
+__all__ = ["PlanRequest", "StagePeaks", "plan_restore", "parse_bytes", "ASSUMPTIONS"]
 
 GiB = 2**30
 MiB = 2**20
@@ -69,7 +69,7 @@ class PlanRequest:
     height: int
     frames: int
     dtype: str = "bf16"
-    device: str = "cuda"  # "cpu": host RAM per rank of a CPU run, from the CPU twin (:mod:`.plan_cpu`)
+    device: str = "cuda"  # "cpu": host RAM per rank of a CPU run, from the CPU twin (:mod:`.planner_cpu`)
     demo: bool = False  # the embedded tiny demo weights (``restore --demo``; CPU only)
 
 
@@ -155,57 +155,11 @@ class Tracer:
                            dtype=self.dtype, stage=stage)
 
 
-def vae_stage_peak(tracer, stage: str, mode: str, clip, tile: Optional[int]) -> int:
-    """One VAE stage's traced peak on ``tracer`` (its ``vae_trace``). A tiled run is traced on one tile's clip,
-    replicated (every rank runs every tile; tracing every tile of a 4K frame takes minutes), plus the whole-frame
-    tensors (:func:`tiled_frame_bytes`); a replicated VAE traces the same at every SP degree."""
-    if mode == "tiled":
-        from .fake_gpu_runs import Clip
-
-        size = tile or 256
-        tile_clip = Clip(clip.frames, min(size, clip.height), min(size, clip.width))
-        return tracer.vae_trace(stage, "replicated", tile_clip, None, 1) + tiled_frame_bytes(stage, clip, tracer.dtype)
-    return tracer.vae_trace(stage, mode, clip, tile, 1 if mode == "replicated" else tracer.sp)
-
-
-def tiled_frame_bytes(stage: str, clip, dtype) -> int:
-    """What a tiled VAE holds besides one tile's trace: encode, the whole video in, the moments' accumulator and
-    result; decode, the video's accumulator and result; and the blend weights (the tile's own input and output are in
-    its trace)."""
-    import torch
-
-    t, h, w = clip.latent
-    frames = 4 * (t - 1) + 1
-    element = torch.finfo(dtype).bits // 8
-    pixels = frames * clip.height * clip.width * 3 * element  # the video
-    latents = t * h * w * 16 * 2 * element  # the moments (mean and log-variance)
-    blend = (clip.height * clip.width if stage == "decode" else h * w) * 8
-    return blend + (2 * pixels if stage == "decode" else pixels + 2 * latents)
-
-
-def _weights(model: str, dtype, sp: int, shard: bool) -> tuple[int, int]:
-    """(DiT bytes a rank holds between blocks, VAE bytes), from the released models' parameters on the meta device."""
-    from .pipeline import released_models_on_meta
-
-    return weight_bytes(*released_models_on_meta(model, dtype), sp, shard)
-
-
-def weight_bytes(dit, vae, sp: int, shard: bool) -> tuple[int, int]:
-    """(DiT bytes a rank holds between blocks, VAE bytes) of built models (their parameters' sizes; ``shard``: the
-    DiT's blocks split over ``sp`` ranks, as ``--shard-weights``)."""
-    nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
-    dit_total = nbytes(dit.parameters())
-    if shard and sp > 1:
-        blocks = nbytes(p for b in dit.blocks for p in b.parameters())
-        dit_total = dit_total - blocks + -(-blocks // sp)
-    return dit_total, nbytes(vae.parameters())
-
-
 def stage_peaks(tracer, request: PlanRequest, settings, shard: bool) -> StagePeaks:
-    """Each stage's per-rank need for one temporal batch of ``settings`` (a :class:`.memory_fit.RunSettings`), from
-    ``tracer`` (a :class:`Tracer`, or :class:`.plan_cpu.CpuTracer` for a CPU run)."""
+    """Each stage's per-rank need for one temporal batch of ``settings`` (a :class:`.fit.RunSettings`), from
+    ``tracer`` (a :class:`Tracer`, or :class:`.planner_cpu.CpuTracer` for a CPU run)."""
+    from ..restore.temporal import DEFAULT_OVERLAP
     from .fake_gpu_runs import Clip
-    from .temporal import DEFAULT_OVERLAP
 
     frames = min(settings.batch_frames, request.frames)
     clip = Clip(frames, request.height, request.width)
@@ -228,7 +182,7 @@ def stage_peaks(tracer, request: PlanRequest, settings, shard: bool) -> StagePea
 @dataclass
 class Candidate:
     """One way to run: SP degree (ranks a group; ``gpus // sp`` groups take whole temporal batches), the run settings
-    (a :class:`.memory_fit.RunSettings`), whether the DiT's weights are sharded, and the traced stage peaks."""
+    (a :class:`.fit.RunSettings`), whether the DiT's weights are sharded, and the traced stage peaks."""
 
     sp: int
     settings: object
@@ -267,7 +221,7 @@ def _batch_count(frames: int, batch: int, overlap: int) -> int:
 def make_tracer(request: PlanRequest, sp: int, dtype, cache: dict):
     """The fake-GPU :class:`Tracer`, or the CPU twin's for ``request.device == "cpu"``."""
     if request.device == "cpu":
-        from .plan_cpu import CpuTracer
+        from .planner_cpu import CpuTracer
 
         return CpuTracer(request.model, sp, dtype, cache, demo=request.demo)
     return Tracer(request.model, sp, dtype, cache)
@@ -277,14 +231,14 @@ def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, repor
                  cache: Optional[dict] = None) -> PlanResult:
     """Try the ways to run on ``request.gpus`` GPUs fastest first until one fits ``request.gpu_memory``: the longest
     temporal batch first; for each batch the exact VAE modes on every SP degree (:func:`sp_degrees`), in
-    :func:`.memory_fit.candidate_settings`' order, whole DiT weights before sharded, then the approximate tiled VAE
+    :func:`.fit.candidate_settings`' order, whole DiT weights before sharded, then the approximate tiled VAE
     (tiles of 512, then 256 pixels) likewise. ``cache`` (a dict) keeps traces between
     calls (the traces do not depend on the GPU count or memory). ``request.device == "cpu"`` traces with the CPU twin
-    (:class:`.plan_cpu.CpuTracer`) instead of the fake GPU."""
+    (:class:`.planner_cpu.CpuTracer`) instead of the fake GPU."""
     import torch
 
-    from .memory_fit import PinnedSettings, candidate_settings
-    from .temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+    from ..restore.temporal import DEFAULT_BATCH_FRAMES, DEFAULT_OVERLAP
+    from .fit import PinnedSettings, candidate_settings
 
     dtype = getattr(torch, _DTYPES[request.dtype])
     default_batch = max_batch or DEFAULT_BATCH_FRAMES
@@ -313,109 +267,3 @@ def plan_restore(request: PlanRequest, *, max_batch: Optional[int] = None, repor
                         if candidate.peaks.peak <= request.gpu_memory:
                             return PlanResult(request, tried, candidate)
     return PlanResult(request, tried, None)
-
-
-def format_result(result: PlanResult) -> str:
-    r = result.request
-    if r.device == "cpu":
-        where = f"{r.gpus} CPU rank(s) of {r.gpu_memory / GiB:.3g} GiB RAM each"
-    else:
-        where = f"{r.gpus} GPU(s) of {r.gpu_memory / GiB:.0f} GiB"
-    lines = [f"plan: SeedVR2-{r.model.upper()}{' demo weights' if r.demo else ''} {r.dtype}, {r.width}x{r.height} x "
-             f"{r.frames} frames on {where}"]
-    chosen = result.chosen
-    f = ".2f" if r.device == "cpu" else ".1f"  # a CPU run's figures are smaller
-    if chosen is not None:
-        groups = r.gpus // chosen.sp
-        lines.append(f"fits: {chosen.describe()} ({groups} group{'s' if groups > 1 else ''} of {chosen.sp})")
-        lines.append(f"flags: {'--demo ' if r.demo else ''}{chosen.flags(r.gpus)}")
-        lines.append("peak per rank: " + ", ".join(f"{name} {nbytes / GiB:{f}} GiB"
-                                                   for name, nbytes in chosen.peaks.stages().items()))
-    else:
-        best = min(result.tried, key=lambda c: c.peaks.peak)
-        unit = "rank" if r.device == "cpu" else "GPU"
-        lines.append(f"does not fit: the smallest setting tried ({best.describe()}) needs {best.peaks.peak / GiB:{f}} "
-                     f"GiB a rank, {(best.peaks.peak - r.gpu_memory) / GiB:{f}} GiB more than a {unit} has")
-    for c in [c for c in result.tried if c.peaks.peak > r.gpu_memory][:6]:
-        stage, need = max(((k, v) for k, v in c.peaks.stages().items() if k != "weights"), key=lambda kv: kv[1])
-        over = (need - r.gpu_memory) / GiB
-        lines.append(f"  no: {c.describe()}: {stage} needs {need / GiB:.2f} GiB ({over:+.2f} GiB)")
-    if r.device == "cpu":
-        from .plan_cpu import cpu_assumptions
-
-        lines.append("assumes: " + cpu_assumptions(result.tried[0].peaks.extra if result.tried else 0))
-    else:
-        lines.append("assumes: " + ASSUMPTIONS)
-    return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.seedvr2 plan",
-                                description="Which restore settings fit N GPUs (or N CPU ranks with --device cpu), "
-                                            "from a trace of the model on fake tensors.")
-    p.add_argument("--gpus", "--ranks", dest="gpus", type=int, required=True,
-                   help="GPUs (ranks of the run: restore's --ranks); with --device cpu, CPU ranks")
-    p.add_argument("--gpu-memory", "--memory", dest="gpu_memory", required=True,
-                   help="memory of one GPU, e.g. 80GiB; with --device cpu, the RAM one rank may use")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda (default): GPU memory per rank from a fake-GPU trace (needs the CUDA build of torch, no "
-                        "GPU); cpu: host RAM per rank of a CPU restore, from the CPU twin (any torch)")
-    p.add_argument("--model", choices=("3b", "7b"), default="3b")
-    p.add_argument("--demo", action="store_true",
-                   help="the embedded tiny demo weights (restore --demo); with --device cpu only")
-    p.add_argument("--resolution", required=True, metavar="WxH", help="output size (sides cropped to multiples of 16)")
-    p.add_argument("--frames", type=int, required=True)
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
-                   help="compute dtype (default: restore's: bf16 on the GPU, fp32 on the CPU)")
-    return p
-
-
-def _refuse(message: str) -> SystemExit:
-    """Bad usage: one line on stderr, exit 2 (exit 1 means that nothing fits)."""
-    print(f"plan: {message}", file=sys.stderr)
-    return SystemExit(2)
-
-
-def parse_request(argv: Sequence[str]) -> PlanRequest:
-    args = build_parser().parse_args(argv)
-    match = re.fullmatch(r"(\d+)x(\d+)", args.resolution)
-    if match is None:
-        raise _refuse(f"--resolution must be WxH, got {args.resolution!r}")
-    width, height = (int(match.group(1)) // 16 * 16, int(match.group(2)) // 16 * 16)
-    if args.gpus < 1 or args.frames < 1 or width < 16 or height < 16:
-        raise _refuse("--gpus, --frames and the resolution must be positive (sides of at least 16)")
-    if args.demo and args.device != "cpu":
-        raise _refuse("--demo plans the tiny demo weights' CPU run; add --device cpu")
-    try:
-        memory = parse_bytes(args.gpu_memory)
-    except ValueError as e:
-        raise _refuse(str(e)) from None
-    dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
-    return PlanRequest(args.gpus, memory, args.model, width, height, args.frames, dtype, args.device, args.demo)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    request = parse_request(sys.argv[2:] if argv is None else argv)
-    if request.device == "cuda":
-        from winsp.testing.fake_gpu import cuda_build_available
-
-        if not cuda_build_available():
-            import torch
-
-            print(f"plan: needs the CUDA build of torch to trace the model on fake CUDA tensors (no GPU needed); "
-                  f"this torch {torch.__version__} is CPU-only (--device cpu plans a CPU run on any torch)",
-                  file=sys.stderr)
-            return 2
-    else:
-        import torch
-
-        from .plan_cpu import measure_baseline
-
-        measure_baseline(getattr(torch, _DTYPES[request.dtype]))  # before any tracing: what a restore rank holds
-    result = plan_restore(request, report=lambda line: print(line, file=sys.stderr))
-    print(format_result(result))
-    return 0 if result.chosen is not None else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

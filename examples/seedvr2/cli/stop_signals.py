@@ -10,7 +10,8 @@ Python runs its signal handlers only on the main thread between bytecodes, which
 thread is inside one long torch operation or blocked in a collective. So the Python-level handler does nothing; the
 interpreter's C-level handler writes the signal number to a pipe (``signal.set_wakeup_fd``) and a watcher thread
 blocked on it wakes at once (torch releases the GIL inside its operations), removes the temporary output files
-(:func:`.media.remove_partial_outputs`, which also stops new ones), prints one line and ends the process with
+(:func:`~examples.seedvr2.media.writing.remove_partial_outputs`, which also stops new ones), prints one line and ends
+the process with
 ``os._exit(128 + signal)``. No traceback, no ``.partial`` file left behind.
 
 A thread needs the GIL, which a C loop that never releases it (or a cleanup that blocks: a full stderr pipe) can hold
@@ -30,7 +31,7 @@ import time
 import warnings
 from typing import Callable, Optional
 
-from .media import remove_partial_outputs
+from ..media.writing import remove_partial_outputs
 
 __all__ = ["StopOnSignals", "STOP_SIGNALS", "GRACE_S"]
 
