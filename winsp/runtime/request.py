@@ -573,7 +573,11 @@ class WindowRequest:
         """:meth:`attention` for a model that attends its text (replicated tokens) and video jointly, holding both in
         one tensor: ``q``, ``k``, ``v`` are ``[num_text_rows + L_local, heads, head_dim]`` with the request's text
         rows first (``text_first``; else last); returns the output in the same arrangement, the text part reduced by
-        the window-mean rule. ``options``: :meth:`attention`'s keywords (``score_mod``, ``softmax_scale``, ...)."""
+        the window-mean rule. ``options``: :meth:`attention`'s keywords (``score_mod``, ``softmax_scale``, ...).
+        On a layer the text does not join (``text_layers``), ``q``, ``k``, ``v`` are the video rows alone, and so is
+        the output: one call serves both kinds of layer."""
+        if not self.text_layers[self._check_layer(layer)]:
+            return self.attention(q, k, v, layer=layer, **options)[0]
         n = self.num_text_rows
         cut = n if text_first else q.shape[0] - n
         (vq, tq), (vk, tk), (vv, tv) = ((t[n:], t[:n]) if text_first else (t[:cut], t[cut:]) for t in (q, k, v))
