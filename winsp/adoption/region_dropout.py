@@ -7,9 +7,10 @@ training forward, :class:`RegionDropout` (a ``TorchFunctionMode``) sees every dr
 (dim 0 is this rank's row count) and, as ``ParallelPlan.dropout`` says:
 
 - ``"refuse"`` (the default): raises, naming the innermost region module whose forward made the call, the function,
-  ``p`` and the fix;
+  ``p`` and a fix that is exact for the model, or saying that winsp cannot know (:mod:`winsp.adoption.dropout_advice`);
 - ``"rows"``: draws as :class:`winsp.RowDropout` does (the original's mask over the full ``[N, ...]`` tensor of the
-  current grid, channels-last with the tokens row-major, then this rank's rows: :func:`winsp.row_dropout`);
+  current grid, channels-last with the tokens row-major, then this rank's rows: :func:`winsp.row_dropout`), and
+  refuses where winsp knows that is not the original's draw (the region's tokens flattened in another order);
 - ``"unchecked"``: no mode is pushed (a mode costs about 2 us a torch call in a training forward); for a model known
   to call no functional dropout on local rows. ``nn.Dropout`` modules are still refused by their hooks.
 
@@ -29,6 +30,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 import winsp.runtime.drop_path as drop_path
+from winsp.adoption.dropout_advice import CHECK, OFF, advice
 from winsp.runtime.context import current_request_or_none
 from winsp.runtime.drop_path import row_dropout
 from winsp.utils.compile import planning
@@ -72,6 +74,7 @@ class RegionDropout(TorchFunctionMode):
             raise ValueError(f"ParallelPlan.dropout must be one of {DROPOUT_POLICIES}, got {policy!r}")
         self.policy = policy
         self.paths: list[str] = [start or "<root>"]
+        self.model = None  # the parallelized model, noted by the region's row checks (for the refusals' advice)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,12 +109,22 @@ class RegionDropout(TorchFunctionMode):
         if elementwise is None:
             raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
                              f"in the parallel model, end the region before it, or train with it off")
+        said = advice(self.model, self.paths[-1], x, request, held=False)
         if self.policy == "refuse":
-            raise ValueError(f"{where}: its mask would be drawn over this rank's rows only, not as the original draws "
-                             f"it over the whole tensor. If the original's tensor there is channels-last with the "
-                             f"tokens row-major (as winsp.ChannelsLast region inputs are), set "
-                             f"ParallelPlan(..., dropout='rows') to draw exactly the original's mask (as "
-                             f"winsp.RowDropout does); otherwise end the region before it or train with it off")
+            mask = (f"{where}: its mask would be drawn over this rank's rows only, not as the original draws it over "
+                    f"the whole tensor")
+            if said.exact:
+                raise ValueError(f"{mask}. Set ParallelPlan(..., dropout='rows') to draw exactly the original's mask "
+                                 f"(as winsp.RowDropout does), or {OFF}")
+            if said.exact is False:
+                raise ValueError(f"{mask}, and no row-wise draw reproduces it here: {said.why}. "
+                                 f"{OFF[0].upper() + OFF[1:]}")
+            raise ValueError(f"{mask}; {said.why}. ParallelPlan(..., dropout='rows') draws the original's mask only "
+                             f"where the original's tensor there is the region's tokens channels-last, row-major in "
+                             f"(t, h, w): {CHECK}, or {OFF}")
+        if said.exact is False:
+            raise ValueError(f"{where}: ParallelPlan(dropout='rows') cannot draw the original's mask here: {said.why}. "
+                             f"{OFF[0].upper() + OFF[1:]}")
         return row_dropout(x, p, request, inplace=inplace)
 
 
