@@ -14,6 +14,9 @@ training forward, :class:`RegionDropout` (a ``TorchFunctionMode``) sees every dr
 - ``"unchecked"``: no mode is pushed (a mode costs about 2 us a torch call in a training forward); for a model known
   to call no functional dropout on local rows. ``nn.Dropout`` modules are still refused by their hooks.
 
+Attention-probability dropout (``scaled_dot_product_attention(..., dropout_p > 0)``) inside the region is refused
+by name too; ``request.attention(..., dropout_p=)`` refuses it the same way in a swapped attention.
+
 Channel-wise and alpha dropouts (``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``) have no row-wise
 equivalent and are refused by name either way. Dropout on any other tensor (a per-sample conditioning vector
 ``[B, C]``, drawn alike on every rank since every rank holds the same generator state), with ``p == 0`` or not
@@ -78,11 +81,24 @@ class RegionDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(func, args, kwargs)
         elementwise = _ELEMENTWISE.get(func)
         refused = _NO_ROW_WISE.get(func) if elementwise is None else None
         if elementwise is None and refused is None:
             return func(*args, **kwargs)
         return self._dropout(func, elementwise, refused, args, kwargs)
+
+    def _attention(self, func, args: tuple, kwargs: dict):
+        """``scaled_dot_product_attention`` inside the region: refused by name where it drops probabilities."""
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        request = current_request_or_none()
+        if p and request is not None and request._now is not None:
+            raise ValueError(f"winsp.parallelize: {self.paths[-1]!r} calls scaled_dot_product_attention(dropout_p={p}) "
+                             f"in a training forward inside the region: attention-probability dropout is not offered "
+                             f"by winsp (its mask is drawn over the original's [heads, n, n] probabilities, which no "
+                             f"window layout reproduces); train with it off (p=0) or in eval mode")
+        return func(*args, **kwargs)
 
     @planning  # eager under torch.compile: a traced draw would run again through this mode when its graph runs
     def _dropout(self, func, elementwise, refused, args, kwargs):

@@ -507,6 +507,7 @@ class WindowRequest:
         mask_mod=None,
         softmax_scale: float | None = None,
         text_output: bool = True,
+        dropout_p: float = 0.0,
     ) -> tuple[Tensor, Tensor | None]:
         """Window attention of layer ``layer`` on local rows over [window video, sample text], then the text reduction.
 
@@ -521,7 +522,16 @@ class WindowRequest:
 
         ``v`` has ``q``'s (and ``k``'s) head size: ``[rows, heads, head_dim]`` for all three (a model whose values are
         wider or narrower is refused with the sizes).
+
+        ``dropout_p``: the original attention's probability dropout (0 in eval); pass it, so that a training forward
+        with it on is refused by name (``docs/adopting_a_model.md``): winsp offers none, as no window layout can draw
+        the original's mask over its ``[heads, n, n]`` probabilities.
         """
+        if dropout_p:
+            raise ValueError(f"layer {layer}: attention-probability dropout (dropout_p={dropout_p}) is not offered by "
+                             f"winsp: the original draws its mask over each attention's [heads, n, n] probabilities of "
+                             f"its own batch and order, which no window layout reproduces; train with the attention's "
+                             f"dropout off (p=0) or in eval mode")
         if not self._dtypes_checked and not torch.compiler.is_compiling():
             self._check_dtypes((q_vid, k_vid, v_vid, q_txt, k_txt, v_txt))
         lay = self._layer_layout(layer)

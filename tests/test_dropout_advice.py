@@ -1,0 +1,146 @@
+"""Dropout refusals that are right, or silent about fixes (``winsp.adoption.dropout_advice``), and attention-probability
+dropout refused by name.
+
+- A window attention whose ``proj_drop`` the original applies to the padded, window-cut tensor: a row-wise draw
+  (``RowDropout``, ``dropout='rows'``) is not its draw even on one rank, so the refusal does not suggest it: winsp
+  cannot tell, and says so, pointing to ``check_parallel``.
+- The divided space-time video transformer (``examples.divided_video``): its MLP dropout takes the class tokens next to
+  the rows, and its tokens are flattened frames fastest; both are named as the cause, with no row-wise fix offered.
+- Attention-probability dropout: refused by name, in ``request.attention`` and in ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import winsp
+from examples.divided_video.adapter import parallelize as parallel_divided
+from examples.divided_video.model import DividedVideoTransformer
+
+DIM, HEADS = 8, 2
+
+
+class WindowAttention(nn.Module):
+    """Attention inside each window of ``[windows, n, C]``; ``proj_drop`` on that window-cut tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.proj_drop = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, -1)).permute(2, 0, 3, 1, 4)
+        return self.proj_drop(self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)))
+
+
+class CutBlock(nn.Module):
+    """Pads ``[B, H, W, C]`` to whole 2 x 2 windows, cuts them, attends, puts them back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(DIM), WindowAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        y = F.pad(self.norm(x), (0, 0, 0, w % 2, 0, h % 2))
+        hp, wp = y.shape[1:3]
+        windows = y.view(b, hp // 2, 2, wp // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, c)
+        out = self.attn(windows).view(b, hp // 2, wp // 2, 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+        return x + out[:, :h, :w]
+
+
+class CutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(CutBlock(), CutBlock())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def attend(a, x):  # on this rank's rows [L, C]; padding rows are the original's zero padding
+    x = x * a.request.valid_rows[:, None].to(x.dtype)
+    q, k, v = a.qkv(x).unflatten(-1, (3, HEADS, -1)).unbind(-3)
+    return a.proj_drop(a.proj(a.request.attention(q, k, v, layer=a.index)[0].flatten(1)))
+
+
+def cut_plan(**fields) -> winsp.ParallelPlan:
+    return winsp.ParallelPlan(
+        region=winsp.Region("blocks", "blocks", winsp.ChannelsLast(2)), attention="blocks.*.attn",
+        stages=[winsp.Stage([winsp.FixedWindows((1, 2, 2))] * 2)], make_attention=winsp.swapped(attend),
+        swaps=[("blocks.*", winsp.swapped(lambda m, x: x + m.attn(m.norm(x))))], **fields)
+
+
+def test_a_window_cut_proj_drop_is_not_offered_a_row_wise_fix_which_would_be_wrong_even_on_one_rank():
+    torch.manual_seed(0)
+    original = CutNet().double()
+    x = torch.randn(2, 4, 6, DIM, dtype=torch.float64)
+    model = winsp.parallelize(copy.deepcopy(original), cut_plan()).train()
+    with pytest.raises(ValueError) as refused:
+        model(x)
+    message = str(refused.value)
+    assert "'blocks.0.attn.proj_drop' (Dropout, p=0.3)" in message
+    assert "it runs inside 'blocks.0.attn', whose forward the plan replaced: winsp cannot tell which tensor the " \
+        "original applies it to" in message
+    assert "winsp.testing.check_parallel(..., train=True)" in message and "swap it:" not in message
+    # what the old refusal suggested: exact in eval, but in training not the original's draws, even on one rank
+    for fields in ({"dropout": "rows"}, {}):
+        swapped = cut_plan(**fields)
+        if not fields:
+            swapped = winsp.ParallelPlan(**{**swapped.__dict__, "swaps": swapped.swaps + (
+                ("blocks.*.attn.proj_drop", winsp.RowDropout.like),)})
+        model = winsp.parallelize(copy.deepcopy(original), swapped)
+        torch.testing.assert_close(model.eval()(x), original.eval()(x), rtol=1e-12, atol=1e-12)
+        torch.manual_seed(3)
+        got = model.train()(x)
+        torch.manual_seed(3)
+        want = original.train()(x)
+        assert ((got - want).norm() / (want - x).norm()).item() > 0.1
+
+
+def test_the_divided_video_models_mlp_dropout_is_refused_naming_the_class_tokens_beside_the_rows():
+    torch.manual_seed(0)
+    model = parallel_divided(DividedVideoTransformer(drop=0.2).double()).train()
+    with pytest.raises(ValueError, match=r"'encoder.blocks.0.mlp.3' \(Dropout, p=0.2\).*no row-wise draw reproduces it "
+                                         r"here: its input \[\d+, 16\] holds the replicated tokens next to this "
+                                         r"rank's \d+ rows") as refused:
+        model(torch.randn(2, 3, 3, 4, 6, dtype=torch.float64))
+    assert "RowDropout" not in str(refused.value) and "dropout='rows'" not in str(refused.value)
+
+
+@pytest.mark.parametrize("policy, match", [
+    ("refuse", "no row-wise draw reproduces it here: the region's tokens are flattened in order 'hwt'"),
+    ("rows", r"ParallelPlan\(dropout='rows'\) cannot draw the original's mask here: the region's tokens are flattened "
+             r"in order 'hwt'")])
+def test_functional_dropout_on_rows_flattened_frames_fastest_is_refused_under_either_policy(policy, match):
+    torch.manual_seed(0)
+    model = parallel_divided(DividedVideoTransformer().double())
+    plan = winsp.ParallelPlan(**{**model._winsp_parallel.plan.__dict__, "dropout": policy})
+    model = winsp.parallelize(winsp.unparallelize(model), plan)
+    attn = model.encoder.blocks[0].attn_t
+    fn = attn.fn  # the temporal branch, with a dropout on the rows (the 2 class tokens left out) in front
+    attn.fn = lambda a, x, *rest: fn(a, torch.cat([x[:2], F.dropout(x[2:], 0.2, True)]), *rest)
+    with pytest.raises(ValueError, match=match):
+        model.train()(torch.randn(2, 3, 3, 4, 6, dtype=torch.float64))
+
+
+def test_attention_probability_dropout_is_refused_by_name():
+    torch.manual_seed(0)
+    model = parallel_divided(DividedVideoTransformer(attn_drop=0.1).double())
+    x = torch.randn(1, 2, 3, 4, 6, dtype=torch.float64)
+    model.eval()(x)  # eval: no dropout, nothing to refuse
+    with pytest.raises(ValueError, match=r"layer 0: attention-probability dropout \(dropout_p=0.1\) is not offered by "
+                                         r"winsp"):
+        model.train()(x)
+    # an unswapped attention calling scaled_dot_product_attention with dropout inside the region
+    model = winsp.parallelize(CutNet().double(), cut_plan())
+    model.blocks[0].attn.proj_drop.p = model.blocks[1].attn.proj_drop.p = 0.0
+    model.blocks[0].register_forward_pre_hook(lambda m, a: F.scaled_dot_product_attention(*[a[0][None, None]] * 3,
+                                                                                          dropout_p=0.2) and None)
+    with pytest.raises(ValueError, match=r"'blocks.0' calls scaled_dot_product_attention\(dropout_p=0.2\) in a "
+                                         r"training forward inside the region"):
+        model.train()(torch.randn(2, 4, 6, DIM, dtype=torch.float64))
