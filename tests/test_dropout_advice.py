@@ -144,3 +144,14 @@ def test_attention_probability_dropout_is_refused_by_name():
     with pytest.raises(ValueError, match=r"'blocks.0' calls scaled_dot_product_attention\(dropout_p=0.2\) in a "
                                          r"training forward inside the region"):
         model.train()(torch.randn(2, 4, 6, DIM, dtype=torch.float64))
+
+
+def test_row_dropout_on_the_rows_and_class_tokens_together_is_refused_clearly():
+    torch.manual_seed(0)
+    model = parallel_divided(DividedVideoTransformer(drop=0.2).double())
+    plan = model._winsp_parallel.plan
+    plan = winsp.ParallelPlan(**{**plan.__dict__, "swaps": plan.swaps + (("**.mlp.3", winsp.RowDropout.like),)})
+    model = winsp.parallelize(winsp.unparallelize(model), plan)
+    with pytest.raises(ValueError, match=r"takes this rank's \d+ local rows \[L, ...\], got \[\d+, 16\] \(the "
+                                         r"replicated tokens next to them"):
+        model.train()(torch.randn(2, 3, 3, 4, 6, dtype=torch.float64))

@@ -100,6 +100,13 @@ def row_dropout(x: Tensor, p: float, request, *, inplace: bool = False) -> Tenso
 
     Assumes the original's tensor is channels-last with the tokens row-major in (t, h, w), samples one after the
     other; padding rows get zero. Every rank draws the whole mask: the price of equal draws."""
+    rows = request.model_rows.shape[0]
+    if x.dim() == 0 or x.shape[0] != rows:
+        held = x.dim() > 0 and x.shape[0] == rows + request.num_text_rows
+        raise ValueError(f"row_dropout (winsp.RowDropout, dropout='rows') takes this rank's {rows} local rows "
+                         f"[L, ...], got {list(x.shape)}" + (" (the replicated tokens next to them: their mask cannot "
+                                                             "be drawn as the original draws it; train with it off)"
+                                                             if held else ""))
     keep = _full_mask((request.num_model_rows,) + tuple(x.shape[1:]), p, x.dtype, x.device)
     keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, request.model_rows)
     return x.mul_(keep) if inplace else x * keep
