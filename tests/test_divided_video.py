@@ -6,6 +6,7 @@ float64, training mode, SP 2 and 3, a rank without a window)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +52,9 @@ def test_one_rank_and_where_the_class_token_joins():
     for got, want in zip(model(x), original(x), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert model._winsp_parallel.text_layers == (False, True, False, True)  # attn_t, attn_s per block
+
+
+def test_the_guide_shows_the_shipped_adapter():
+    """docs/adopting_a_model.md runs the adapter's code as its own block: the two must not drift apart."""
+    source = Path("examples/divided_video/adapter.py").read_text()
+    assert source[source.index("def attend"):].strip() in Path("docs/adopting_a_model.md").read_text()

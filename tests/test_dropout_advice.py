@@ -133,8 +133,8 @@ def test_attention_probability_dropout_is_refused_by_name():
     model = parallel_divided(DividedVideoTransformer(attn_drop=0.1).double())
     x = torch.randn(1, 2, 3, 4, 6, dtype=torch.float64)
     model.eval()(x)  # eval: no dropout, nothing to refuse
-    with pytest.raises(ValueError, match=r"layer 0: attention-probability dropout \(dropout_p=0.1\) is not offered by "
-                                         r"winsp"):
+    with pytest.raises(ValueError, match=r"layer 0 \('encoder.blocks.0.attn_t'\): attention-probability dropout "
+                                         r"\(dropout_p=0.1\) is not offered by winsp"):
         model.train()(x)
     # an unswapped attention calling scaled_dot_product_attention with dropout inside the region
     model = winsp.parallelize(CutNet().double(), cut_plan())

@@ -528,10 +528,12 @@ class WindowRequest:
         the original's mask over its ``[heads, n, n]`` probabilities.
         """
         if dropout_p:
-            raise ValueError(f"layer {layer}: attention-probability dropout (dropout_p={dropout_p}) is not offered by "
-                             f"winsp: the original draws its mask over each attention's [heads, n, n] probabilities of "
-                             f"its own batch and order, which no window layout reproduces; train with the attention's "
-                             f"dropout off (p=0) or in eval mode")
+            names = self.runtime.layer_names
+            name = f" ({names[layer]!r})" if names and isinstance(layer, int) and 0 <= layer < len(names) else ""
+            raise ValueError(f"layer {layer}{name}: attention-probability dropout (dropout_p={dropout_p}) is not "
+                             f"offered by winsp: the original draws its mask over each attention's [heads, n, n] "
+                             f"probabilities of its own batch and order, which no window layout reproduces; train "
+                             f"with the attention's dropout off (p=0) or in eval mode")
         if not self._dtypes_checked and not torch.compiler.is_compiling():
             self._check_dtypes((q_vid, k_vid, v_vid, q_txt, k_txt, v_txt))
         lay = self._layer_layout(layer)
