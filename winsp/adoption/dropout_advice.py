@@ -79,7 +79,7 @@ def advice(model: Optional[nn.Module], path: str, x: Any, request: Any, *, held:
         return Advice(False, f"its input {shape} is not this rank's {rows} rows (a batch of one, a window-cut or "
                              f"reshaped tensor), so no row-wise draw is the original's")
     applied = getattr(model, "_winsp_parallel", None) if model is not None else None
-    if applied is None:
+    if model is None or applied is None:
         return Advice(None, "winsp cannot see which tensor the original applies it to")
     tokens = applied.plan.region.tokens
     order = token_order(tokens)

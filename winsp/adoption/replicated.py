@@ -61,9 +61,7 @@ class Replicated:
         if self.at in _SIDES and (isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1):
             raise ValueError(f"Replicated.count (tokens per sample at the {self.at} rows) must be a positive integer, "
                              f"got {self.count!r}")
-        joins = self.joins
-        if isinstance(joins, str):
-            joins = (joins,)
+        joins: object = (self.joins,) if isinstance(self.joins, str) else self.joins
         if not isinstance(joins, bool):
             joins = tuple(joins) if isinstance(joins, (tuple, list)) else ()
             if not joins or not (all(isinstance(j, bool) for j in joins)
@@ -95,15 +93,17 @@ class Replicated:
             if attention is None or len(attention) != total:
                 raise ValueError(f"Replicated.joins={self.joins!r} names attention modules; the plan's "
                                  f"{total} layers need their {total} attention paths")
-            joined = tuple(any(path_matches(path, g) for g in self.joins) for path in attention)
+            globs = [str(g) for g in self.joins]
+            joined = tuple(any(path_matches(path, g) for g in globs) for path in attention)
             if not any(joined):
                 raise ValueError(f"Replicated.joins={self.joins!r} matches none of the attention modules "
                                  f"{list(attention)} (globs match module paths component by component)")
             return joined
-        if len(self.joins) == len(layers_per_stage):
-            return tuple(j for j, n in zip(self.joins, layers_per_stage, strict=True) for _ in range(n))
-        if len(self.joins) == total:
-            return tuple(self.joins)
+        flags = [bool(j) for j in self.joins]
+        if len(flags) == len(layers_per_stage):
+            return tuple(j for j, n in zip(flags, layers_per_stage, strict=True) for _ in range(n))
+        if len(flags) == total:
+            return tuple(flags)
         raise ValueError(f"Replicated.joins has {len(self.joins)} entries; the plan has {len(layers_per_stage)} stages "
                          f"and {total} layers (give one per stage or one per layer)")
 
