@@ -58,3 +58,22 @@ def test_the_guide_shows_the_shipped_adapter():
     """docs/adopting_a_model.md runs the adapter's code as its own block: the two must not drift apart."""
     source = Path("examples/divided_video/adapter.py").read_text()
     assert source[source.index("def attend"):].strip() in Path("docs/adopting_a_model.md").read_text()
+
+
+def test_attentions_registered_spatial_first_run_with_the_forward_order_stated():
+    """A block that registers its spatial attention before the temporal one (as some public models do): the recorded
+    order renumbers the layers, which with the block swapped around its swapped attentions is issue 50's item 4 (not
+    fixed here); stating ``forward_order`` per layer runs it exactly."""
+    torch.manual_seed(0)
+    original = make_model()
+    for block in original.encoder.blocks:
+        block._modules = dict(sorted(block._modules.items(), key=lambda item: not item[0].endswith("_s")))
+    assert [n for n, _ in original.named_modules() if n.endswith(("attn_t", "attn_s"))][:2] == [
+        "encoder.blocks.0.attn_s", "encoder.blocks.0.attn_t"]
+    model = parallelize(copy.deepcopy(original))
+    plan = winsp.ParallelPlan(**{**model._winsp_parallel.plan.__dict__, "forward_order": tuple(
+        f"encoder.blocks.{i}.attn_{kind}" for i in range(len(original.encoder.blocks)) for kind in "ts")})
+    model = winsp.parallelize(winsp.unparallelize(model), plan)
+    x = two_clips()
+    for got, want in zip(model(x), original(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
