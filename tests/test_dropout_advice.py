@@ -152,6 +152,10 @@ def test_row_dropout_on_the_rows_and_class_tokens_together_is_refused_clearly():
     plan = model._winsp_parallel.plan
     plan = winsp.ParallelPlan(**{**plan.__dict__, "swaps": plan.swaps + (("**.mlp.3", winsp.RowDropout.like),)})
     model = winsp.parallelize(winsp.unparallelize(model), plan)
-    with pytest.raises(ValueError, match=r"takes this rank's \d+ local rows \[L, ...\], got \[\d+, 16\] \(the "
-                                         r"replicated tokens next to them"):
+    with pytest.raises(ValueError, match=r"'encoder.blocks.0.mlp.3' \(RowDropout, p=0.2\) cannot draw the original's "
+                                         r"mask here: its input \[\d+, 16\] holds the replicated tokens next to"):
         model.train()(torch.randn(2, 3, 3, 4, 6, dtype=torch.float64))
+    request = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))]).request([(1, 2, 2)])
+    request.scatter(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"takes this rank's 4 local rows \[L, ...\], got \[5, 3\]"):
+        winsp.runtime.row_dropout(torch.zeros(5, 3), 0.5, request)  # the request API's draw, outside any plan

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from winsp.adoption.dropout_advice import CHECK, OFF, advice
 from winsp.runtime.context import current_request_or_none
+from winsp.runtime.drop_path import RowDropout
 
 __all__ = ["Step", "ForwardOrder", "watch_rows"]
 
@@ -161,6 +162,14 @@ def _before(path: str, state: list, dropout: str, modes: list, model: nn.Module)
         if (isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
                 and not (dropout == "rows" and type(module) is nn.Dropout)):
             raise ValueError(_dropout_refusal(model, path, module, args[0] if args else None, request))
+        if isinstance(module, RowDropout) and module.training and module.p > 0:
+            x = args[0] if args else None
+            held = isinstance(x, Tensor) and x.dim() > 0 and bool(request.num_text_rows) \
+                and x.shape[0] == request._current_layout().num_rows + request.num_text_rows
+            said = advice(model, path, x, request, held=held)
+            if said.exact is False:
+                raise ValueError(f"winsp.parallelize: {path!r} (RowDropout, p={module.p}) cannot draw the original's "
+                                 f"mask here: {said.why}. {OFF[0].upper() + OFF[1:]}")
         if modes and modes[-1] is not None:
             modes[-1].model = model  # for the functional dropout refusal's advice
         rows = request._current_layout().num_rows
