@@ -21,6 +21,7 @@ from torch import nn
 import winsp
 from examples.divided_video.adapter import parallelize as parallel_divided
 from examples.divided_video.model import DividedVideoTransformer
+from winsp.testing import check_parallel
 
 DIM, HEADS = 8, 2
 
@@ -102,30 +103,76 @@ def test_a_window_cut_proj_drop_is_not_offered_a_row_wise_fix_which_would_be_wro
         assert ((got - want).norm() / (want - x).norm()).item() > 0.1
 
 
-def test_the_divided_video_models_mlp_dropout_is_refused_naming_the_class_tokens_beside_the_rows():
+def test_the_divided_video_models_mlp_dropout_suggests_only_the_plan_wide_draw_and_says_winsp_cannot_know():
     torch.manual_seed(0)
     model = parallel_divided(DividedVideoTransformer(drop=0.2).double()).train()
-    with pytest.raises(ValueError, match=r"'encoder.blocks.0.mlp.3' \(Dropout, p=0.2\).*no row-wise draw reproduces it "
-                                         r"here: its input \[\d+, 16\] holds the replicated tokens next to this "
-                                         r"rank's \d+ rows") as refused:
+    with pytest.raises(ValueError, match=r"'encoder.blocks.0.mlp.3' \(Dropout, p=0.2\) would draw .*it runs inside "
+                                         r"'encoder.blocks.0', whose forward the plan replaced: winsp cannot tell.*A "
+                                         r"row-wise draw \(ParallelPlan\(..., dropout='rows'\)\) is the original's "
+                                         r"only where.*check_parallel") as refused:
         model(torch.randn(2, 3, 3, 4, 6, dtype=torch.float64))
-    assert "RowDropout" not in str(refused.value) and "dropout='rows'" not in str(refused.value)
+    assert "RowDropout" not in str(refused.value)  # it draws row-major over the rows alone: not offered here
 
 
-@pytest.mark.parametrize("policy, match", [
-    ("refuse", "no row-wise draw reproduces it here: the region's tokens are flattened in order 'hwt'"),
-    ("rows", r"ParallelPlan\(dropout='rows'\) cannot draw the original's mask here: the region's tokens are flattened "
-             r"in order 'hwt'")])
-def test_functional_dropout_on_rows_flattened_frames_fastest_is_refused_under_either_policy(policy, match):
+def make_dropping() -> DividedVideoTransformer:
+    return DividedVideoTransformer(drop=0.3).double()
+
+
+def parallel_dropping(original: DividedVideoTransformer, world_size: int) -> DividedVideoTransformer:
+    return parallel_divided(original, winsp.DiffusionParallelConfig(ulysses_degree=world_size), dropout="rows")
+
+
+def clips() -> torch.Tensor:
+    return torch.randn(2, 3, 3, 4, 6, dtype=torch.float64).requires_grad_()
+
+
+def test_dropout_rows_draws_the_mlp_dropout_over_class_token_and_frames_fastest_patches_exactly_at_sp_2_and_3():
+    """The plan says the MLP's dropout takes the region's tokens as they came in ([B, 1 + S*T, C], the class token
+    first, frames fastest): dropout='rows' draws that mask, and training matches the untouched model."""
+    report = check_parallel(make_dropping, parallel_dropping, clips, world_sizes=(2, 3), train=True, timeout=300)
+    assert report.ok and report.max_error("param") > 0
     torch.manual_seed(0)
-    model = parallel_divided(DividedVideoTransformer().double())
-    plan = winsp.ParallelPlan(**{**model._winsp_parallel.plan.__dict__, "dropout": policy})
-    model = winsp.parallelize(winsp.unparallelize(model), plan)
-    attn = model.encoder.blocks[0].attn_t
-    fn = attn.fn  # the temporal branch, with a dropout on the rows (the 2 class tokens left out) in front
-    attn.fn = lambda a, x, *rest: fn(a, torch.cat([x[:2], F.dropout(x[2:], 0.2, True)]), *rest)
+    original = make_dropping()
+    model, x = parallel_dropping(copy.deepcopy(original), 1), clips()
+    torch.manual_seed(1)
+    dropped = model.train()(x)[0]
+    torch.manual_seed(1)
+    assert not torch.allclose(dropped, original.eval()(x)[0])  # it did drop
+
+
+class Opaque(winsp.TokenIO):
+    """``[B, H, W, C]`` tokens, read as ``ChannelsLast(2)`` does, by a TokenIO that may or may not say its order."""
+
+    def __init__(self, row_major=None) -> None:
+        self.inner = winsp.ChannelsLast(2)
+        if row_major is not None:
+            self.row_major = row_major
+
+    def read(self, args, kwargs):
+        return self.inner.read(args, kwargs)
+
+    def with_rows(self, args, kwargs, rows):
+        return self.inner.with_rows(args, kwargs, rows)
+
+    def output_rows(self, output):
+        return self.inner.output_rows(output)
+
+    def with_output(self, output, rows, grids):
+        return self.inner.with_output(output, rows, grids)
+
+
+@pytest.mark.parametrize("row_major, match", [
+    (None, r"the region's Opaque does not say in which order it holds the tokens \(give it row_major = True or "
+           r"False\)\. A row-wise draw .*check_parallel"),
+    (False, r"no row-wise draw reproduces it here: the region's Opaque presents the tokens otherwise than as rows")])
+def test_a_token_io_that_does_not_say_its_order_or_says_it_holds_no_rows(row_major, match):
+    plan = winsp.ParallelPlan(**{**cut_plan().__dict__, "region": winsp.Region("blocks", "blocks", Opaque(row_major))})
+    model = CutNet().double()
+    model.blocks[0].attn.proj_drop.p = model.blocks[1].attn.proj_drop.p = 0.0
+    model.blocks[0].norm = nn.Sequential(model.blocks[0].norm, nn.Dropout(0.1))  # on the rows
+    model = winsp.parallelize(model, plan)
     with pytest.raises(ValueError, match=match):
-        model.train()(torch.randn(2, 3, 3, 4, 6, dtype=torch.float64))
+        model.train()(torch.randn(2, 4, 6, DIM, dtype=torch.float64))
 
 
 def test_attention_probability_dropout_is_refused_by_name():
@@ -146,14 +193,15 @@ def test_attention_probability_dropout_is_refused_by_name():
         model.train()(torch.randn(2, 4, 6, DIM, dtype=torch.float64))
 
 
-def test_row_dropout_on_the_rows_and_class_tokens_together_is_refused_clearly():
+def test_row_dropout_on_the_rows_and_class_tokens_together_is_refused_for_dropout_rows():
     torch.manual_seed(0)
     model = parallel_divided(DividedVideoTransformer(drop=0.2).double())
     plan = model._winsp_parallel.plan
     plan = winsp.ParallelPlan(**{**plan.__dict__, "swaps": plan.swaps + (("**.mlp.3", winsp.RowDropout.like),)})
     model = winsp.parallelize(winsp.unparallelize(model), plan)
-    with pytest.raises(ValueError, match=r"'encoder.blocks.0.mlp.3' \(RowDropout, p=0.2\) cannot draw the original's "
-                                         r"mask here: its input \[\d+, 16\] holds the replicated tokens next to"):
+    with pytest.raises(ValueError, match=r"'encoder.blocks.0.mlp.3' \(RowDropout, p=0.2\) draws row-major over this "
+                                         r"rank's rows alone, but .* with replicated tokens beside them: drop the swap "
+                                         r"and set ParallelPlan\(..., dropout='rows'\)"):
         model.train()(torch.randn(2, 3, 3, 4, 6, dtype=torch.float64))
     request = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))]).request([(1, 2, 2)])
     request.scatter(torch.zeros(4, 3))

@@ -201,13 +201,23 @@ def test_a_splitting_planner_on_stages_kept_whole_names_the_stage_option():
         winsp.parallelize(make_registers(), plan, winsp.DiffusionParallelConfig(planner="split"))
 
 
-def test_functional_dropout_on_rows_next_to_held_tokens_is_refused_in_training():
+def test_functional_dropout_on_rows_next_to_held_tokens_is_drawn_exactly_by_dropout_rows():
     torch.manual_seed(0)
-    model = winsp.parallelize(make_registers(), register_plan())
-    block = model.blocks[0]
-    block.forward = lambda x: x + block.attn(F.dropout(block.norm(x), 0.2, True))  # [2B + L, C]: registers and rows
-    with pytest.raises(ValueError, match="next to replicated tokens: its mask cannot be drawn as the original"):
-        model(register_inputs())
+    original = make_registers()
+    models = [original, winsp.parallelize(copy.deepcopy(original), register_plan()),
+              winsp.parallelize(copy.deepcopy(original), winsp.ParallelPlan(**{**register_plan().__dict__,
+                                                                             "dropout": "rows"}))]
+    for model in models:  # the first block drops out on [B, 2 + L, C]: in the region, registers beside the rows
+        block = model.blocks[0]
+        block.forward = lambda x, block=block: x + block.attn(F.dropout(block.norm(x), 0.2, True))
+    x = register_inputs()
+    with pytest.raises(ValueError, match=r"on local rows \[34, 16\].*Set ParallelPlan\(..., dropout='rows'\) to draw "
+                                         r"exactly the original's mask"):
+        models[1](x)
+    torch.manual_seed(7)
+    want = original(x)
+    torch.manual_seed(7)
+    torch.testing.assert_close(models[2](x), want, rtol=1e-12, atol=1e-12)
 
 
 def test_replicated_tokens_are_read_by_name_or_position_or_next_to_the_rows():

@@ -25,9 +25,9 @@ def block(m, x, frames):  # temporal without the class tokens, spatial with them
     return x + m.mlp(m.norm_mlp(x))
 
 
-def parallelize(model, config=None):
+def parallelize(model, config=None, **fields):  # fields: more of the plan (dropout="rows" to train with dropout)
     windows = [winsp.FixedWindows((1 << 20, 1, 1)), winsp.FixedWindows((1, 1 << 20, 1 << 20))]  # a position, a frame
     return winsp.parallelize(model, winsp.ParallelPlan(replicated=winsp.adoption.Replicated(joins="**.attn_s"),
         region=winsp.Region("encoder", "encoder", winsp.FlatTokens(order="hwt")), attention="encoder.*.*.attn_[ts]",
         stages=[winsp.Stage(windows * len(model.encoder.blocks))], layer_entry="encoder.*.*.attn_[ts]",
-        make_attention=winsp.swapped(attend), swaps=[("encoder.blocks.*", winsp.swapped(block))]), config)
+        make_attention=winsp.swapped(attend), swaps=[("encoder.blocks.*", winsp.swapped(block))], **fields), config)

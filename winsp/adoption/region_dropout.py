@@ -8,9 +8,10 @@ training forward, :class:`RegionDropout` (a ``TorchFunctionMode``) sees every dr
 
 - ``"refuse"`` (the default): raises, naming the innermost region module whose forward made the call, the function,
   ``p`` and a fix that is exact for the model, or saying that winsp cannot know (:mod:`winsp.adoption.dropout_advice`);
-- ``"rows"``: draws as :class:`winsp.RowDropout` does (the original's mask over the full ``[N, ...]`` tensor of the
-  current grid, channels-last with the tokens row-major, then this rank's rows: :func:`winsp.row_dropout`), and
-  refuses where winsp knows that is not the original's draw (the region's tokens flattened in another order);
+- ``"rows"``: draws the original's mask over the region's token tensor as it came in, then this rank's rows
+  (:func:`winsp.runtime.row_dropout`): channels-last, the tokens in the ``TokenIO``'s order (row-major for
+  ``ChannelsLast``), with the replicated tokens the region holds at their place (a tensor of rows beside them is drawn
+  so too); refused where winsp knows no row-wise draw is the original's (:mod:`winsp.adoption.dropout_advice`);
 - ``"unchecked"``: no mode is pushed (a mode costs about 2 us a torch call in a training forward); for a model known
   to call no functional dropout on local rows. ``nn.Dropout`` modules are still refused by their hooks.
 
@@ -114,34 +115,34 @@ class RegionDropout(TorchFunctionMode):
             return func(*args, **kwargs)
         rows = request._now.num_rows
         lead = x.shape[1] if x.shape[0] == 1 and x.dim() > 1 else x.shape[0]
+        held = bool(request.num_text_rows) and x.shape[0] == rows + request.num_text_rows
         where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on local rows "
                  f"{list(x.shape)} (rank {request.group.rank})")
-        if x.shape[0] != rows:
-            if lead in (rows, rows + request.num_text_rows):  # rows as a batch of one, or with replicated tokens
-                raise ValueError(f"{where}, presented as a batch of one or next to replicated tokens: its mask "
-                                 f"cannot be drawn as the original draws it; train with it off or end the region "
-                                 f"before it")
+        if x.shape[0] != rows and not held:  # (local rows with held replicated tokens beside them are drawn too)
+            if lead in (rows, rows + request.num_text_rows):  # rows as a batch of one
+                raise ValueError(f"{where}, presented as a batch of one: its mask cannot be drawn as the original "
+                                 f"draws it; train with it off or end the region before it")
             return func(*args, **kwargs)
         if elementwise is None:
             raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
                              f"in the parallel model, end the region before it, or train with it off")
-        said = advice(self.model, self.paths[-1], x, request, held=False)
+        said = advice(self.model, self.paths[-1], x, request, held=held)
         if self.policy == "refuse":
             mask = (f"{where}: its mask would be drawn over this rank's rows only, not as the original draws it over "
                     f"the whole tensor")
             if said.exact:
                 raise ValueError(f"{mask}. Set ParallelPlan(..., dropout='rows') to draw exactly the original's mask "
-                                 f"(as winsp.RowDropout does), or {OFF}")
+                                 f"(over the region's tokens as they came in), or {OFF}")
             if said.exact is False:
                 raise ValueError(f"{mask}, and no row-wise draw reproduces it here: {said.why}. "
                                  f"{OFF[0].upper() + OFF[1:]}")
             raise ValueError(f"{mask}; {said.why}. ParallelPlan(..., dropout='rows') draws the original's mask only "
-                             f"where the original's tensor there is the region's tokens channels-last, row-major in "
-                             f"(t, h, w): {CHECK}, or {OFF}")
-        if said.exact is False:
+                             f"where the original's tensor there is the region's tokens as they came in: {CHECK}, or "
+                             f"{OFF}")
+        if said.exact is False or (held and said.at is None):
             raise ValueError(f"{where}: ParallelPlan(dropout='rows') cannot draw the original's mask here: {said.why}. "
                              f"{OFF[0].upper() + OFF[1:]}")
-        return row_dropout(x, p, request, inplace=inplace)
+        return row_dropout(x, p, request, inplace=inplace, at=said.at)
 
 
 def enter(policy: str, start: str) -> RegionDropout:
