@@ -207,3 +207,21 @@ def test_row_dropout_on_the_rows_and_class_tokens_together_is_refused_for_dropou
     request.scatter(torch.zeros(4, 3))
     with pytest.raises(ValueError, match=r"takes this rank's 4 local rows \[L, ...\], got \[5, 3\]"):
         winsp.runtime.row_dropout(torch.zeros(5, 3), 0.5, request)  # the request API's draw, outside any plan
+
+
+@pytest.mark.parametrize("at", ["first", "last"])
+@pytest.mark.parametrize("order", ["thw", "hwt", "wth"])
+def test_the_rows_draw_reads_each_row_where_the_region_input_held_it(at, order):
+    """Each row of ``[held; local]`` (``[local; held]``) is drawn at its own place in the region's input ``[B, count +
+    L, C]`` flattened: the input's own row numbers, scattered as the region scatters them, are the draw's index."""
+    from winsp.adoption.dropout_advice import _positions
+
+    count, grid = 2, (2, 3, 4)
+    ids = torch.arange(2 * (count + 24), dtype=torch.float64).view(2, count + 24, 1)
+    replicated, io = winsp.adoption.Replicated(at=at, count=count), winsp.FlatTokens(grid=grid, order=order)
+    args, kwargs, held, counts = replicated.take(nn.Module(), (ids,), {})
+    rows, grids = io.read(args, kwargs)
+    request = winsp.WindowRuntime([winsp.FixedWindows((1, 2, 2))]).request(grids, replicated.lengths(counts, 2))
+    x = replicated.join(request.scatter(rows), held)
+    index, total = _positions(request, order, replicated)
+    assert total == ids.numel() and torch.equal(x[:, 0].long(), index)
