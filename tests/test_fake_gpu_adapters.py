@@ -1,6 +1,7 @@
 """The adapters on the fake GPU (winsp.testing.fake_gpu): torchvision's Swin3D, Hugging Face's Swin V2, the hourglass
-U-net and the NATTEN video model (its halo path), each parallelised with its example adapter and run in bf16 on CUDA
-as every rank of P: the same collectives on every rank, 0 device syncs and 0 device mismatches in compute.
+U-net, the NATTEN video model (its halo path) and the divided space-time video transformer (toy size only), each
+parallelised with its example adapter and run in bf16 on CUDA as every rank of P: the same collectives on every rank,
+0 device syncs and 0 device mismatches in compute.
 
 Two sizes: toy (P = 1, 2, 3; P = 1 runs the untouched model) and real (P = 1, 2, 4, the adapter at every P; P = 2 in
 the default fake-GPU run, 1 and 4 under ``-m slow``):
@@ -94,7 +95,16 @@ def _natten_video():
             lambda m, c: parallelize(m, c) if c is not None else m)
 
 
-MODELS = {"hourglass": _hourglass, "swin3d": _swin3d, "swinv2": _swinv2, "natten_video": _natten_video}
+def _divided_video():
+    from examples.divided_video.adapter import parallelize
+    from examples.divided_video.model import DividedVideoTransformer
+
+    return (DividedVideoTransformer, lambda: torch.randn(1, 3, 3, 4, 6, dtype=torch.bfloat16),
+            lambda m, c: parallelize(m, c) if c is not None else m)
+
+
+MODELS = {"hourglass": _hourglass, "swin3d": _swin3d, "swinv2": _swinv2, "natten_video": _natten_video,
+          "divided_video": _divided_video}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -4,6 +4,8 @@ parameter and input gradient, training mode); and CLS / register tokens held in 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,13 +201,23 @@ def test_a_splitting_planner_on_stages_kept_whole_names_the_stage_option():
         winsp.parallelize(make_registers(), plan, winsp.DiffusionParallelConfig(planner="split"))
 
 
-def test_functional_dropout_on_rows_next_to_held_tokens_is_refused_in_training():
+def test_functional_dropout_on_rows_next_to_held_tokens_is_drawn_exactly_by_dropout_rows():
     torch.manual_seed(0)
-    model = winsp.parallelize(make_registers(), register_plan())
-    block = model.blocks[0]
-    block.forward = lambda x: x + block.attn(F.dropout(block.norm(x), 0.2, True))  # [2B + L, C]: registers and rows
-    with pytest.raises(ValueError, match="next to replicated tokens: its mask cannot be drawn as the original"):
-        model(register_inputs())
+    original = make_registers()
+    models = [original, winsp.parallelize(copy.deepcopy(original), register_plan()),
+              winsp.parallelize(copy.deepcopy(original), winsp.ParallelPlan(**{**register_plan().__dict__,
+                                                                             "dropout": "rows"}))]
+    for model in models:  # the first block drops out on [B, 2 + L, C]: in the region, registers beside the rows
+        block = model.blocks[0]
+        block.forward = lambda x, block=block: x + block.attn(F.dropout(block.norm(x), 0.2, True))
+    x = register_inputs()
+    with pytest.raises(ValueError, match=r"on local rows \[34, 16\].*Set ParallelPlan\(..., dropout='rows'\) to draw "
+                                         r"exactly the original's mask"):
+        models[1](x)
+    torch.manual_seed(7)
+    want = original(x)
+    torch.manual_seed(7)
+    torch.testing.assert_close(models[2](x), want, rtol=1e-12, atol=1e-12)
 
 
 def test_replicated_tokens_are_read_by_name_or_position_or_next_to_the_rows():
@@ -225,3 +237,39 @@ def test_replicated_tokens_are_read_by_name_or_position_or_next_to_the_rows():
         Replicated(at="first", count=8).take(region, (x,), {})
     with pytest.raises(ValueError, match="for 2 samples but the region's tokens hold 3"):
         Replicated(at="text").lengths((2, 3), 3)
+
+
+def test_joins_names_the_attention_modules_by_glob():
+    attention = ["blocks.0.attn_t", "blocks.0.attn_s", "blocks.1.attn_t", "blocks.1.attn_s"]
+    assert Replicated(joins="**.attn_s").layers([4], attention) == (False, True, False, True)
+    assert Replicated(joins=("blocks.0.*", "blocks.1.attn_s")).layers([2, 2], attention) == (True, True, False, True)
+    with pytest.raises(ValueError, match=r"matches none of the attention modules \['blocks.0.attn_t'"):
+        Replicated(joins="*.attn_x").layers([4], attention)
+    with pytest.raises(ValueError, match="or globs of the attention modules they join"):
+        Replicated(joins=(True, "*.attn"))
+    # by glob, the layers follow the attention modules wherever the forward's recording numbers them
+    model = winsp.parallelize(make_cls(), winsp.ParallelPlan(**{**cls_plan().__dict__, "replicated": Replicated(
+        at=1, joins=("body.blocks.0", "body.blocks.2"))}))
+    assert model._winsp_parallel.text_layers == (True, False, True, False)
+
+
+class Reversed(Body):
+    def forward(self, x: torch.Tensor, cls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for block in reversed(self.blocks):  # run 3, 2, 1, 0: temporal, spatial, temporal, spatial
+            x, cls = block(x, cls)
+        return x, cls
+
+
+def test_joins_by_glob_follow_the_layers_when_the_recorded_order_renumbers_them():
+    torch.manual_seed(0)
+    original = make_cls()
+    original.body = Reversed().double()
+    plan = winsp.ParallelPlan(**{**cls_plan().__dict__, "replicated": Replicated(at=1, joins="body.blocks.[02]"),
+                                 "stages": [winsp.Stage([winsp.FixedWindows((BIG, 1, 1)),
+                                                         winsp.FixedWindows((1, BIG, BIG))] * 2)]})
+    model = winsp.parallelize(copy.deepcopy(original), plan)
+    x = cls_inputs()
+    for got, want in zip(model(x), original(x), strict=True):  # the first forward renumbers the layers
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert model._winsp_runtime.layer_names == ("body.blocks.3", "body.blocks.2", "body.blocks.1", "body.blocks.0")
+    assert model._winsp_parallel.text_layers == (False, True, False, True)

@@ -63,3 +63,32 @@ def test_patches_present_each_patch_as_a_frame_that_a_strided_conv_embeds_as_the
         io.read((torch.zeros(2, 3, 4, 4, 6),), {})
     with pytest.raises(ValueError, match=r"not a multiple of the patch \(2, 2, 3\)"):
         io.read((torch.zeros(1, 3, 4, 4, 5),), {})
+
+
+def test_flat_tokens_in_any_axis_order_with_the_grid_as_frames_a_keyword_or_fixed():
+    video = torch.arange(2 * 3 * 2 * 4 * 5.0).view(2, 3, 2, 4, 5)  # [B, T, H, W, C], canonical rows row-major
+    frames_fastest = video.permute(0, 2, 3, 1, 4).reshape(2, 24, 5)  # (h w t): token (h*4 + w)*3 + t
+    io = winsp.FlatTokens(order="hwt", grid_arg="thw")
+    rows, grids = io.read((frames_fastest,), {"thw": (3, 2, 4)})
+    assert torch.equal(rows, video.reshape(-1, 5)) and grids == [(3, 2, 4)] * 2
+    back = io.with_output((torch.zeros(2, 24, 5), "aux"), rows, grids)
+    assert torch.equal(back[0], frames_fastest) and back[1] == "aux"
+    per_frame = video.reshape(2, 3, 8, 5).transpose(1, 2).reshape(2, 24, 5)  # S positions x T frames, frames fastest
+    rows, grids = winsp.FlatTokens(order="hwt").read((per_frame, 3), {})  # a number of frames: the grid (T, 1, S)
+    assert torch.equal(rows, video.reshape(-1, 5)) and grids == [(3, 1, 8)] * 2
+    fixed = winsp.FlatTokens(grid=(3, 2, 4), order="twh")
+    twh = video.permute(0, 1, 3, 2, 4).reshape(2, 24, 5)
+    rows, _ = fixed.read((twh,), {})
+    assert torch.equal(rows, video.reshape(-1, 5)) and torch.equal(fixed.with_output(twh, rows, grids=[(3, 2, 4)] * 2),
+                                                                     twh)
+
+
+def test_flat_tokens_refuse_a_bad_order_grid_or_frame_count_by_name():
+    with pytest.raises(ValueError, match="FlatTokens.order must be a permutation of 'thw'"):
+        winsp.FlatTokens(order="tw")
+    with pytest.raises(ValueError, match=r"FlatTokens.grid must be \(H, W\) or \(T, H, W\)"):
+        winsp.FlatTokens(grid=(2, 0))
+    with pytest.raises(ValueError, match="4 frames do not divide the 6 tokens"):
+        winsp.FlatTokens().read((torch.zeros(1, 6, 2), 4), {})
+    with pytest.raises(ValueError, match="the grid as keyword argument 'thw'"):
+        winsp.FlatTokens(grid_arg="thw").read((torch.zeros(1, 6, 2),), {})

@@ -459,8 +459,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     _refuse_splitting_planner(config, plan.stages)
     runtime = WindowRuntime.from_config(config, plan.stages, group=group, split_windows=False)
     applied = _Applied(plan=plan, model=model, runtime=runtime, stated=stated)
-    if plan.replicated is not None:
-        applied.text_layers = plan.replicated.layers([len(st.layers) for st in plan.stages])
     grid_paths = dict(zip(changing, (p for p, _ in grid_changes), strict=True))
     _apply(applied, ([p for p, _ in attention], entry_paths, grid_paths))
     # torch's stubs type Module.__setattr__ for tensors and modules only; plain attributes are set the same way
@@ -512,6 +510,8 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
     model, plan = applied.model, applied.plan
     attention, entry_paths, grid_paths = numbering
     applied.numbering = numbering
+    if plan.replicated is not None:  # per layer in this numbering (joins may name the attention modules)
+        applied.text_layers = plan.replicated.layers([len(st.layers) for st in plan.stages], attention)
     applied.runtime.layer_names = tuple(attention)
     applied.order = ForwardOrder(_steps(plan, entry_paths, grid_paths))
     per_sample = ([p for p, _ in _matches(model, plan.per_sample, "per_sample")]

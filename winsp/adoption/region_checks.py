@@ -9,8 +9,9 @@ misfit is, naming the module, instead of a symptom layers later.
   current layout. A module that takes such rows and returns a tensor whose first dimension is not ``L`` (a reshape
   into ``[N, 1, L, C]``, a pool over tokens) assumes the whole grid; it is refused by path right after it runs.
 - **Element-wise dropout**: ``nn.Dropout`` on local rows would draw other numbers than the original's over its full
-  tensor; an unswapped one in training mode is refused by path before it runs (swap it for
-  :class:`winsp.RowDropout`, which reproduces the original's draws, or let ``ParallelPlan.dropout="rows"`` draw them).
+  tensor; an unswapped one in training mode is refused by path before it runs, suggesting :class:`winsp.RowDropout`
+  or ``ParallelPlan.dropout="rows"`` only where its draws are the original's, and saying so where winsp cannot know
+  (:mod:`winsp.adoption.dropout_advice`); a swapped-in ``RowDropout`` is refused where its draw is known not to be.
   Functional dropout calls are :mod:`winsp.adoption.region_dropout`'s; the hooks here keep its stack of the region
   modules running, so a refusal names the innermost one.
 """
@@ -22,7 +23,9 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
+from winsp.adoption.dropout_advice import CHECK, OFF, advice
 from winsp.runtime.context import current_request_or_none
+from winsp.runtime.drop_path import RowDropout
 
 __all__ = ["Step", "ForwardOrder", "watch_rows"]
 
@@ -125,12 +128,39 @@ def watch_rows(model: nn.Module, paths: list[str], *, dropout: str = "refuse", m
     for path in paths:
         module = model.get_submodule(path)
         state: list = []
-        handles.append(module.register_forward_pre_hook(_before(path, state, dropout, modes)))
+        handles.append(module.register_forward_pre_hook(_before(path, state, dropout, modes, model)))
         handles.append(module.register_forward_hook(_after(path, state), always_call=True))
     return handles
 
 
-def _before(path: str, state: list, dropout: str, modes: list):
+def _held(x: Any, request) -> bool:
+    """Whether ``x`` is this rank's rows with the request's replicated rows beside them."""
+    return isinstance(x, Tensor) and x.dim() > 0 and bool(request.num_text_rows) \
+        and x.shape[0] == request._current_layout().num_rows + request.num_text_rows
+
+
+def _dropout_refusal(model: nn.Module, path: str, module: nn.Module, x: Any, request) -> str:
+    """The refusal of an unswapped dropout module on local rows, suggesting a row-wise draw only where it is exact
+    (:mod:`winsp.adoption.dropout_advice`)."""
+    where = (f"winsp.parallelize: {path!r} ({type(module).__name__}, p={module.p}) would draw its mask over this "
+             f"rank's local rows only, not as the original draws it over its whole tensor")
+    if type(module) is not nn.Dropout:
+        return f"{where}; it drops whole channels or scales otherwise, which has no row-wise equivalent: {OFF}"
+    said = advice(model, path, x, request, held=_held(x, request))
+    fix = (f"ParallelPlan.swaps=[({path!r}, winsp.RowDropout.like)], or for every nn.Dropout of the region "
+           f"ParallelPlan(..., dropout='rows')") if said.at is None else "ParallelPlan(..., dropout='rows')"
+    if said.exact and said.at is None:
+        return f"{where}; swap it: {fix} (or run the model in eval mode)"
+    if said.exact:
+        return (f"{where}; set ParallelPlan(..., dropout='rows'), which draws the original's mask over the region's "
+                f"tokens in their order with the replicated tokens at their place (or run the model in eval mode)")
+    if said.exact is False:
+        return f"{where}, and no row-wise draw reproduces it here: {said.why}. {OFF[0].upper() + OFF[1:]}"
+    return (f"{where}; {said.why}. A row-wise draw ({fix}) is the original's only where that tensor is the region's "
+            f"tokens as they came in: {CHECK}, or {OFF}")
+
+
+def _before(path: str, state: list, dropout: str, modes: list, model: nn.Module):
     def hook(module: nn.Module, args: tuple):
         request = current_request_or_none()
         if request is None or request._now is None:
@@ -138,12 +168,20 @@ def _before(path: str, state: list, dropout: str, modes: list):
             return None
         if (isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
                 and not (dropout == "rows" and type(module) is nn.Dropout)):
-            raise ValueError(
-                f"winsp.parallelize: {path!r} ({type(module).__name__}, p={module.p}) would draw its mask over this "
-                f"rank's local rows only, not as the original does over the whole tensor; swap it: "
-                f"ParallelPlan.swaps=[({path!r}, winsp.RowDropout.like)]"
-                + (", or for every nn.Dropout of the region ParallelPlan(..., dropout='rows')"
-                   if type(module) is nn.Dropout else "") + " (or run the model in eval mode)")
+            raise ValueError(_dropout_refusal(model, path, module, args[0] if args else None, request))
+        if isinstance(module, RowDropout) and module.training and module.p > 0:
+            x = args[0] if args else None
+            said = advice(model, path, x, request, held=_held(x, request))
+            if said.exact is False:
+                raise ValueError(f"winsp.parallelize: {path!r} (RowDropout, p={module.p}) cannot draw the original's "
+                                 f"mask here: {said.why}. {OFF[0].upper() + OFF[1:]}")
+            if said.at is not None:
+                raise ValueError(f"winsp.parallelize: {path!r} (RowDropout, p={module.p}) draws row-major over this "
+                                 f"rank's rows alone, but the region's tokens come in another order or with replicated "
+                                 f"tokens beside them: drop the swap and set ParallelPlan(..., dropout='rows'), which "
+                                 f"draws the original's mask over them as they came in")
+        if modes and modes[-1] is not None:
+            modes[-1].model = model  # for the functional dropout refusal's advice
         rows = request._current_layout().num_rows
         x = args[0] if args else None
         shape = tuple(x.shape) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == rows else None

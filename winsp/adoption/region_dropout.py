@@ -7,11 +7,16 @@ training forward, :class:`RegionDropout` (a ``TorchFunctionMode``) sees every dr
 (dim 0 is this rank's row count) and, as ``ParallelPlan.dropout`` says:
 
 - ``"refuse"`` (the default): raises, naming the innermost region module whose forward made the call, the function,
-  ``p`` and the fix;
-- ``"rows"``: draws as :class:`winsp.RowDropout` does (the original's mask over the full ``[N, ...]`` tensor of the
-  current grid, channels-last with the tokens row-major, then this rank's rows: :func:`winsp.row_dropout`);
+  ``p`` and a fix that is exact for the model, or saying that winsp cannot know (:mod:`winsp.adoption.dropout_advice`);
+- ``"rows"``: draws the original's mask over the region's token tensor as it came in, then this rank's rows
+  (:func:`winsp.runtime.row_dropout`): channels-last, the tokens in the ``TokenIO``'s order (row-major for
+  ``ChannelsLast``), with the replicated tokens the region holds at their place (a tensor of rows beside them is drawn
+  so too); refused where winsp knows no row-wise draw is the original's (:mod:`winsp.adoption.dropout_advice`);
 - ``"unchecked"``: no mode is pushed (a mode costs about 2 us a torch call in a training forward); for a model known
   to call no functional dropout on local rows. ``nn.Dropout`` modules are still refused by their hooks.
+
+Attention-probability dropout (``scaled_dot_product_attention(..., dropout_p > 0)``) inside the region is refused
+by name too; ``request.attention(..., dropout_p=)`` refuses it the same way in a swapped attention.
 
 Channel-wise and alpha dropouts (``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``) have no row-wise
 equivalent and are refused by name either way. Dropout on any other tensor (a per-sample conditioning vector
@@ -29,6 +34,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 import winsp.runtime.drop_path as drop_path
+from winsp.adoption.dropout_advice import CHECK, OFF, advice
 from winsp.runtime.context import current_request_or_none
 from winsp.runtime.drop_path import row_dropout
 from winsp.utils.compile import planning
@@ -72,14 +78,28 @@ class RegionDropout(TorchFunctionMode):
             raise ValueError(f"ParallelPlan.dropout must be one of {DROPOUT_POLICIES}, got {policy!r}")
         self.policy = policy
         self.paths: list[str] = [start or "<root>"]
+        self.model = None  # the parallelized model, noted by the region's row checks (for the refusals' advice)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(func, args, kwargs)
         elementwise = _ELEMENTWISE.get(func)
         refused = _NO_ROW_WISE.get(func) if elementwise is None else None
         if elementwise is None and refused is None:
             return func(*args, **kwargs)
         return self._dropout(func, elementwise, refused, args, kwargs)
+
+    def _attention(self, func, args: tuple, kwargs: dict):
+        """``scaled_dot_product_attention`` inside the region: refused by name where it drops probabilities."""
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        request = current_request_or_none()
+        if p and request is not None and request._now is not None:
+            raise ValueError(f"winsp.parallelize: {self.paths[-1]!r} calls scaled_dot_product_attention(dropout_p={p}) "
+                             f"in a training forward inside the region: attention-probability dropout is not offered "
+                             f"by winsp (its mask is drawn over the original's [heads, n, n] probabilities, which no "
+                             f"window layout reproduces); train with it off (p=0) or in eval mode")
+        return func(*args, **kwargs)
 
     @planning  # eager under torch.compile: a traced draw would run again through this mode when its graph runs
     def _dropout(self, func, elementwise, refused, args, kwargs):
@@ -95,24 +115,34 @@ class RegionDropout(TorchFunctionMode):
             return func(*args, **kwargs)
         rows = request._now.num_rows
         lead = x.shape[1] if x.shape[0] == 1 and x.dim() > 1 else x.shape[0]
+        held = bool(request.num_text_rows) and x.shape[0] == rows + request.num_text_rows
         where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on local rows "
                  f"{list(x.shape)} (rank {request.group.rank})")
-        if x.shape[0] != rows:
-            if lead in (rows, rows + request.num_text_rows):  # rows as a batch of one, or with replicated tokens
-                raise ValueError(f"{where}, presented as a batch of one or next to replicated tokens: its mask "
-                                 f"cannot be drawn as the original draws it; train with it off or end the region "
-                                 f"before it")
+        if x.shape[0] != rows and not held:  # (local rows with held replicated tokens beside them are drawn too)
+            if lead in (rows, rows + request.num_text_rows):  # rows as a batch of one
+                raise ValueError(f"{where}, presented as a batch of one: its mask cannot be drawn as the original "
+                                 f"draws it; train with it off or end the region before it")
             return func(*args, **kwargs)
         if elementwise is None:
             raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
                              f"in the parallel model, end the region before it, or train with it off")
+        said = advice(self.model, self.paths[-1], x, request, held=held)
         if self.policy == "refuse":
-            raise ValueError(f"{where}: its mask would be drawn over this rank's rows only, not as the original draws "
-                             f"it over the whole tensor. If the original's tensor there is channels-last with the "
-                             f"tokens row-major (as winsp.ChannelsLast region inputs are), set "
-                             f"ParallelPlan(..., dropout='rows') to draw exactly the original's mask (as "
-                             f"winsp.RowDropout does); otherwise end the region before it or train with it off")
-        return row_dropout(x, p, request, inplace=inplace)
+            mask = (f"{where}: its mask would be drawn over this rank's rows only, not as the original draws it over "
+                    f"the whole tensor")
+            if said.exact:
+                raise ValueError(f"{mask}. Set ParallelPlan(..., dropout='rows') to draw exactly the original's mask "
+                                 f"(over the region's tokens as they came in), or {OFF}")
+            if said.exact is False:
+                raise ValueError(f"{mask}, and no row-wise draw reproduces it here: {said.why}. "
+                                 f"{OFF[0].upper() + OFF[1:]}")
+            raise ValueError(f"{mask}; {said.why}. ParallelPlan(..., dropout='rows') draws the original's mask only "
+                             f"where the original's tensor there is the region's tokens as they came in: {CHECK}, or "
+                             f"{OFF}")
+        if said.exact is False or (held and said.at is None):
+            raise ValueError(f"{where}: ParallelPlan(dropout='rows') cannot draw the original's mask here: {said.why}. "
+                             f"{OFF[0].upper() + OFF[1:]}")
+        return row_dropout(x, p, request, inplace=inplace, at=said.at)
 
 
 def enter(policy: str, start: str) -> RegionDropout:

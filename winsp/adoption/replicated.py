@@ -18,7 +18,9 @@ They come with the region's input in one of two ways, ``at``:
 - a positional index or an argument name: a separate argument ``[B, n, ...]`` (``n`` tokens per sample; ``[B, C]``
   is one each) that the model carries itself (a text stream); winsp reads only their count.
 
-``joins``: whether an attention layer takes them: True (every layer), False, or one bool per stage or per layer.
+``joins``: whether an attention layer takes them: True (every layer), False, one bool per stage or per layer, or the
+attention modules they join by glob (``"**.attn"``, a tuple of globs: the rule of ``ParallelPlan.attention``), for a
+block with two attentions the tokens join one of (a class token in the spatial attention, not the temporal one).
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ class Replicated:
         at: ``"first"`` / ``"last"`` (``count`` tokens per sample before / after the rows of the region's first
             positional argument), or the name or position of a separate argument of the region's start.
         count: tokens per sample for ``"first"`` / ``"last"`` (a separate argument's count is read from its shape).
-        joins: True (every attention layer takes them), False, or one bool per stage or per layer.
+        joins: True (every attention layer takes them), False, one bool per stage or per layer, or a glob (a tuple of
+            globs) of the attention modules they join.
     """
 
     at: Union[str, int] = "first"
     count: int = 1
-    joins: Union[bool, tuple[bool, ...]] = True
+    joins: Union[bool, tuple[bool, ...], str, tuple[str, ...]] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.at, bool) or not isinstance(self.at, (str, int)) or (isinstance(self.at, int)
@@ -58,12 +61,13 @@ class Replicated:
         if self.at in _SIDES and (isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1):
             raise ValueError(f"Replicated.count (tokens per sample at the {self.at} rows) must be a positive integer, "
                              f"got {self.count!r}")
-        joins = self.joins
+        joins: object = (self.joins,) if isinstance(self.joins, str) else self.joins
         if not isinstance(joins, bool):
             joins = tuple(joins) if isinstance(joins, (tuple, list)) else ()
-            if not joins or not all(isinstance(j, bool) for j in joins):
-                raise ValueError(f"Replicated.joins must be True, False or one bool per stage or per layer, got "
-                                 f"{self.joins!r}")
+            if not joins or not (all(isinstance(j, bool) for j in joins)
+                                 or all(isinstance(j, str) and j for j in joins)):
+                raise ValueError(f"Replicated.joins must be True, False, one bool per stage or per layer, or globs of "
+                                 f"the attention modules they join, got {self.joins!r}")
             object.__setattr__(self, "joins", joins)
 
     @property
@@ -71,15 +75,35 @@ class Replicated:
         """Whether the tokens travel inside the region's token tensor (``at="first"`` / ``"last"``)."""
         return self.at in _SIDES
 
-    def layers(self, layers_per_stage: Sequence[int]) -> tuple[bool, ...]:
-        """Per layer, whether it joins: ``joins`` spelled out over the stages' layers."""
+    @property
+    def by_module(self) -> bool:
+        """Whether ``joins`` names the attention modules (globs) rather than layers."""
+        return isinstance(self.joins, tuple) and isinstance(self.joins[0], str)
+
+    def layers(self, layers_per_stage: Sequence[int],
+               attention: Optional[Sequence[str]] = None) -> tuple[bool, ...]:
+        """Per layer, whether it joins: ``joins`` spelled out over the stages' layers, or, for globs, over the paths
+        of the layers' ``attention`` modules (in layer order)."""
         total = sum(layers_per_stage)
         if isinstance(self.joins, bool):
             return (self.joins,) * total
-        if len(self.joins) == len(layers_per_stage):
-            return tuple(j for j, n in zip(self.joins, layers_per_stage, strict=True) for _ in range(n))
-        if len(self.joins) == total:
-            return tuple(self.joins)
+        if self.by_module:
+            from winsp.adoption.parallelize import path_matches  # parallelize imports this module
+
+            if attention is None or len(attention) != total:
+                raise ValueError(f"Replicated.joins={self.joins!r} names attention modules; the plan's "
+                                 f"{total} layers need their {total} attention paths")
+            globs = [str(g) for g in self.joins]
+            joined = tuple(any(path_matches(path, g) for g in globs) for path in attention)
+            if not any(joined):
+                raise ValueError(f"Replicated.joins={self.joins!r} matches none of the attention modules "
+                                 f"{list(attention)} (globs match module paths component by component)")
+            return joined
+        flags = [bool(j) for j in self.joins]
+        if len(flags) == len(layers_per_stage):
+            return tuple(j for j, n in zip(flags, layers_per_stage, strict=True) for _ in range(n))
+        if len(flags) == total:
+            return tuple(flags)
         raise ValueError(f"Replicated.joins has {len(self.joins)} entries; the plan has {len(layers_per_stage)} stages "
                          f"and {total} layers (give one per stage or one per layer)")
 

@@ -1,8 +1,9 @@
 """Ready-made :class:`~winsp.adoption.parallelize.TokenIO` s for regions whose tokens are not ``[B, T, H, W, C]``.
 
-- ``FlatTokens``: tokens ``[B, L, C]`` with the grid as another argument. Hugging Face vision encoders (Swin, Swin V2,
-  and the models built on them) take ``hidden_states [B, H*W, C]`` plus ``input_dimensions (H, W)`` and return a tuple
-  or a ``ModelOutput`` whose first field is the tokens.
+- ``FlatTokens``: tokens ``[B, L, C]`` with the grid as another argument (or fixed), flattened in any axis order.
+  Hugging Face vision encoders (Swin, Swin V2, and the models built on them) take ``hidden_states [B, H*W, C]`` plus
+  ``input_dimensions (H, W)`` and return a tuple or a ``ModelOutput`` whose first field is the tokens; a divided
+  space-time video transformer takes ``[B, S*T, C]`` frames fastest plus its number of frames.
 - ``Patches``: a whole video DiT as the region (diffusers' CogVideoX and the like): its input is the latent video
   before the patch embedding, and its output the video after the unpatchify. Each rank gets its patches as a batch of
   one video of one-patch frames, which a strided-conv patch embedding turns into exactly its tokens, and the model's
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Union
 
 from torch import Tensor
 
@@ -24,28 +25,85 @@ __all__ = ["FlatTokens", "Patches"]
 
 @dataclass(frozen=True)
 class FlatTokens(TokenIO):
-    """Tokens ``[B, L, C]`` (row-major over the grid) as the first positional argument; the grid ``(H, W)`` or
-    ``(T, H, W)``, the same for every sample, as positional argument ``grid_arg``.
+    """Tokens ``[B, L, C]`` as the first positional argument, flattened from the grid in axis ``order``; the grid, the
+    same for every sample, as argument ``grid_arg`` or fixed as ``grid``.
 
-    The output is the tokens on the region's last grid: a tensor ``[B, L', C]``, or a tuple / mapping (a
-    ``ModelOutput``) whose first item is replaced by it. ``refuse`` names keyword flags the region cannot honour
+    - ``grid_arg``: the position (int) or keyword (str) of the argument giving the grid: ``(H, W)``, ``(T, H, W)``, or
+      a number of frames ``T`` (an int: each frame's ``L / T`` positions are one axis, the grid ``(T, 1, L / T)``).
+    - ``grid``: ``(H, W)`` or ``(T, H, W)`` fixed, for a region called without one (``grid_arg`` is then not read).
+    - ``order``: the sequence's axes slowest first, a permutation of ``"thw"``: ``"thw"`` is row-major (Hugging Face's
+      vision encoders), ``"hwt"`` frames fastest (a divided space-time video transformer's ``(h w t)`` tokens).
+
+    Replicated tokens before or after the grid's (a class token) are the plan's: ``ParallelPlan(replicated=
+    winsp.adoption.Replicated("first", count=1))`` takes them off before this reads the rest. The output is the tokens
+    on the region's last grid in the same order: a tensor ``[B, L', C]``, or a tuple / mapping (a ``ModelOutput``)
+    whose first item is replaced by it. ``refuse`` names keyword flags the region cannot honour
     (``output_hidden_states``, say): a truthy one raises ValueError.
     """
 
-    grid_arg: int = 1
+    grid_arg: Union[int, str] = 1
     refuse: tuple[str, ...] = ()
+    order: str = "thw"
+    grid: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.order, str) or sorted(self.order) != ["h", "t", "w"]:
+            raise ValueError(f"FlatTokens.order must be a permutation of 'thw' (the sequence's axes, slowest first), "
+                             f"got {self.order!r}")
+        if isinstance(self.grid_arg, bool) or not isinstance(self.grid_arg, (int, str)):
+            raise ValueError(f"FlatTokens.grid_arg must be a positional index or a keyword name, got "
+                             f"{self.grid_arg!r}")
+        if self.grid is not None:
+            grid = tuple(self.grid) if isinstance(self.grid, (tuple, list)) else ()
+            if len(grid) not in (2, 3) or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0
+                                                   for g in grid):
+                raise ValueError(f"FlatTokens.grid must be (H, W) or (T, H, W) positive integers, got {self.grid!r}")
+            object.__setattr__(self, "grid", grid)
+
+    def _grid(self, args: tuple, kwargs: dict, tokens: int) -> tuple[int, int, int]:
+        if self.grid is not None:
+            value: Any = self.grid
+        elif isinstance(self.grid_arg, int) and self.grid_arg < len(args):
+            value = args[self.grid_arg]
+        elif isinstance(self.grid_arg, str) and self.grid_arg in kwargs:
+            value = kwargs[self.grid_arg]
+        else:
+            where = f"positional argument {self.grid_arg}" if isinstance(self.grid_arg, int) else \
+                f"keyword argument {self.grid_arg!r}"
+            raise ValueError(f"FlatTokens: the region needs tokens [B, L, C] first and the grid as {where} (or "
+                             f"FlatTokens(grid=...)); got {len(args)} positional arguments and keywords "
+                             f"{sorted(kwargs)}")
+        if isinstance(value, Tensor) and value.dim() == 0:
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):  # a number of frames
+            if value < 1 or tokens % value:
+                raise ValueError(f"FlatTokens: {value} frames do not divide the {tokens} tokens of each sample")
+            return (value, 1, tokens // value)
+        grid = tuple(int(g) for g in value)
+        if len(grid) not in (2, 3) or math.prod(grid) != tokens:
+            raise ValueError(f"FlatTokens: grid {grid} does not describe the {tokens} tokens of each sample")
+        return (1,) * (3 - len(grid)) + grid  # type: ignore[return-value]
 
     def read(self, args: tuple, kwargs: dict) -> tuple[Tensor, list]:
         for key in self.refuse:
             if kwargs.get(key):
                 raise ValueError(f"{key}={kwargs[key]!r} is not supported inside this window-parallel region")
-        if len(args) <= self.grid_arg or not isinstance(args[0], Tensor) or args[0].dim() != 3:
-            raise ValueError(f"FlatTokens: the region needs tokens [B, L, C] first and the grid as positional "
-                             f"argument {self.grid_arg}; got {len(args)} positional arguments")
-        x, grid = args[0], tuple(int(g) for g in args[self.grid_arg])
-        if len(grid) not in (2, 3) or math.prod(grid) != x.shape[1]:
-            raise ValueError(f"FlatTokens: grid {grid} does not describe the {x.shape[1]} tokens of each sample")
-        return x.reshape(-1, x.shape[-1]), [(1,) * (3 - len(grid)) + grid] * x.shape[0]
+        if not args or not isinstance(args[0], Tensor) or args[0].dim() != 3:
+            got = list(args[0].shape) if args and isinstance(args[0], Tensor) else \
+                type(args[0]).__name__ if args else "no positional argument"
+            raise ValueError(f"FlatTokens: the region needs tokens [B, L, C] first (its first positional argument), "
+                             f"got {got}")
+        x = args[0]
+        grid = self._grid(args, kwargs, x.shape[1])
+        return self._to_canonical(x, grid).reshape(-1, x.shape[-1]), [grid] * x.shape[0]
+
+    def _to_canonical(self, x: Tensor, grid: tuple[int, int, int]) -> Tensor:
+        """``[B, L, C]`` in ``order`` -> ``[B, T, H, W, C]``."""
+        if self.order == "thw":
+            return x
+        sizes = dict(zip("thw", grid, strict=True))
+        seq = x.reshape((x.shape[0],) + tuple(sizes[a] for a in self.order) + tuple(x.shape[2:]))
+        return seq.permute(0, *(1 + self.order.index(a) for a in "thw"), *range(4, seq.dim()))
 
     def with_rows(self, args: tuple, kwargs: dict, rows: Tensor) -> tuple[tuple, dict]:
         return (rows,) + tuple(args[1:]), kwargs
@@ -56,7 +114,10 @@ class FlatTokens(TokenIO):
     def with_output(self, output: Any, rows: Tensor, grids) -> Any:
         if len(set(grids)) != 1:
             raise ValueError(f"FlatTokens: samples end on different grids {sorted(set(grids))}")
-        return self.with_first_item(output, rows.reshape(len(grids), -1, *rows.shape[1:]))
+        tokens = rows.reshape((len(grids),) + tuple(grids[0]) + tuple(rows.shape[1:]))
+        if self.order != "thw":
+            tokens = tokens.permute(0, *(1 + "thw".index(a) for a in self.order), *range(4, tokens.dim()))
+        return self.with_first_item(output, tokens.reshape((len(grids), -1) + tuple(rows.shape[1:])))
 
 
 @dataclass(frozen=True)

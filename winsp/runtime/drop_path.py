@@ -15,6 +15,7 @@ with probability 0, both are the identity.
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -93,15 +94,26 @@ class RowDropout(nn.Module):
         return f"p={self.p}"
 
 
-def row_dropout(x: Tensor, p: float, request, *, inplace: bool = False) -> Tensor:
+def row_dropout(x: Tensor, p: float, request, *, inplace: bool = False,
+                at: Optional[tuple[Tensor, int]] = None) -> Tensor:
     """Element-wise dropout (training) of local rows ``x [L, ...]`` with the original's draws: ``F.dropout`` itself
     on a tensor of ones shaped as the original's full ``[N, ...]`` (the same function on the same shape, dtype and
     device draws the same mask, on any device and for ``p == 1`` too), this rank's rows of it multiplied in.
 
     Assumes the original's tensor is channels-last with the tokens row-major in (t, h, w), samples one after the
-    other; padding rows get zero. Every rank draws the whole mask: the price of equal draws."""
-    keep = _full_mask((request.num_model_rows,) + tuple(x.shape[1:]), p, x.dtype, x.device)
-    keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, request.model_rows)
+    other; padding rows get zero. Every rank draws the whole mask: the price of equal draws. ``at``: ``(index,
+    total)`` for an original whose ``total`` rows are in another order or hold other rows too (replicated tokens):
+    row ``i`` of ``x`` is the original's row ``index[i]`` (``total`` for a padding row)."""
+    index, total = (request.model_rows, request.num_model_rows) if at is None else at
+    rows = index.shape[0]
+    if x.dim() == 0 or x.shape[0] != rows:
+        held = x.dim() > 0 and x.shape[0] == rows + request.num_text_rows
+        raise ValueError(f"row_dropout (winsp.RowDropout, dropout='rows') takes this rank's {rows} local rows "
+                         f"[L, ...], got {list(x.shape)}" + (" (the replicated tokens next to them: their mask is "
+                                                             "drawn with ParallelPlan(dropout='rows'), or train with "
+                                                             "it off)" if held else ""))
+    keep = _full_mask((total,) + tuple(x.shape[1:]), p, x.dtype, x.device)
+    keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, index)
     return x.mul_(keep) if inplace else x * keep
 
 

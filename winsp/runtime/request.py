@@ -507,6 +507,7 @@ class WindowRequest:
         mask_mod=None,
         softmax_scale: float | None = None,
         text_output: bool = True,
+        dropout_p: float = 0.0,
     ) -> tuple[Tensor, Tensor | None]:
         """Window attention of layer ``layer`` on local rows over [window video, sample text], then the text reduction.
 
@@ -521,7 +522,18 @@ class WindowRequest:
 
         ``v`` has ``q``'s (and ``k``'s) head size: ``[rows, heads, head_dim]`` for all three (a model whose values are
         wider or narrower is refused with the sizes).
+
+        ``dropout_p``: the original attention's probability dropout (0 in eval); pass it, so that a training forward
+        with it on is refused by name (``docs/adopting_a_model.md``): winsp offers none, as no window layout can draw
+        the original's mask over its ``[heads, n, n]`` probabilities.
         """
+        if dropout_p:
+            names = self.runtime.layer_names
+            name = f" ({names[layer]!r})" if names and isinstance(layer, int) and 0 <= layer < len(names) else ""
+            raise ValueError(f"layer {layer}{name}: attention-probability dropout (dropout_p={dropout_p}) is not "
+                             f"offered by winsp: the original draws its mask over each attention's [heads, n, n] "
+                             f"probabilities of its own batch and order, which no window layout reproduces; train "
+                             f"with the attention's dropout off (p=0) or in eval mode")
         if not self._dtypes_checked and not torch.compiler.is_compiling():
             self._check_dtypes((q_vid, k_vid, v_vid, q_txt, k_txt, v_txt))
         lay = self._layer_layout(layer)
@@ -573,7 +585,11 @@ class WindowRequest:
         """:meth:`attention` for a model that attends its text (replicated tokens) and video jointly, holding both in
         one tensor: ``q``, ``k``, ``v`` are ``[num_text_rows + L_local, heads, head_dim]`` with the request's text
         rows first (``text_first``; else last); returns the output in the same arrangement, the text part reduced by
-        the window-mean rule. ``options``: :meth:`attention`'s keywords (``score_mod``, ``softmax_scale``, ...)."""
+        the window-mean rule. ``options``: :meth:`attention`'s keywords (``score_mod``, ``softmax_scale``, ...).
+        On a layer the text does not join (``text_layers``), ``q``, ``k``, ``v`` are the video rows alone, and so is
+        the output: one call serves both kinds of layer."""
+        if not self.text_layers[self._check_layer(layer)]:
+            return self.attention(q, k, v, layer=layer, **options)[0]
         n = self.num_text_rows
         cut = n if text_first else q.shape[0] - n
         (vq, tq), (vk, tk), (vv, tv) = ((t[n:], t[:n]) if text_first else (t[:cut], t[cut:]) for t in (q, k, v))
