@@ -66,7 +66,7 @@ def _weighted_cuts(weights: np.ndarray, parts: int, unit: int) -> list[tuple[int
     for q in range(1, parts + 1):
         for i in range(m):
             cand = np.maximum(best[q - 1, : i + 1], cum[i] - cum[: i + 1])
-            j = int(np.argmin(cand))  # the earliest best previous cut: longer runs first, as axis_cuts
+            j = i - int(np.argmin(cand[::-1]))  # the latest best previous cut: longer runs first, as axis_cuts
             best[q, i], back[q, i] = cand[j], j
     bounds, i = [m - 1], m - 1
     for q in range(parts, 0, -1):
