@@ -327,7 +327,7 @@ MODELS = {  # grids, text lengths, a stack of strided layers (and one window lay
 
 def _model(runtime, name, x, txt, w):
     grids, text_lengths, schedule = MODELS[name]
-    req = runtime.request(grids, text_lengths, dtype=torch.float64)
+    req = runtime.request(grids, text_lengths, dtype=x.dtype)
     h = req.scatter(x)
     for layer in range(len(schedule)):
         h = req.to_layer(h, layer)
@@ -355,16 +355,32 @@ def _run(runtime, name):
     return out.detach(), txt.detach(), params
 
 
+def _backends(group, name) -> dict:
+    """float32 inference on the flex and natten backends (natten where every layer's boxes are exact)."""
+    grids, _, schedule = MODELS[name]
+    out = {}
+    for backend in ("flex", "natten"):
+        runtime = winsp.WindowRuntime(schedule, group=group, neighborhood_backend=backend)
+        plans = runtime.plans(grids)
+        if backend == "natten" and any(natten_plan_reason(plans[i], g) is not None
+                                       for i, g in enumerate(schedule) if isinstance(g, Neighborhood)):
+            continue
+        with torch.no_grad():
+            out[backend] = _model(runtime, name, *(p.float() for p in _params(name)))
+    return out
+
+
 def _ranks(rank, world_size, names):
     results = {}
     for name in names:
-        runtime = winsp.WindowRuntime(MODELS[name][2], group=winsp.comm.SPGroup.world())
+        group = winsp.comm.SPGroup.world()
+        runtime = winsp.WindowRuntime(MODELS[name][2], group=group)
         out, txt, params = _run(runtime, name)
         winsp.sync_gradients(params, runtime)
         with torch.no_grad():
             inferred = _model(runtime, name, *_params(name))
         results[name] = (out, txt, [p.grad.clone() for p in params], inferred,
-                         runtime.plans(MODELS[name][0])[0].rank_rows)
+                         runtime.plans(MODELS[name][0])[0].rank_rows, _backends(group, name))
     return results
 
 
@@ -373,10 +389,18 @@ def _ranks(rank, world_size, names):
 def test_strided_model_on_ranks_equals_one_rank(world_size):
     names = ("sta", "tiny")
     results = run_ranks(_ranks, world_size, names, timeout=240)
+    natten_ran = 0
     for name in names:
         ref_out, ref_txt, ref_params = _run(winsp.WindowRuntime(MODELS[name][2]), name)
+        with torch.no_grad():
+            ref32 = _model(winsp.WindowRuntime(MODELS[name][2]), name, *(p.float() for p in _params(name)))
         for by_name in results:
-            out, txt, grads, (inferred, inferred_txt), _ = by_name[name]
+            out, txt, grads, (inferred, inferred_txt), _, backends = by_name[name]
+            for backend_out, backend_txt in backends.values():  # flex and natten against the tiled path
+                torch.testing.assert_close(backend_out, ref32[0], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(backend_txt, ref32[1], rtol=1e-4, atol=1e-4)
+            assert "flex" in backends
+            natten_ran += "natten" in backends
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(txt, ref_txt, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(inferred, ref_out, rtol=1e-12, atol=1e-12)
@@ -384,6 +408,7 @@ def test_strided_model_on_ranks_equals_one_rank(world_size):
             for g, p in zip(grads, ref_params, strict=True):
                 torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-10)
     assert 0 in results[0]["tiny"][4] or world_size < 4  # at 4 ranks a rank of the 3-row grid holds nothing
+    assert natten_ran > 0
 
 
 def test_the_one_rank_reference_is_the_oracle():
