@@ -385,7 +385,7 @@ def _ranks(rank, world_size, names):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(p, marks=pytest.mark.slow) for p in (3, 4))])
 def test_strided_model_on_ranks_equals_one_rank(world_size):
     names = ("sta", "tiny")
     results = run_ranks(_ranks, world_size, names, timeout=240)

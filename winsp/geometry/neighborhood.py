@@ -85,7 +85,8 @@ class Neighborhood(WindowGeometry):
                                  "stride is at most the kernel on every axis (stride == kernel is blocked attention)")
 
     @classmethod
-    def sliding_tile(cls, tile, tiles, causal=False) -> "Neighborhood":
+    def sliding_tile(cls, tile: int | Sequence[int], tiles: int | Sequence[int],
+                     causal: bool | Sequence[bool] = False) -> "Neighborhood":
         """Sliding tile attention (STA): the grid cut into tiles of ``tile`` positions per axis, every query of a tile
         attending to the ``tiles`` tiles centred on its own, the window shifted inward at the borders so that it stays
         in the grid.
@@ -102,7 +103,8 @@ class Neighborhood(WindowGeometry):
             if k % 2 == 0:
                 raise ValueError(f"Neighborhood.sliding_tile tiles[{axis}] = {k} is even: a window of tiles centred on "
                                  "the query's tile has an odd number of tiles")
-        return cls(kernel=tuple(t * k for t, k in zip(tile_t, tiles_t, strict=True)), causal=causal, stride=tile_t)
+        kernel = tuple(t * k for t, k in zip(tile_t, tiles_t, strict=True))
+        return cls(kernel=kernel, causal=_triple(causal, "causal", False, bool), stride=tile_t)
 
     def params(self) -> dict:
         """The fingerprint's parameters; a stride of 1 everywhere is left out (the fingerprints predating it)."""
