@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import pairwise
 from typing import Sequence
 
@@ -124,12 +125,17 @@ class NeighborhoodBlocks(WindowGeometry):
 
     def axis_runs(self, grid: Grid) -> list[list[tuple[int, int]]]:
         """Per axis, the ``splits[a]`` runs ``(lo, hi)`` of ``grid`` (some empty)."""
-        grid = check_grid(grid)
-        return [_weighted_cuts(_axis_weights(grid, self.geometries, a), p, u)
-                for a, (p, u) in enumerate(zip(self.splits, self.unit, strict=True))]
+        return [list(runs) for runs in _axis_runs(self, check_grid(grid))]
 
     def slices(self, grid: Grid) -> list[WindowSlices]:
         return [box for _, box in _blocks(check_grid(grid), self)]
+
+
+@lru_cache(maxsize=1024)
+def _axis_runs(blocks: NeighborhoodBlocks, grid: Grid) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """:meth:`NeighborhoodBlocks.axis_runs`, cached: the split chooser and every rank's plan ask for the same cuts."""
+    return tuple(tuple(_weighted_cuts(_axis_weights(grid, blocks.geometries, a), p, u))
+                 for a, (p, u) in enumerate(zip(blocks.splits, blocks.unit, strict=True)))
 
 
 def _factorisations(p: int) -> list[Grid]:
