@@ -314,6 +314,18 @@ def test_hunyuanvideo_sta_work_is_balanced_at_2_to_8_ranks():
         assert work.max() <= 1.05 * work.mean() + 1e-6, (p, work.max() / work.mean())
 
 
+def test_sta_halo_bytes_against_ulysses():
+    """benchmarks/README.md's table: below Ulysses' four all-to-alls at P = 2 and 4 for the (6, 8, 8) tile and at
+    P = 2, 4 and 8 for (4, 4, 4); the (18, 24, 24) window moves more than Ulysses at P = 8 (2.2x a rank's block)."""
+    from benchmarks.bench_strided import GRID, layer_figures, sta_layer
+
+    ratios = {(tile, p): layer_figures(GRID, sta_layer(tile), p)["ratio"] for tile in ((6, 8, 8), (4, 4, 4))
+              for p in (2, 4, 8)}
+    assert ratios[((6, 8, 8), 2)] == pytest.approx(0.2) and ratios[((4, 4, 4), 2)] == pytest.approx(0.1)
+    assert all(r < 1 for (tile, p), r in ratios.items() if (tile, p) != ((6, 8, 8), 8))
+    assert ratios[((6, 8, 8), 8)] > 1
+
+
 # ---- SP = 2..4 on spawned ranks: the exchange, outputs and every gradient ------------------------------------------
 
 MODELS = {  # grids, text lengths, a stack of strided layers (and one window layer between them)

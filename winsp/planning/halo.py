@@ -1,14 +1,15 @@
 """Halo planning for neighborhood layers: cut the grid into one block per rank, and list the rows each block reaches.
 
 A neighborhood layer keeps its rows where they are: rank ``r`` owns block ``r`` of every sample (a box of the grid,
-from cutting t, h and w into ``splits`` balanced runs) and needs only the key rows its queries can reach that other
-ranks own, its *halo*. Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches
-are exactly the product of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per
-axis, never per token.
+from cutting t, h and w into ``splits`` runs of balanced attention work, at whole stride groups of a strided layer
+where that stays balanced) and needs only the key rows its queries can reach that other ranks own, its *halo*.
+Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches are exactly the product
+of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per axis, never per token.
 
-:func:`choose_splits` picks the cut (along t, h, w or a 2D/3D tiling) that minimises the predicted time of the
-slowest rank, its rows of work and its halo bytes weighed with :mod:`winsp.planning.costs`: halo rows traded against
-balance. Every neighborhood layer of a schedule shares one cut (the one best for all of them together), so consecutive
+:func:`choose_blocks` picks the cut (along t, h, w or a 2D/3D tiling, at stride groups or anywhere) that minimises
+the predicted time of the slowest rank, its rows, attention work and halo bytes weighed with
+:mod:`winsp.planning.costs`, among the cuts within ``BALANCE_LIMIT`` of balanced attention work when there are any.
+Every neighborhood layer of a schedule shares one cut (the one best for all of them together), so consecutive
 neighborhood layers share one plan and move nothing but halos; transitions to window layouts are ordinary
 redistributions. :class:`HaloExchange` is one rank's share: what it sends to whom, and for each local query the key
 rows (local rows first, then received halo rows) of its neighbourhood.
