@@ -311,7 +311,7 @@ def test_hunyuanvideo_sta_work_is_balanced_at_2_to_8_ranks():
     geom = sta_layer()
     for p in range(2, 9):
         work = np.asarray(block_work(GRID, choose_blocks([GRID], [geom], p), geom), np.float64)
-        assert work.max() <= 1.05 * work.mean() + 1e-6, (p, work.max() / work.mean())
+        assert work.max() / work.mean() <= 1.05 + 1e-12, (p, work.max() / work.mean())
 
 
 def test_sta_halo_bytes_against_ulysses():

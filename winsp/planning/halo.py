@@ -200,7 +200,7 @@ def choose_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], wor
                     work += pairs
                     rank_time += own * costs.row_s + pairs * costs.pair_s + 2 * halo * costs.row_bytes * costs.byte_s
             cost = float(rank_time.max()) + (costs.latency_s if world_size > 1 else 0.0) * len(geometries)
-            balanced = work.sum() == 0 or work.max() <= (1 + BALANCE_LIMIT) * work.mean() + 1e-9
+            balanced = work.sum() == 0 or work.max() <= (1 + BALANCE_LIMIT) * work.mean() * (1 + 1e-12)
             scored.append((not balanced, cost, len(scored), blocks))
     best = min(scored, key=lambda x: (x[0], x[1], x[2]))
     return best[3]
