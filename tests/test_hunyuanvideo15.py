@@ -18,11 +18,8 @@ from winsp.testing import check_parallel
 
 pytest.importorskip("diffusers")
 
-if not hasattr(winsp.Neighborhood, "sliding_tile"):  # TEMP-DEV until i46's stride lands
-    winsp.Neighborhood.sliding_tile = classmethod(lambda cls, tile, tiles: cls(tuple(tiles)))
-
 HEADS, HEAD_DIM = 5, 8  # 5 heads: neither 3 nor 4 divides them (a head-sharded SP could not run at 3 or 4)
-TILE, TILES = (1, 1, 1), (3, 3, 3)  # kernel (6, 3, 6), stride (2, 1, 2)
+TILE, TILES = (2, 1, 2), (3, 3, 3)  # kernel (6, 3, 6), stride (2, 1, 2)
 LATENT = (8, 5, 8)  # (T, H, W), patch 1: the post-patch grid, a whole number of tiles per axis
 TEXT, GLYPHS, IMAGE = 7, 4, 3  # the three text inputs' tokens; the model joins them, valid ones first
 
@@ -195,3 +192,11 @@ def test_the_setting_of_hunyuanvideo15_at_720p():
     assert setting["grid"] == (31, 45, 80) and setting["kernel"] == (18, 24, 24) and setting["stride"] == (6, 8, 8)
     assert (setting["heads"], setting["head_dim"], setting["compression"]) == (16, 128, (4, 16, 16))
 
+
+
+def test_the_guide_shows_the_whole_adapter():
+    root = Path(__file__).parents[1]
+    adapter = (root / "examples" / "hunyuanvideo15" / "adapter.py").read_text()
+    guide = (root / "docs" / "adopting_a_model.md").read_text()
+    shown = guide.split("### Sliding tile attention: HunyuanVideo 1.5")[1].split("```text\n")[1].split("```")[0]
+    assert shown == adapter[adapter.index("from diffusers"):]
