@@ -200,3 +200,12 @@ def test_the_guide_shows_the_whole_adapter():
     guide = (root / "docs" / "adopting_a_model.md").read_text()
     shown = guide.split("### Sliding tile attention: HunyuanVideo 1.5")[1].split("```text\n")[1].split("```")[0]
     assert shown == adapter[adapter.index("from diffusers"):]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_720p_sta_layer_moves_less_than_ulysses_with_balanced_work(p):
+    from examples.hunyuanvideo15.figures import sta_layer_figures
+
+    figures = sta_layer_figures(p)  # the released layer: grid (31, 45, 80), kernel (18, 24, 24), stride (6, 8, 8)
+    assert figures["ratio_with_text"] < 1 and figures["heaviest_over_mean"] <= 1.05
+    assert sum(figures["own_rows"]) == 31 * 45 * 80

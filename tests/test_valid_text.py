@@ -43,7 +43,7 @@ def _request(text_lengths):
 @pytest.mark.parametrize("layer", [0, 1])  # windows, a neighbourhood
 def test_padded_text_takes_the_valid_rows_and_gives_the_padding_zeros(layer):
     torch.manual_seed(0)
-    request, lengths, per = _request((3, 1)), (3, 1), 4
+    request, per = _request((3, 1)), 4  # text lengths 3 and 1, padded to 4 rows each
     q, k, v = (request.to_layer(request.scatter(torch.randn(64, 2, 8, dtype=torch.float64)), layer) for _ in range(3))
     padded = [torch.randn(2 * per, 2, 8, dtype=torch.float64) for _ in range(3)]
     valid = [torch.cat([t[:3], t[per:per + 1]]) for t in padded]
