@@ -86,17 +86,22 @@ class Neighborhood(WindowGeometry):
 
     @classmethod
     def sliding_tile(cls, tile, tiles, causal=False) -> "Neighborhood":
-        """Sliding tile attention (STA): the grid cut into tiles of ``tile`` (per axis), each query tile attending
-        to the ``tiles`` tiles around it per axis (its window of tiles clamped to stay in the grid).
+        """Sliding tile attention (STA): the grid cut into tiles of ``tile`` positions per axis, every query of a tile
+        attending to the ``tiles`` tiles centred on its own, the window shifted inward at the borders so that it stays
+        in the grid.
 
-        It is exactly ``Neighborhood(kernel=tile * tiles, stride=tile)``: a stride group is a tile, its leader's
-        window spans ``tiles`` tiles centred on it (for odd ``tiles``; ``tiles // 2`` before and
-        ``tiles // 2 - (1 - tiles % 2)`` after the tile for even ones, NATTEN's kernel split) and clamped at the
-        borders. ``tile`` and ``tiles`` are read like ``kernel`` (one int for every axis; fewer values are the last
-        axes).
+        It is exactly ``Neighborhood(kernel=tile * tiles, stride=tile)``: a stride group is a tile and its leader's
+        window of ``tile * tiles`` positions starts ``tiles // 2`` tiles before it. ``tiles`` must be odd on every axis
+        (an even window has no centre tile). On an axis that is not whole tiles (STA's kernels pad the grid to whole
+        tiles), NATTEN's rule holds: the last window is the axis's last ``tile * tiles`` positions. ``tile`` and
+        ``tiles`` are read like ``kernel`` (one int for every axis; fewer values are the last axes).
         """
         tile_t = _triple(tile, "sliding_tile tile", 1, int)
         tiles_t = _triple(tiles, "sliding_tile tiles", 1, int)
+        for axis, k in zip("thw", tiles_t, strict=True):
+            if k % 2 == 0:
+                raise ValueError(f"Neighborhood.sliding_tile tiles[{axis}] = {k} is even: a window of tiles centred on "
+                                 "the query's tile has an odd number of tiles")
         return cls(kernel=tuple(t * k for t, k in zip(tile_t, tiles_t, strict=True)), causal=causal, stride=tile_t)
 
     def params(self) -> dict:

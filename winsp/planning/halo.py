@@ -66,7 +66,7 @@ def _weighted_cuts(weights: np.ndarray, parts: int, unit: int) -> list[tuple[int
     for q in range(1, parts + 1):
         for i in range(m):
             cand = np.maximum(best[q - 1, : i + 1], cum[i] - cum[: i + 1])
-            j = int(np.argmin(cand))  # the earliest best previous cut: longer runs first, as axis_cuts
+            j = i - int(np.argmin(cand[::-1]))  # the latest best previous cut: longer runs first, as axis_cuts
             best[q, i], back[q, i] = cand[j], j
     bounds, i = [m - 1], m - 1
     for q in range(parts, 0, -1):
@@ -91,7 +91,7 @@ def _blocks(grid: Grid, blocks: "Grid | NeighborhoodBlocks") -> list[tuple[int, 
     """(rank, box) of every non-empty block of ``grid``; block ``(it, ih, iw)`` belongs to rank
     ``(it * ph + ih) * pw + iw``."""
     if not isinstance(blocks, NeighborhoodBlocks):
-        blocks = NeighborhoodBlocks(tuple(blocks))
+        blocks = NeighborhoodBlocks(check_grid(blocks, "splits"))
     splits = blocks.splits
     cuts = blocks.axis_runs(grid)
     out = []
@@ -178,7 +178,7 @@ def choose_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], wor
     """
     geometries = tuple(geometries)
     stride_unit = _stride_unit(geometries)
-    scored = []
+    scored: list[tuple[bool, float, int, NeighborhoodBlocks]] = []
     for splits in _factorisations(world_size):
         # aligned cuts first; an axis that is not cut has one run whatever its unit
         units = sorted({tuple(stride_unit[a] if aligned[a] and splits[a] > 1 else 1 for a in range(3))
