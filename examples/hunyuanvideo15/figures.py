@@ -67,7 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from examples.swin3d import import_torchvision
-
-    import_torchvision()  # diffusers imports transformers, which imports torchvision
     main()

@@ -119,6 +119,9 @@ def hunyuanvideo15_sta_setting(frames: int = 121, height: int = 720, width: int 
     """HunyuanVideo 1.5's STA layer at ``frames`` x ``height`` x ``width`` pixels: the latent grid, tile, kernel and
     the attention's heads, from diffusers' defaults (the VAE's compression, the transformer's patch and heads) and
     HunyuanVideo 1.5's STA parameters (:data:`HUNYUANVIDEO15_TILE`, :data:`HUNYUANVIDEO15_TILES`)."""
+    from examples.swin3d import import_torchvision
+
+    import_torchvision()  # diffusers imports transformers, which imports torchvision (shimmed beside a CPU torch)
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
 
     vae = {k: p.default for k, p in inspect.signature(AutoencoderKLHunyuanVideo15.__init__).parameters.items()}
@@ -134,7 +137,4 @@ def hunyuanvideo15_sta_setting(frames: int = 121, height: int = 720, width: int 
 
 
 if __name__ == "__main__":
-    from examples.swin3d import import_torchvision
-
-    import_torchvision()  # diffusers imports transformers, which imports torchvision
     print(hunyuanvideo15_sta_setting())
