@@ -508,6 +508,7 @@ class WindowRequest:
         softmax_scale: float | None = None,
         text_output: bool = True,
         dropout_p: float = 0.0,
+        text_padded: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Window attention of layer ``layer`` on local rows over [window video, sample text], then the text reduction.
 
@@ -526,6 +527,10 @@ class WindowRequest:
         ``dropout_p``: the original attention's probability dropout (0 in eval); pass it, so that a training forward
         with it on is refused by name (``docs/adopting_a_model.md``): winsp offers none, as no window layout can draw
         the original's mask over its ``[heads, n, n]`` probabilities.
+
+        ``text_padded=True``: the text tensors hold every sample's text padded to one row count, its valid rows (its
+        ``text_lengths`` entry: ``Replicated(valid=...)``) first, as a model that masks padded text holds them; only
+        the valid rows take part, and the padding rows' output is zeros (what SDPA gives a fully masked row).
         """
         if dropout_p:
             names = self.runtime.layer_names
@@ -534,6 +539,9 @@ class WindowRequest:
                              f"offered by winsp: the original draws its mask over each attention's [heads, n, n] "
                              f"probabilities of its own batch and order, which no window layout reproduces; train "
                              f"with the attention's dropout off (p=0) or in eval mode")
+        if text_padded and q_txt is not None:
+            return self._attention_padded_text(layer, (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), dict(
+                score_mod=score_mod, mask_mod=mask_mod, softmax_scale=softmax_scale, text_output=text_output))
         if not self._dtypes_checked and not torch.compiler.is_compiling():
             self._check_dtypes((q_vid, k_vid, v_vid, q_txt, k_txt, v_txt))
         lay = self._layer_layout(layer)
@@ -579,6 +587,26 @@ class WindowRequest:
         if not (has_text and text_output):
             return vid_out, None
         return vid_out, reduce_window_text(window_text, lay.text, self.group)
+
+    def _attention_padded_text(self, layer: int, qkv: tuple, qkv_txt: tuple,
+                               options: dict) -> tuple[Tensor, Tensor | None]:
+        """:meth:`attention` with ``text_padded``: the valid rows of each sample's padded text in, zeros out for the
+        padding (slices, no index tensors)."""
+        samples, lengths = len(self.text_lengths), self.text_lengths
+        rows = {t.shape[0] for t in qkv_txt if t is not None}
+        per = next(iter(rows)) // samples if len(rows) == 1 and samples else -1
+        if len(rows) != 1 or per * samples != next(iter(rows)) or per < max(lengths, default=0):
+            raise ValueError(f"attention(text_padded=True): the text tensors have {sorted(rows)} rows; they must hold "
+                             f"the {samples} sample(s)' text padded to one row count of at least their text lengths "
+                             f"{lengths} (each sample's valid rows first)")
+        valid = (None if t is None else torch.cat([t[i * per:i * per + n] for i, n in enumerate(lengths)])
+                 for t in qkv_txt)
+        vid, txt = self.attention(*qkv, *valid, layer=layer, **options)
+        if txt is None:
+            return vid, None
+        pad = [txt.new_zeros((per - n,) + tuple(txt.shape[1:])) for n in lengths]
+        ends = [sum(lengths[:i + 1]) for i in range(samples)]
+        return vid, torch.cat([part for i, n in enumerate(lengths) for part in (txt[ends[i] - n:ends[i]], pad[i])])
 
     def joint_attention(self, q: Tensor, k: Tensor, v: Tensor, *, layer: int, text_first: bool = True,
                         **options: Any) -> Tensor:
