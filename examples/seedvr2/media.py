@@ -31,7 +31,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -75,6 +75,9 @@ MAX_SIDE = 16384
 DIVISOR = 16
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv")
+#: hook for inputs from someone else (serve): when set, opens every input in place of ``av.open`` (see
+#: examples/seedvr2/serve/untrusted_media.py: the container found by content, referencing demuxers refused)
+INPUT_OPENER: Optional[Callable[[str], Any]] = None
 _IMAGE_DEMUXERS = ("image2", "png_pipe", "jpeg_pipe", "bmp_pipe", "webp_pipe", "tiff_pipe", "jpegls_pipe")
 DEFAULT_FPS = Fraction(25)
 DEFAULT_CRF = 16  # H.264 constant rate factor: visually near-lossless; 0 is lossless (in YUV 4:2:0)
@@ -154,7 +157,7 @@ def _open_input(path: str):
     if os.path.getsize(path) == 0:
         raise MediaError(f"input file is empty: {path}")
     try:
-        container = av.open(path)
+        container = av.open(path) if INPUT_OPENER is None else INPUT_OPENER(path)
     except av.FFmpegError as exc:
         _raise_if_short_of_memory(exc, f"opening {path}")
         raise MediaError(f"not a readable video or image: {path} ({_ffmpeg_reason(exc)})") from None
@@ -583,7 +586,8 @@ class MediaWriter:
             stream.codec_context.time_base = self.time_base
         self._video = stream
         if self.audio_from is not None:
-            source = self._stack.enter_context(av.open(self.audio_from))
+            source = self._stack.enter_context(
+                av.open(self.audio_from) if INPUT_OPENER is None else INPUT_OPENER(self.audio_from))
             for in_stream in source.streams.audio:
                 out_stream = container.add_stream_from_template(in_stream)
                 self._audio.append([out_stream, in_stream, None])
@@ -738,6 +742,8 @@ def check_scale(scale) -> float:
     :class:`MediaError`. Whether the output it gives is allowed depends on the input (:func:`plan_geometry`)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise MediaError(f"--scale must be a positive finite number, got {scale!r}")
+    if scale > MAX_SIDE:  # any input side of 1 pixel or more would give an output side over the maximum
+        raise MediaError(f"--scale must be at most {MAX_SIDE} (the largest output side), got {scale!r}")
     return float(scale)
 
 

@@ -57,6 +57,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         "removed at exit)")
     p.add_argument("--allow-paths", metavar="DIR",
                    help="let jobs name a file on the server under DIR instead of uploading it (default: uploads only)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a name clients (or a reverse proxy) reach this server by, answered in the Host header besides "
+                        "the loopback names (repeatable; default: the loopback names when bound to loopback, any "
+                        "name otherwise)")
     p.add_argument("--token-file", metavar="PATH",
                    help="a file holding a bearer token every request but /v1/health must carry (Authorization: "
                         "Bearer TOKEN) (default: no token)")
@@ -158,4 +162,18 @@ def job_flags(options: dict) -> list[str]:
     crf = options.get("crf")
     if crf is not None and crf != "" and not 0 <= int(crf) <= 51:
         raise UsageError(f"--crf must be an integer from 0 (lossless) to 51, got {crf}")
+    scale = options.get("scale")
+    if scale is not None and scale != "":
+        from ..media import MediaError, check_scale
+
+        try:
+            check_scale(float(scale))
+        except MediaError as exc:
+            raise UsageError(str(exc)) from None
+    seed = options.get("seed")
+    if seed is not None and seed != "" and not 0 <= int(seed) < 2**63:
+        raise UsageError(f"--seed must be an integer from 0 to 2**63-1, got {seed}")
+    batch = options.get("batch_frames")
+    if batch is not None and batch != "" and not 1 <= int(batch) <= 100_000:
+        raise UsageError(f"--batch-frames must be from 1 to 100000, got {batch}")
     return flags
