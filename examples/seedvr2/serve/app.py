@@ -206,7 +206,10 @@ def create_app(server: Server) -> FastAPI:
             raise HTTPException(400, "give either a file (multipart field 'file') or a server path (field 'path')")
         options = {"resolution": resolution, "scale": scale, "color_fix": color_fix, "seed": seed,
                    "batch_frames": batch_frames, "crf": crf}
-        job_id = store.new_id()
+        try:
+            job_id = store.new_id()
+        except OSError as exc:
+            raise HTTPException(507, f"the server cannot make the job's folder ({exc.strerror or exc})") from None
         try:
             if file is not None:
                 name = os.path.basename(file.filename or "upload")
@@ -310,7 +313,7 @@ def _store_input(folder: str, source) -> str:
     try:
         with open(partial, "xb") as out:
             shutil.copyfileobj(source, out, 1 << 20)
-        kind, _ = untrusted_media.sniff_file(partial)
+        kind = untrusted_media.check_file(partial)
         target = os.path.join(folder, "input" + kind.extension)
         os.replace(partial, target)
     except untrusted_media.UntrustedMedia as exc:

@@ -21,7 +21,7 @@ from .options import UsageError, check_restore_flags, parse_serve
 from .ranks import RankPool, StartError, remove_stale_workdirs
 from .server import Server, log
 
-__all__ = ["main", "PROG", "url_of", "is_loopback"]
+__all__ = ["main", "PROG", "url_of", "is_loopback", "exposure_warning"]
 
 PROG = "python -m examples.seedvr2 serve"
 #: seconds a connection may take to send its request headers, and the longest wait for the next piece of a body
@@ -36,6 +36,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def exposure_warning(host: str, token: Optional[str]) -> Optional[str]:
+    """The start-up's warning for a server reachable beyond this machine without a token (None when there is none
+    to give)."""
+    if is_loopback(host) or token is not None:
+        return None
+    return (f"WARNING: listening on {host}, beyond this machine, without --token-file: anyone who reaches it can "
+            f"submit, read and delete jobs (see docs/serving.md, Exposing serve)")
 
 
 def url_of(host: str, port: int) -> str:
@@ -126,9 +135,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.start()
         host, port = sock.getsockname()[:2]
         log(f"listening on {url_of(host, port)} ({config.ranks} rank(s) ready, state in {state_dir})")
-        if not is_loopback(config.host) and config.token is None:
-            log(f"WARNING: listening on {config.host}, beyond this machine, without --token-file: anyone who reaches "
-                f"it can submit, read and delete jobs (see docs/serving.md, Exposing serve)")
+        warning = exposure_warning(config.host, config.token)
+        if warning is not None:
+            log(warning)
         http.run(sockets=[sock])
         if not server.draining:  # uvicorn stopped for another reason: stop the ranks all the same
             server.draining = True

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Kind", "sniff", "sniff_file", "open_container", "install", "open_allowed", "UntrustedMedia",
+__all__ = ["Kind", "sniff", "sniff_file", "check_file", "open_container", "install", "open_allowed", "UntrustedMedia",
            "REFUSED_DEMUXERS", "header_size", "max_pixels"]
 
 #: demuxers that open other files or URLs named inside the input; never used for an input, whatever its bytes
@@ -155,17 +155,24 @@ def sniff_file(path: str) -> tuple[Kind, bytes]:
     return kind, head
 
 
-def open_container(path: str):
-    """``path`` opened by PyAV as the container its bytes say, with that demuxer forced (never a referencing one),
-    after the header checks; the container, or :class:`UntrustedMedia`."""
-    import av
-
+def check_file(path: str) -> Kind:
+    """The :class:`Kind` of ``path`` after the checks that need no decoding: a regular file, a known container by
+    its bytes, an image's size from its header within :data:`max_pixels`; :class:`UntrustedMedia` otherwise."""
     kind, head = sniff_file(path)
     if kind.is_image:
         size = header_size(kind, head)
         if size is None:
             raise UntrustedMedia(f"{os.path.basename(path)}: its image header does not say its size", status=422)
         _check_pixels(*size, os.path.basename(path))
+    return kind
+
+
+def open_container(path: str):
+    """``path`` opened by PyAV as the container its bytes say, with that demuxer forced (never a referencing one),
+    after the header checks; the container, or :class:`UntrustedMedia`."""
+    import av
+
+    kind = check_file(path)
     container = av.open(path, format=kind.demuxer, options={"enable_drefs": "0", "protocol_whitelist": "file"})
     try:
         if container.format.name in REFUSED_DEMUXERS:  # never: the demuxer is forced; checked all the same

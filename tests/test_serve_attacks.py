@@ -1,0 +1,449 @@
+"""``serve`` attacked as issue 49 attacked it: each numbered break is a case here, against a real server on loopback.
+
+One server (1 rank, the demo weights, no token: the loopback default an attacker's web page could reach, a state
+folder the test can look into, ``--allow-paths``) serves most cases; the state-folder, full-disk, leftover and
+idle-rank cases start their own. Jobs are held running with the test-only gate (``serve/worker.py``,
+``SEEDVR2_SERVE_TEST_GATE``): a job waits before each temporal batch while the gate file exists, whatever the
+machine's speed. Traffic goes to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("av")
+
+from tests.test_cli import make_mp4  # noqa: E402
+from tests.test_serve import REPO, Served, _serve_env  # noqa: E402
+
+UPLOAD_MB = 2
+
+
+def _gate_env(folder) -> tuple[dict, str]:
+    gate = os.path.join(str(folder), "gate")
+    return {"SEEDVR2_SERVE_TEST_GATE": gate}, gate
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("attack-media")
+    allowed = folder / "allowed"
+    allowed.mkdir()
+    return {"short": make_mp4(allowed / "short.mp4", t=5, h=32, w=48),
+            "long": make_mp4(allowed / "long.mp4", t=9, h=32, w=48),
+            "allowed": str(allowed), "folder": str(folder)}
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory, media):
+    tmp = tmp_path_factory.mktemp("attacked")
+    env, gate = _gate_env(tmp)
+    served = Served(str(tmp), "--state-dir", tmp / "state", "--max-queue", "3", "--max-upload-mb", UPLOAD_MB,
+                    "--allow-paths", media["allowed"], token=False, env=env)
+    served.gate, served.state = gate, tmp / "state"
+    yield served
+    served.stop()
+
+
+class _Held:
+    """A job held running by the gate until the block ends (then cancelled and waited for)."""
+
+    def __init__(self, served, media) -> None:
+        self.served = served
+        open(served.gate, "w").close()
+        answer = served.submit(media["long"], crf=0, batch_frames=5)
+        assert answer.status_code == 202, answer.text
+        self.id = answer.json()["id"]
+        served.wait(self.id, states=("running",))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.served.client.delete(f"/v1/restorations/{self.id}")
+        os.unlink(self.served.gate)
+        self.served.wait(self.id)
+
+
+def _upload(served, name: str, content: bytes, timeout: float = 20.0) -> httpx.Response:
+    return served.client.post("/v1/restorations", files={"file": (name, content)}, timeout=timeout)
+
+
+def _no_new_job(served, before: set) -> None:
+    assert {j["id"] for j in served.client.get("/v1/restorations").json()["jobs"]} <= before
+
+
+def _job_ids(served) -> set:
+    return {j["id"] for j in served.client.get("/v1/restorations").json()["jobs"]}
+
+
+# ---- 1, 2, 12: uploads are data, never paths --------------------------------------------------------------------
+
+
+def test_1_playlists_and_lists_that_name_server_files_are_refused_by_content(attacked, media):
+    before = _job_ids(attacked)
+    secret = media["short"]
+    for name, content in (
+            ("x.m3u8", f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:1,\n{secret}\n#EXT-X-ENDLIST\n"),
+            ("y.m3u8", f"#EXTM3U\n#EXTINF:1,\nfile://{secret}\n#EXT-X-ENDLIST\n"),
+            ("z.mp4", f"#EXTM3U\n#EXTINF:1,\n{secret}\n#EXT-X-ENDLIST\n"),  # a video's name does not help
+            ("c.txt", f"ffconcat version 1.0\nfile '{secret}'\n"),
+            ("i.png", "not an image at all")):
+        answer = _upload(attacked, name, content.encode())
+        assert answer.status_code == 415, (name, answer.status_code, answer.text)
+        error = answer.json()["error"]
+        assert "by its content it must be mp4, mov, mkv" in error and answer.json()["status"] == 415, error
+        assert secret not in error
+    _no_new_job(attacked, before)
+    assert "hls" not in attacked.text().lower()
+
+
+def test_2_a_playlist_that_repeats_an_input_a_thousand_times_is_refused_at_once(attacked, media):
+    line = f"#EXTINF:1,\n{media['short']}\n"
+    playlist = ("#EXTM3U\n#EXT-X-TARGETDURATION:1\n" + line * 1000 + "#EXT-X-ENDLIST\n").encode()
+    started = time.monotonic()
+    answer = _upload(attacked, "amplified.m3u8", playlist)
+    assert answer.status_code == 415, answer.text
+    assert time.monotonic() - started < 5.0
+
+
+def test_12_a_fifo_named_by_a_playlist_or_a_path_never_holds_a_request(attacked, media):
+    fifo = os.path.join(media["allowed"], "segment.ts")
+    os.mkfifo(fifo)
+    try:
+        answer = _upload(attacked, "fifo.m3u8", f"#EXTM3U\n#EXTINF:1,\n{fifo}\n#EXT-X-ENDLIST\n".encode(), timeout=10)
+        assert answer.status_code == 415, answer.text
+        by_path = attacked.client.post("/v1/restorations", data={"path": "segment.ts"}, timeout=10)
+        assert by_path.status_code == 422 and "not a regular file" in by_path.json()["error"], by_path.text
+    finally:
+        os.unlink(fifo)
+
+
+# ---- 3: --allow-paths files are opened once and read from that handle -------------------------------------------
+
+
+def test_3_an_allowed_file_swapped_after_submission_changes_nothing(attacked, media, tmp_path):
+    spot = os.path.join(media["allowed"], "swapped.mp4")
+    shutil.copyfile(media["short"], spot)
+    original = open(spot, "rb").read()
+    with _Held(attacked, media):
+        accepted = attacked.client.post("/v1/restorations", data={"path": "swapped.mp4", "crf": "0"})
+        assert accepted.status_code == 202, accepted.text
+        job = accepted.json()["id"]
+        os.unlink(spot)
+        os.symlink("/etc/passwd", spot)  # the file replaced by a link to a secret ...
+        served = attacked.client.get(f"/v1/restorations/{job}/input")
+        assert served.status_code == 200 and served.content == original
+        os.unlink(spot)
+        make_mp4(spot, t=41, h=32, w=48)  # ... then by a longer clip than the one admitted
+    done = attacked.wait(job)
+    assert done["state"] == "done" and done["progress"]["frames"] == 5, done
+    assert attacked.client.get(f"/v1/restorations/{job}/input").content == original
+    os.unlink(spot)
+    os.symlink("/etc/passwd", spot)  # a link at submission: refused (what the open reached is outside)
+    try:
+        answer = attacked.client.post("/v1/restorations", data={"path": "swapped.mp4"})
+        assert answer.status_code == 403, answer.text
+    finally:
+        os.unlink(spot)
+
+
+# ---- 4: the upload limit counts received bytes; 429 before the body ---------------------------------------------
+
+
+def _raw(url: str, head: bytes, body: bytes = b"", wait: float = 10.0) -> bytes:
+    """Send ``head`` and ``body`` on a fresh connection to the server at ``url`` (loopback); what comes back within
+    ``wait`` seconds (the connection left open meanwhile, as a slow client would)."""
+    host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(head + body)
+        sock.settimeout(wait)
+        answer = b""
+        try:
+            while b"\r\n\r\n" not in answer:
+                part = sock.recv(65536)
+                if not part:
+                    break
+                answer += part
+        except (socket.timeout, ConnectionResetError):
+            pass
+        return answer
+
+
+def test_4_a_chunked_body_is_counted_and_refused_before_it_ends(attacked):
+    head = (b"POST /v1/restorations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n"
+            b"Transfer-Encoding: chunked\r\nContent-Type: multipart/form-data; boundary=x\r\n\r\n")
+    part = (b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.mp4"\r\n'
+            b"Content-Type: video/mp4\r\n\r\n")
+    chunks = [part] + [b"x" * 65536] * (UPLOAD_MB * 16 + 8)  # over the limit, and never terminated
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks)
+    answer = _raw(attacked.url, head, body, wait=15)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b'"status":413' in answer or b"413" in answer.split(b"\r\n")[0]
+
+
+def test_4_a_full_queue_is_refused_before_the_body_is_read(attacked, media):
+    with _Held(attacked, media):
+        for _ in range(3):
+            assert attacked.submit(media["short"], crf=0).status_code == 202
+        head = (b"POST /v1/restorations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000\r\n"
+                b"Content-Type: multipart/form-data; boundary=x\r\n\r\n")
+        answer = _raw(attacked.url, head, wait=10)  # no body at all: the answer must not wait for it
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
+
+
+# ---- 5: image headers checked before decoding ----------------------------------------------------------------------
+
+
+def _png_bomb(side: int) -> bytes:
+    """A ``side`` x ``side`` black 8-bit grey PNG: a few hundred KB that decode to ``side**2`` bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = zlib.compressobj(9)
+    block = b"\0" * ((1 + side) * 400)
+    data = b"".join(rows.compress(block) for _ in range(side // 400)) + rows.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_5_a_decompression_bomb_is_refused_from_its_header(attacked):
+    bomb = _png_bomb(16000)
+    assert len(bomb) < UPLOAD_MB * 2**20
+    before = _peak_rss(attacked.proc.pid)
+    answer = _upload(attacked, "bomb.png", bomb, timeout=60)
+    assert answer.status_code == 413 and "16000x16000" in answer.json()["error"], answer.text
+    assert _peak_rss(attacked.proc.pid) - before < 128 * 2**20  # it decoded to 256 MB before
+
+
+# ---- 7: health tells the truth -------------------------------------------------------------------------------------
+
+
+def test_7_a_rank_killed_while_idle_is_restarted_and_health_says_so(media, tmp_path):
+    served = Served(str(tmp_path), token=False)
+    try:
+        (rank,) = served.ranks()
+        os.kill(rank, signal.SIGKILL)
+        seen, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:
+            answer = served.client.get("/v1/health")
+            seen.append((answer.status_code, answer.json()))
+            if answer.status_code == 200 and served.ranks() and served.ranks() != [rank]:
+                break
+            assert answer.status_code == 503 or answer.json()["alive"], answer.json()  # never "ok" with a dead rank
+            time.sleep(0.1)
+        assert seen[-1][0] == 200 and seen[-1][1]["alive"], (seen[-5:], served.text())
+        assert any(code == 503 and body["reason"] for code, body in seen) or len(seen) == 1, seen[:5]
+        assert "a rank died while idle" in served.text()
+        done = served.wait(served.submit(media["short"], crf=0).json()["id"])
+        assert done["state"] == "done", (done, served.text())
+    finally:
+        served.stop()
+
+
+# ---- 9: every error is one JSON line with its status ---------------------------------------------------------------
+
+
+def test_9_errors_are_json_with_their_status(attacked, media):
+    huge = attacked.submit(media["short"], scale="1e308")
+    assert huge.status_code == 400 and huge.json() == {"error": huge.json()["error"], "status": 400}, huge.text
+    assert "--scale must be at most" in huge.json()["error"]
+    nul = attacked.client.post("/v1/restorations", data={"path": "short\0.mp4"})
+    assert nul.status_code == 400 and nul.json()["status"] == 400, nul.text
+    missing = attacked.client.get("/no/such/route")
+    assert missing.status_code == 404 and missing.json()["status"] == 404, missing.text
+    for answer in (huge, nul, missing):
+        assert answer.headers["content-type"] == "application/json" and "\n" not in answer.text
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", media["short"], "--scale", "1e308",
+                           "--demo", "-o", os.path.join(media["folder"], "never.mp4")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=_serve_env())
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--scale must be at most 16384" in done.stderr and "Traceback" not in done.stderr
+
+
+# ---- 10: cross-site requests ---------------------------------------------------------------------------------------
+
+
+def test_10_foreign_hosts_and_origins_are_refused_and_answers_carry_security_headers(attacked, media):
+    before = _job_ids(attacked)
+    rebound = attacked.client.get("/v1/restorations", headers={"Host": "attacker.example"})
+    assert rebound.status_code == 421, rebound.text
+    with open(media["short"], "rb") as f:
+        content = f.read()
+    for headers in ({"Origin": "http://attacker.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"}):
+        answer = attacked.client.post("/v1/restorations", files={"file": ("a.mp4", content)}, headers=headers)
+        assert answer.status_code == 403, (headers, answer.text)
+        gone = attacked.client.delete("/v1/restorations/" + "0" * 32, headers=headers)
+        assert gone.status_code == 403, (headers, gone.text)
+    _no_new_job(attacked, before)
+    own = attacked.client.post("/v1/restorations", files={"file": ("a.mp4", content)}, data={"crf": "0"},
+                               headers={"Origin": attacked.url, "Sec-Fetch-Site": "same-origin"})
+    assert own.status_code == 202, own.text  # the server's own page
+    attacked.wait(own.json()["id"])
+    for path in ("/", "/v1/health", "/v1/restorations", "/nowhere"):
+        headers = attacked.client.get(path).headers
+        assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+        assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY", path
+
+
+def test_10_the_start_up_warns_beyond_loopback_without_a_token_and_brackets_ipv6():
+    from examples.seedvr2.serve.process import exposure_warning, url_of
+
+    assert url_of("::1", 8000) == "http://[::1]:8000" and url_of("127.0.0.1", 80) == "http://127.0.0.1:80"
+    assert "without --token-file" in exposure_warning("0.0.0.0", None)
+    assert "without --token-file" in exposure_warning("::", None)
+    assert exposure_warning("0.0.0.0", "token") is None and exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("::1", None) is None and exposure_warning("localhost", None) is None
+
+
+# ---- 8, 11: the state folder is untrusted; no leftovers ----------------------------------------------------------
+
+
+def _record(state, job_id: str) -> dict:
+    with open(state / "jobs" / job_id / "job.json") as f:
+        return json.load(f)
+
+
+def _forge(root, template: dict, job_id: str, **fields) -> str:
+    folder = root / "jobs" / job_id
+    folder.mkdir()
+    (folder / "input.mp4").write_bytes(b"forged")
+    (folder / "job.json").write_text(json.dumps({**template, "id": job_id, **fields}))
+    return job_id
+
+
+def test_8_11_a_forged_state_folder_is_set_aside_never_followed_and_leftovers_go(media, tmp_path):
+    state = tmp_path / "state"
+    first = Served(str(tmp_path), "--state-dir", state, token=False)
+    try:
+        kept = first.wait(first.submit(media["short"], crf=0).json()["id"])
+        other = first.wait(first.submit(media["short"], crf=0, seed=5).json()["id"])
+        assert kept["state"] == other["state"] == "done"
+        pid = first.proc.pid
+        workdirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"seedvr2-serve-ranks-{pid}-")]
+        assert workdirs, "the ranks' folder is named after its server"
+    finally:
+        first.proc.send_signal(signal.SIGKILL)  # a crash: nothing of it can clean up
+        first.proc.wait()
+        first.stop()
+    template = _record(state, kept["id"])
+    result = state / "jobs" / kept["id"] / "result.mp4"
+    result_bytes = result.read_bytes()
+    (state / "jobs" / kept["id"] / "job.json").write_text(json.dumps(template)[:40])  # truncated: never deleted
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    canary = tmp_path / "canary.mp4"
+    canary.write_text("keep me too")
+    forged = {
+        _forge(state, template, "a" * 32, id="../../victim", state="done"): "id",
+        _forge(state, template, "b" * 32, input="/etc/passwd", output="/etc/hostname", state="done"): "paths",
+        _forge(state, template, "c" * 32, output=str(canary), state="queued"): "queued output",
+        _forge(state, template, "d" * 32, sequence="x"): "sequence",
+        _forge(state, template, "e" * 32, finished="yesterday"): "finished",
+        _forge(state, template, "f" * 32, flags=["--dit-checkpoint", "/etc/passwd"], state="queued",
+               options={"seed": "1; rm"}): "options",
+    }
+    os.symlink(victim, state / "jobs" / ("9" * 32))  # a job folder that is a link outside
+    partial = state / "jobs" / other["id"] / ".result.1234.partial.mp4"
+    partial.write_bytes(b"half a video")
+    second = Served(str(tmp_path), "--state-dir", state, "--max-results", "1", token=False)
+    try:
+        text = second.text()
+        assert "Traceback" not in text, text
+        assert not partial.exists() and second.status(other["id"])["state"] == "done"
+        set_aside = [line for line in text.splitlines() if "set aside jobs/" in line]
+        assert len(set_aside) == len(forged) + 2, text  # each forged one, the link, the truncated record
+        for job_id in [*forged, kept["id"], "9" * 32]:
+            assert second.client.get(f"/v1/restorations/{job_id}").status_code == 404
+        assert second.client.get(f"/v1/restorations/{'b' * 32}/result").status_code == 404
+        aside = state / "set-aside"
+        moved = [n for n in os.listdir(aside) if n.endswith(kept["id"])]
+        assert len(moved) == 1 and (aside / moved[0] / "result.mp4").read_bytes() == result_bytes
+        good = second.wait(second.submit(media["short"], crf=0).json()["id"])  # the dispatcher runs, evicts
+        assert good["state"] == "done", (good, second.text())
+        assert (victim / "precious").read_text() == "keep me" and canary.read_text() == "keep me too"
+        assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"seedvr2-serve-ranks-{pid}-")], \
+            "the crashed server's ranks' folder is removed by the next start"
+        second_pid = second.proc.pid
+    finally:
+        second.stop()
+    assert second.proc.returncode == 0
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"seedvr2-serve-ranks-{second_pid}-")], \
+        "a clean stop removes its ranks' folder"
+
+
+# ---- 6: a full disk fails the job, not the queue -------------------------------------------------------------------
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                          capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs (user namespaces)")
+def test_6_a_full_state_disk_fails_jobs_with_json_and_the_queue_goes_on(media, tmp_path):
+    """The state folder is a 192 KiB tmpfs (a real ENOSPC, in a mount namespace of the server's own): uploads and
+    jobs fail with one JSON line each while it is full, none stays running, health stays ok, and once finished jobs
+    are deleted the next job is done."""
+    state = tmp_path / "state"
+    state.mkdir()
+    log = tmp_path / "full.log"
+    inner = (f"mount -t tmpfs -o size=192k tmpfs {state} && exec {sys.executable} -m examples.seedvr2 serve --port 0 "
+             f"--demo --ranks 1 --state-dir {state} --max-results 100")
+    served = Served.__new__(Served)
+    served.log_path, served.token = str(log), False
+    served.log = open(log, "w")
+    served.proc = subprocess.Popen(["unshare", "-rm", "sh", "-c", inner], cwd=REPO, env=_serve_env(),
+                                   stdout=served.log, stderr=subprocess.STDOUT)
+    try:
+        served.listen(1)
+        clip = os.path.join(media["folder"], "fill.mp4")
+        shutil.copyfile(media["short"], clip)
+        answers, accepted = [], []
+        for _ in range(14):
+            answer = served.submit(clip, crf=0)
+            assert answer.headers["content-type"] == "application/json", answer.text
+            answers.append(answer.status_code)
+            if answer.status_code == 202:
+                accepted.append(answer.json()["id"])
+            else:
+                assert answer.json()["status"] == answer.status_code, answer.text
+        assert 507 in answers or any(served.wait(j)["state"] == "failed" for j in accepted), (answers, served.text())
+        for job_id in accepted:
+            final = served.wait(job_id, timeout=120)
+            assert final["state"] in ("done", "failed"), final
+        health = served.client.get("/v1/health")
+        assert health.status_code == 200, health.text
+        for job_id in accepted:
+            served.client.delete(f"/v1/restorations/{job_id}")
+        again = served.submit(media["short"], crf=0)
+        assert again.status_code == 202, again.text
+        assert served.wait(again.json()["id"])["state"] == "done", served.text()
+        assert "Traceback" not in served.text(), served.text()
+    finally:
+        served.stop()
