@@ -32,6 +32,9 @@ __all__ = ["Job", "JobStore", "STATES", "FINISHED", "RecordError"]
 class RecordError(OSError):
     """A job's record could not be written (a full disk, an I/O error): the one line said to its client."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 @dataclass
 class Job:
