@@ -306,14 +306,14 @@ def _write_failed(exc: OSError) -> Refused:
     return Refused(500, f"the server could not store the upload ({exc.strerror or exc})")
 
 
-def _store_input(folder: str, source) -> str:
+def _store_input(folder: str, source, name: str) -> str:
     """Copy the file object ``source`` into ``folder`` as ``input.upload``, recognise its container by its bytes
     (:mod:`.untrusted_media`) and rename it ``input.<ext>`` after what it is; the path, or :class:`Refused`."""
     partial = os.path.join(folder, "input.upload")
     try:
         with open(partial, "xb") as out:
             shutil.copyfileobj(source, out, 1 << 20)
-        kind = untrusted_media.check_file(partial)
+        kind = untrusted_media.check_file(partial, name)
         target = os.path.join(folder, "input" + kind.extension)
         os.replace(partial, target)
     except untrusted_media.UntrustedMedia as exc:
@@ -329,7 +329,7 @@ def _store_upload(file: UploadFile, folder: str, max_upload: int) -> str:
     if file.file.tell() > max_upload:
         raise Refused(413, f"the upload is over {max_upload} bytes (--max-upload-mb)")
     file.file.seek(0)
-    return _store_input(folder, file.file)
+    return _store_input(folder, file.file, os.path.basename(file.filename or "upload"))
 
 
 def _store_allowed(root: Optional[str], path: str, folder: str) -> str:
@@ -343,7 +343,7 @@ def _store_allowed(root: Optional[str], path: str, folder: str) -> str:
     except untrusted_media.UntrustedMedia as exc:
         raise Refused(exc.status, str(exc)) from None
     with os.fdopen(fd, "rb") as source:
-        return _store_input(folder, source)
+        return _store_input(folder, source, os.path.basename(path))
 
 
 def _metrics(server: Server) -> str:

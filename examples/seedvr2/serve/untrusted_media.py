@@ -140,9 +140,13 @@ def _regular_fd(path: str) -> int:
     return fd
 
 
-def sniff_file(path: str) -> tuple[Kind, bytes]:
-    """The :class:`Kind` of the regular file ``path`` and its first bytes; :class:`UntrustedMedia` otherwise."""
-    fd = _regular_fd(path)
+def sniff_file(path: str, name: Optional[str] = None) -> tuple[Kind, bytes]:
+    """The :class:`Kind` of the regular file ``path`` (called ``name`` in messages) and its first bytes;
+    :class:`UntrustedMedia` otherwise."""
+    try:
+        fd = _regular_fd(path)
+    except FileNotFoundError:
+        raise UntrustedMedia(f"input file not found: {name or path}", status=422) from None
     try:
         head = os.pread(fd, HEAD_BYTES, 0)
     finally:
@@ -151,19 +155,21 @@ def sniff_file(path: str) -> tuple[Kind, bytes]:
     if kind is None:
         what = "a playlist or list of files" if head.lstrip().startswith((b"#EXTM3U", b"ffconcat", b"file ")) else \
             "not a video or image this server reads"
-        raise UntrustedMedia(f"{os.path.basename(path)} is {what}: by its content it must be {ACCEPTED}")
+        raise UntrustedMedia(f"{name or path} is {what}: by its content it must be {ACCEPTED}")
     return kind, head
 
 
-def check_file(path: str) -> Kind:
-    """The :class:`Kind` of ``path`` after the checks that need no decoding: a regular file, a known container by
-    its bytes, an image's size from its header within :data:`max_pixels`; :class:`UntrustedMedia` otherwise."""
-    kind, head = sniff_file(path)
+def check_file(path: str, name: Optional[str] = None) -> Kind:
+    """The :class:`Kind` of ``path`` (called ``name`` in messages) after the checks that need no decoding: a regular
+    file, a known container by its bytes, an image's size from its header within :data:`max_pixels`;
+    :class:`UntrustedMedia` otherwise."""
+    name = name or path
+    kind, head = sniff_file(path, name)
     if kind.is_image:
         size = header_size(kind, head)
         if size is None:
-            raise UntrustedMedia(f"{os.path.basename(path)}: its image header does not say its size", status=422)
-        _check_pixels(*size, os.path.basename(path))
+            raise UntrustedMedia(f"{name}: its image header does not say its size", status=422)
+        _check_pixels(*size, name)
     return kind
 
 
@@ -176,9 +182,9 @@ def open_container(path: str):
     container = av.open(path, format=kind.demuxer, options={"enable_drefs": "0", "protocol_whitelist": "file"})
     try:
         if container.format.name in REFUSED_DEMUXERS:  # never: the demuxer is forced; checked all the same
-            raise UntrustedMedia(f"{os.path.basename(path)}: the {container.format.name} demuxer is refused")
+            raise UntrustedMedia(f"{path}: the {container.format.name} demuxer is refused")
         for stream in container.streams.video:
-            _check_pixels(stream.codec_context.width, stream.codec_context.height, os.path.basename(path))
+            _check_pixels(stream.codec_context.width, stream.codec_context.height, path)
     except BaseException:
         container.close()
         raise
