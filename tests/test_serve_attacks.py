@@ -208,6 +208,27 @@ def test_4_a_full_queue_is_refused_before_the_body_is_read(attacked, media):
         assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
 
 
+def test_12_slow_headers_are_cut_off(attacked):
+    """A slowloris: connections that never finish their headers are closed after the header timeout (they were held
+    for 40 s and more), while the server goes on answering."""
+    from examples.seedvr2.serve.process import HEADER_TIMEOUT_S
+
+    host, port = re.match(r"http://([^:/]+):(\d+)", attacked.url).groups()
+    slow = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+    try:
+        for sock in slow:
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        started = time.monotonic()
+        assert attacked.client.get("/v1/health").status_code == 200
+        for sock in slow:
+            sock.settimeout(HEADER_TIMEOUT_S + 15 - (time.monotonic() - started))
+            assert sock.recv(1024) == b""  # closed by the server
+        assert time.monotonic() - started < HEADER_TIMEOUT_S + 10
+    finally:
+        for sock in slow:
+            sock.close()
+
+
 # ---- 5: image headers checked before decoding ----------------------------------------------------------------------
 
 
@@ -301,6 +322,10 @@ def test_10_foreign_hosts_and_origins_are_refused_and_answers_carry_security_hea
                                headers={"Origin": attacked.url, "Sec-Fetch-Site": "same-origin"})
     assert own.status_code == 202, own.text  # the server's own page
     attacked.wait(own.json()["id"])
+    for said in ("queued: 'a.mp4'", "started", "done: 5 frame(s)"):  # one log line per event of the job
+        assert f"serve: job {own.json()['id']} {said}" in attacked.text(), attacked.text()
+    health = attacked.client.get("/v1/health").json()
+    assert health["running"] is False and health["demo_weights"] is True, health  # never a job's id
     for path in ("/", "/v1/health", "/v1/restorations", "/nowhere"):
         headers = attacked.client.get(path).headers
         assert "frame-ancestors 'none'" in headers["content-security-policy"], path
@@ -448,3 +473,15 @@ def test_6_a_full_state_disk_fails_jobs_with_json_and_the_queue_goes_on(media, t
         assert "Traceback" not in served.text(), served.text()
     finally:
         served.stop()
+
+
+def test_1_restore_untrusted_input_refuses_a_playlist_in_one_line(media, tmp_path):
+    """``restore --untrusted-input``: the command line's option for a file it did not create (serve's rules)."""
+    playlist = tmp_path / "clip.mp4"  # named like a video
+    playlist.write_text(f"#EXTM3U\n#EXTINF:1,\n{media['short']}\n#EXT-X-ENDLIST\n")
+    done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", str(playlist), "--untrusted-input",
+                           "--demo", "-o", str(tmp_path / "out.mp4")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=_serve_env())
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "is a playlist or list of files: by its content it must be mp4" in done.stderr
+    assert not (tmp_path / "out.mp4").exists()

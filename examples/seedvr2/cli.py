@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-partial-input", action="store_true",
                    help="restore the frames that decode from a truncated or damaged video (with a warning) instead of "
                         "refusing it")
+    # hook (issue 49): the inputs as someone else's files, opened as serve opens uploads
+    p.add_argument("--untrusted-input", action="store_true",
+                   help="open each input as a file from someone else, as serve does: by its content only as mp4/mov, "
+                        "mkv/webm, avi, png, jpg, webp or bmp, never following what it names (playlists, lists, "
+                        "patterns), no FIFO or device")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--resolution", metavar="WxH",
                       help="exact output size; the input is scaled to cover it and centre-cropped "
@@ -1187,6 +1192,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .stop_signals import StopOnSignals
 
         args = build_parser().parse_args(argv)
+        if getattr(args, "untrusted_input", False):  # hook (issue 49): see serve/untrusted_media.py
+            from .serve.untrusted_media import install
+
+            install()
     except KeyboardInterrupt:
         print(f"{PROG}: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
         return 130

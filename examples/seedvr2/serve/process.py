@@ -131,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         server = Server(config, state_dir, pool)
         http = _http_server(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5,
-                                           timeout_keep_alive=5), server)
+                                           timeout_keep_alive=5, http=_header_timeout_protocol()), server)
         server.start()
         host, port = sock.getsockname()[:2]
         log(f"listening on {url_of(host, port)} ({config.ranks} rank(s) ready, state in {state_dir})")
@@ -152,6 +152,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sock.close()
         if temporary:
             shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _header_timeout_protocol():
+    """uvicorn's h11 protocol that closes a connection whose request headers have not all come within
+    :data:`HEADER_TIMEOUT_S` of its opening or of its previous response (a slow client holding a connection open)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._headers_due = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+
+        def _headers_late(self) -> None:
+            cycle = getattr(self, "cycle", None)
+            if (cycle is None or cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._headers_due.cancel()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._headers_due.cancel()
+            super().connection_lost(exc)
+
+    return HeaderTimeout
 
 
 def _http_server(config, server: Server):
