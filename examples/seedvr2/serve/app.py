@@ -82,7 +82,7 @@ class Guard:
         if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
             origin = headers.get(b"origin", b"").decode("latin-1")
             site = headers.get(b"sec-fetch-site", b"").decode("latin-1")
-            foreign = origin and origin.split("://", 1)[-1].lower() != host.lower()
+            foreign = origin and _host_name(origin.split("://", 1)[-1]) != _host_name(host)  # a proxy may drop the port
             if foreign or site in ("cross-site", "same-site"):
                 return _error(403, f"a {scope['method']} from another site ({origin or site}) is refused: send it "
                                    f"from this server's page or a client that sets no Origin")

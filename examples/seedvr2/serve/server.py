@@ -137,7 +137,10 @@ class Server:
                 job = self.current or job
                 log(f"error: the dispatcher met {type(exc).__name__}: {exc}")
                 if job is not None and job.state not in ("done", "failed", "cancelled"):
-                    self.store.finish(job, "failed", f"internal error: {type(exc).__name__}: {exc}")
+                    try:
+                        self.store.finish(job, "failed", f"internal error: {type(exc).__name__}: {exc}")
+                    except Exception:  # noqa: BLE001 - said in memory at least; the queue goes on
+                        job.state, job.error = "failed", f"internal error: {type(exc).__name__}: {exc}"
                 self.current = None
 
     def _dispatch_one(self) -> None:
