@@ -33,6 +33,8 @@ from tests.test_cli import make_mp4  # noqa: E402
 from tests.test_serve import REPO, Served, _serve_env  # noqa: E402
 
 UPLOAD_MB = 2
+#: serve/process.py's HEADER_TIMEOUT_S (not imported: the test must also run against a server without it)
+HEADER_TIMEOUT_S = 10.0
 
 
 def _gate_env(folder) -> tuple[dict, str]:
@@ -211,8 +213,6 @@ def test_4_a_full_queue_is_refused_before_the_body_is_read(attacked, media):
 def test_12_slow_headers_are_cut_off(attacked):
     """A slowloris: connections that never finish their headers are closed after the header timeout (they were held
     for 40 s and more), while the server goes on answering."""
-    from examples.seedvr2.serve.process import HEADER_TIMEOUT_S
-
     host, port = re.match(r"http://([^:/]+):(\d+)", attacked.url).groups()
     slow = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
     try:
@@ -358,65 +358,84 @@ def _forge(root, template: dict, job_id: str, **fields) -> str:
     return job_id
 
 
-def test_8_11_a_forged_state_folder_is_set_aside_never_followed_and_leftovers_go(media, tmp_path):
+def _one_done_job(served, media, **options) -> dict:
+    done = served.wait(served.submit(media["short"], crf=0, **options).json()["id"])
+    assert done["state"] == "done", (done, served.text())
+    return done
+
+
+def test_8_a_forged_state_folder_is_set_aside_and_never_followed(media, tmp_path):
     state = tmp_path / "state"
     first = Served(str(tmp_path), "--state-dir", state, token=False)
     try:
-        kept = first.wait(first.submit(media["short"], crf=0).json()["id"])
-        other = first.wait(first.submit(media["short"], crf=0, seed=5).json()["id"])
-        assert kept["state"] == other["state"] == "done"
-        pid = first.proc.pid
-        workdirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"seedvr2-serve-ranks-{pid}-")]
-        assert workdirs, "the ranks' folder is named after its server"
+        kept, other = _one_done_job(first, media), _one_done_job(first, media, seed=5)
     finally:
-        first.proc.send_signal(signal.SIGKILL)  # a crash: nothing of it can clean up
-        first.proc.wait()
         first.stop()
     template = _record(state, kept["id"])
-    result = state / "jobs" / kept["id"] / "result.mp4"
-    result_bytes = result.read_bytes()
+    result_bytes = (state / "jobs" / kept["id"] / "result.mp4").read_bytes()
     (state / "jobs" / kept["id"] / "job.json").write_text(json.dumps(template)[:40])  # truncated: never deleted
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "precious").write_text("keep me")
     canary = tmp_path / "canary.mp4"
     canary.write_text("keep me too")
-    forged = {
-        _forge(state, template, "a" * 32, id="../../victim", state="done"): "id",
-        _forge(state, template, "b" * 32, input="/etc/passwd", output="/etc/hostname", state="done"): "paths",
-        _forge(state, template, "c" * 32, output=str(canary), state="queued"): "queued output",
-        _forge(state, template, "d" * 32, sequence="x"): "sequence",
-        _forge(state, template, "e" * 32, finished="yesterday"): "finished",
+    forged = [
+        _forge(state, template, "a" * 32, id="../../victim", state="done"),
+        _forge(state, template, "b" * 32, input="/etc/passwd", output="/etc/hostname", state="done"),
+        _forge(state, template, "c" * 32, output=str(canary), state="queued"),
+        _forge(state, template, "d" * 32, sequence="x"),
+        _forge(state, template, "e" * 32, finished="yesterday"),
         _forge(state, template, "f" * 32, flags=["--dit-checkpoint", "/etc/passwd"], state="queued",
-               options={"seed": "1; rm"}): "options",
-    }
+               options={"seed": "1; rm"}),
+    ]
     os.symlink(victim, state / "jobs" / ("9" * 32))  # a job folder that is a link outside
-    partial = state / "jobs" / other["id"] / ".result.1234.partial.mp4"
-    partial.write_bytes(b"half a video")
     second = Served(str(tmp_path), "--state-dir", state, "--max-results", "1", token=False)
     try:
         text = second.text()
         assert "Traceback" not in text, text
-        assert not partial.exists() and second.status(other["id"])["state"] == "done"
         set_aside = [line for line in text.splitlines() if "set aside jobs/" in line]
         assert len(set_aside) == len(forged) + 2, text  # each forged one, the link, the truncated record
         for job_id in [*forged, kept["id"], "9" * 32]:
             assert second.client.get(f"/v1/restorations/{job_id}").status_code == 404
         assert second.client.get(f"/v1/restorations/{'b' * 32}/result").status_code == 404
+        assert second.status(other["id"])["state"] == "done"
         aside = state / "set-aside"
         moved = [n for n in os.listdir(aside) if n.endswith(kept["id"])]
         assert len(moved) == 1 and (aside / moved[0] / "result.mp4").read_bytes() == result_bytes
-        good = second.wait(second.submit(media["short"], crf=0).json()["id"])  # the dispatcher runs, evicts
-        assert good["state"] == "done", (good, second.text())
+        _one_done_job(second, media)  # the dispatcher runs, and evicts the older job (--max-results 1)
+        assert second.client.get(f"/v1/restorations/{other['id']}").status_code == 404
         assert (victim / "precious").read_text() == "keep me" and canary.read_text() == "keep me too"
-        assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"seedvr2-serve-ranks-{pid}-")], \
-            "the crashed server's ranks' folder is removed by the next start"
+    finally:
+        second.stop()
+
+
+def _rank_folders(pid: int) -> list:
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"seedvr2-serve-ranks-{pid}-")]
+
+
+def test_11_no_leftovers_after_a_crash_or_a_clean_stop(media, tmp_path):
+    state = tmp_path / "state"
+    first = Served(str(tmp_path), "--state-dir", state, token=False)
+    try:
+        done = _one_done_job(first, media)
+        pid = first.proc.pid
+        assert _rank_folders(pid), "the ranks' folder is named after its server"
+    finally:
+        first.proc.send_signal(signal.SIGKILL)  # a crash: nothing of it can clean up
+        first.proc.wait()
+        first.stop()
+    partial = state / "jobs" / done["id"] / ".result.1234.partial.mp4"  # what a killed rank leaves
+    partial.write_bytes(b"half a video")
+    second = Served(str(tmp_path), "--state-dir", state, token=False)
+    try:
+        assert not partial.exists() and second.status(done["id"])["state"] == "done"
+        assert not _rank_folders(pid), "the crashed server's ranks' folder is removed by the next start"
         second_pid = second.proc.pid
+        assert _rank_folders(second_pid)
     finally:
         second.stop()
     assert second.proc.returncode == 0
-    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"seedvr2-serve-ranks-{second_pid}-")], \
-        "a clean stop removes its ranks' folder"
+    assert not _rank_folders(second_pid), "a clean stop removes its ranks' folder"
 
 
 # ---- 6: a full disk fails the job, not the queue -------------------------------------------------------------------
