@@ -114,6 +114,13 @@ def test_1_playlists_and_lists_that_name_server_files_are_refused_by_content(att
         assert secret not in error
     _no_new_job(attacked, before)
     assert "hls" not in attacked.text().lower()
+    with open(media["short"], "rb") as f:  # a video named like a web page: its content decides, and is served so
+        named = attacked.client.post("/v1/restorations", files={"file": ("page.html", f.read())}, data={"crf": "0"})
+    assert named.status_code == 202, named.text
+    served = attacked.client.get(f"/v1/restorations/{named.json()['id']}/input")
+    assert served.headers["content-type"] == "video/mp4", served.headers
+    assert served.headers["content-disposition"].startswith("attachment")
+    attacked.wait(named.json()["id"])
 
 
 def test_2_a_playlist_that_repeats_an_input_a_thousand_times_is_refused_at_once(attacked, media):
@@ -152,6 +159,7 @@ def test_3_an_allowed_file_swapped_after_submission_changes_nothing(attacked, me
         os.symlink("/etc/passwd", spot)  # the file replaced by a link to a secret ...
         served = attacked.client.get(f"/v1/restorations/{job}/input")
         assert served.status_code == 200 and served.content == original
+        assert served.headers["content-type"] == "video/mp4"
         os.unlink(spot)
         make_mp4(spot, t=41, h=32, w=48)  # ... then by a longer clip than the one admitted
     done = attacked.wait(job)

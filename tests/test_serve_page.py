@@ -59,7 +59,10 @@ def test_the_page_lists_jobs_keeps_a_job_across_a_reload_and_compares_before_and
     playwright = _chromium()
     clip = make_mp4(tmp_path / "clip.mp4", t=5, h=32, w=48)
     shots = _artifacts()
-    other = served.submit(clip, crf=0, seed=3).json()["id"]  # a job from another client: listed too
+    hostile = '<img src=x onerror="document.title=1"><b>clip</b>.mp4'  # a name shown as text, never as markup
+    with open(clip, "rb") as f:
+        other = served.client.post("/v1/restorations", files={"file": (hostile, f)},
+                                   data={"crf": "0", "seed": "3"}).json()["id"]  # another client's job: listed too
     with playwright.sync_playwright() as p:
         seen = _Browser(p, served)
         page = seen.page
@@ -78,6 +81,8 @@ def test_the_page_lists_jobs_keeps_a_job_across_a_reload_and_compares_before_and
             rows.filter(has_text="done").nth(1).wait_for(timeout=JOB_S * 1000)  # both jobs, both done
             assert rows.count() >= 2
             assert page.locator(f'#rows tr[data-id="{other}"]').count() == 1
+            assert page.locator(f'#rows tr[data-id="{other}"] td').first.inner_text() == hostile
+            assert page.locator("#rows img, #rows b").count() == 0 and page.title() == "SeedVR2 restoration"
             page.locator("#compare video").nth(1).wait_for(timeout=30_000)
             before = page.locator("#before video").bounding_box()
             after = page.locator("#after video").bounding_box()

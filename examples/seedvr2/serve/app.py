@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import mimetypes
 import os
 import shutil
 from typing import Annotated, Literal, Optional
@@ -251,7 +252,8 @@ def create_app(server: Server) -> FastAPI:
         job = find(job_id)
         if not os.path.isfile(job.input):
             raise HTTPException(410, f"the input of job {job_id} is gone")
-        return FileResponse(job.input, filename=job.name)
+        kind = mimetypes.guess_type(job.input)[0] or "application/octet-stream"  # the server's name, not the client's
+        return FileResponse(job.input, filename=job.name, media_type=kind)
 
     @app.delete("/v1/restorations/{job_id}", summary="Cancel a job, or remove a finished one")
     async def cancel(job_id: str) -> dict:
