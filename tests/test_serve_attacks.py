@@ -512,3 +512,57 @@ def test_1_restore_untrusted_input_refuses_a_playlist_in_one_line(media, tmp_pat
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "is a playlist or list of files: by its content it must be mp4" in done.stderr
     assert not (tmp_path / "out.mp4").exists()
+
+
+def test_8_every_field_of_a_record_is_checked(tmp_path):
+    """job_records.validate, field by field: a good record passes with its paths and flags rebuilt; each bad one is
+    refused with the field's name (no server: the real-server case is test_8 above)."""
+    from examples.seedvr2.serve.job_records import BadRecord, validate
+
+    folder = str(tmp_path / ("a" * 32))
+    good = {"id": "a" * 32, "state": "done", "created": 1.5, "input": "/anywhere/input.mp4",
+            "output": "/elsewhere/result.mp4", "flags": ["--dit-checkpoint", "/etc/passwd"], "options": {"seed": 3},
+            "name": "clip.mp4", "frames": 5, "frames_done": 5, "started": 2.0, "finished": 3.0, "sequence": 1}
+    checked = validate(good, folder, "a" * 32)
+    assert checked["input"] == os.path.join(folder, "input.mp4") and checked["output"] == os.path.join(folder,
+                                                                                                      "result.mp4")
+    assert checked["flags"] == ["--seed", "3"]  # rebuilt from the options, never read
+    for change, word in (({"id": "b" * 32}, "id"), ({"state": "gone"}, "state"), ({"created": "x"}, "created"),
+                         ({"created": float("nan")}, "created"), ({"finished": "yesterday"}, "finished"),
+                         ({"sequence": "x"}, "sequence"), ({"frames": -1}, "frames"), ({"frames": True}, "frames"),
+                         ({"cancel_requested": "yes"}, "cancel_requested"), ({"name": 7}, "name"),
+                         ({"error": ["x"]}, "error"), ({"options": {"flag": "--x"}}, "options"),
+                         ({"options": {"crf": 99}}, "options"), ({"options": {"scale": 1e308}}, "options"),
+                         ({"input": "/etc/passwd"}, "input"), ({"output": "../result.mp4/.."}, "output"),
+                         ({"output": 3}, "output"), ({"surprise": 1}, "surprise")):
+        with pytest.raises(BadRecord, match=word):
+            validate({**good, **change}, folder, "a" * 32)
+    with pytest.raises(BadRecord):
+        validate([good], folder, "a" * 32)
+
+
+def test_5_at_most_two_checks_decode_at_once(tmp_path, monkeypatch):
+    """The acceptance checks (each decodes its input once) run two at a time: five submitted at once never have more
+    than two inside the check."""
+    import threading
+
+    from examples.seedvr2.serve.options import parse_serve
+    from examples.seedvr2.serve.server import DECODES, Server
+
+    server = Server(parse_serve(["--demo"]), str(tmp_path / "state"), None)
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def check(*args):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+
+    monkeypatch.setattr(server, "_check", check)
+    threads = [threading.Thread(target=server.check, args=(server.store.new_id(), "x", "x", {}, True))
+               for _ in range(5)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert most[0] == DECODES == 2
