@@ -566,3 +566,26 @@ def test_5_at_most_two_checks_decode_at_once(tmp_path, monkeypatch):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert most[0] == DECODES == 2
+
+
+def test_one_token_per_client_each_sees_only_its_own_jobs(media, tmp_path):
+    tokens = tmp_path / "clients.txt"
+    tokens.write_text("# name token\nalice al1ce-t0ken\nbob b0b-t0ken\n")
+    served = Served(str(tmp_path), "--client-tokens", tokens, token=False)
+    try:
+        alice = httpx.Client(base_url=served.url, timeout=60, headers={"Authorization": "Bearer al1ce-t0ken"})
+        bob = httpx.Client(base_url=served.url, timeout=60, headers={"Authorization": "Bearer b0b-t0ken"})
+        with open(media["short"], "rb") as f:
+            job = alice.post("/v1/restorations", files={"file": ("a.mp4", f.read())}, data={"crf": "0"})
+        assert job.status_code == 202, job.text
+        job_id = job.json()["id"]
+        assert [j["id"] for j in alice.get("/v1/restorations").json()["jobs"]] == [job_id]
+        assert bob.get("/v1/restorations").json()["jobs"] == []
+        for method, path in (("GET", ""), ("GET", "/input"), ("GET", "/result"), ("DELETE", "")):
+            assert bob.request(method, f"/v1/restorations/{job_id}{path}").status_code == 404, (method, path)
+        assert httpx.get(served.url + "/v1/restorations", timeout=30).status_code == 401
+        served.client = alice
+        assert served.wait(job_id)["state"] == "done"
+        assert alice.get(f"/v1/restorations/{job_id}/result").status_code == 200
+    finally:
+        served.stop()

@@ -70,10 +70,22 @@ class Guard:
     """ASGI middleware: what is checked before any body is read, the body's bytes as they arrive, and the security
     headers of every answer (see the module)."""
 
-    def __init__(self, app, server: Server, token: Optional[str], max_upload: int,
+    def __init__(self, app, server: Server, token: Optional[str], clients: dict, max_upload: int,
                  hosts: Optional[frozenset]) -> None:
         self.app, self.server, self.max_upload, self.hosts = app, server, max_upload, hosts
-        self.token = None if token is None else f"Bearer {token}".encode()
+        #: "Bearer TOKEN" -> the client's name (None: the one shared token); empty: no token needed
+        self.tokens = {f"Bearer {t}".encode(): name for t, name in clients.items()}
+        if token is not None:
+            self.tokens[f"Bearer {token}".encode()] = None
+
+    def _client(self, headers: dict) -> tuple[bool, Optional[str]]:
+        """Whether the request carries a token of this server, and whose (every token compared, in constant time)."""
+        sent = headers.get(b"authorization", b"")
+        found, who = False, None
+        for token, name in self.tokens.items():
+            if hmac.compare_digest(sent, token):
+                found, who = True, name
+        return found, who
 
     def _refusal(self, scope, headers: dict) -> Optional[JSONResponse]:
         host = headers.get(b"host", b"").decode("latin-1")
@@ -87,10 +99,12 @@ class Guard:
             if foreign or site in ("cross-site", "same-site"):
                 return _error(403, f"a {scope['method']} from another site ({origin or site}) is refused: send it "
                                    f"from this server's page or a client that sets no Origin")
-        if self.token is not None and scope["path"] not in OPEN_PATHS:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.token):
+        if self.tokens and scope["path"] not in OPEN_PATHS:
+            found, who = self._client(headers)
+            if not found:
                 return _error(401, "a bearer token is required (Authorization: Bearer TOKEN)",
                               {"WWW-Authenticate": "Bearer"})
+            scope.setdefault("state", {})["client"] = who
         if scope["method"] == "POST" and scope["path"] == "/v1/restorations":
             if self.server.draining:
                 return _error(503, "the server is shutting down and takes no new jobs")
@@ -165,9 +179,13 @@ def create_app(server: Server) -> FastAPI:
         log(f"error: {request.method} {request.url.path}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
         return _error(500, f"internal error ({type(exc).__name__}); the server log says more")
 
-    def find(job_id: str):
+    def client_of(request: Request) -> Optional[str]:
+        return getattr(request.state, "client", None)
+
+    def find(job_id: str, request: Request):
         job = store.jobs.get(job_id)
-        if job is None:
+        client = client_of(request)
+        if job is None or (client is not None and job.client != client):  # another client's job: not there
             raise HTTPException(404, f"no job {job_id} (never submitted, deleted, or evicted)")
         return job
 
@@ -188,6 +206,7 @@ def create_app(server: Server) -> FastAPI:
                          422: {"description": "restore refuses the file, or it does not fit the memory"},
                          429: {"description": "the queue is full"}, 503: {"description": "shutting down"}})
     async def submit(
+            request: Request,
             file: Annotated[Optional[UploadFile], File(description="the video or image to restore")] = None,
             path: Annotated[Optional[str], Form(description="a file on the server, under --allow-paths")] = None,
             resolution: Annotated[Optional[str], Form(description="exact output size WxH")] = None,
@@ -220,6 +239,7 @@ def create_app(server: Server) -> FastAPI:
                 name = os.path.basename(path)
                 target = await run_in_threadpool(_store_allowed, config.allow_paths, path, store.folder(job_id))
             job = await run_in_threadpool(server.check, job_id, target, name, options, file is not None)
+            job.client = client_of(request)
             server.submit(job)
         except Refused as exc:
             store.discard(job_id)
@@ -230,36 +250,38 @@ def create_app(server: Server) -> FastAPI:
         return job.status()
 
     @app.get("/v1/restorations", summary="List the jobs")
-    async def list_jobs() -> dict:
-        return {"jobs": [j.status() for j in sorted(store.jobs.values(), key=lambda j: j.sequence)]}
+    async def list_jobs(request: Request) -> dict:
+        client = client_of(request)
+        mine = [j for j in store.jobs.values() if client is None or j.client == client]
+        return {"jobs": [j.status() for j in sorted(mine, key=lambda j: j.sequence)]}
 
     @app.get("/v1/restorations/{job_id}", summary="A job's state and progress")
-    async def status(job_id: str) -> dict:
+    async def status(job_id: str, request: Request) -> dict:
         """``state`` (queued, running, done, failed, cancelled), ``progress`` (frames done, ETA in seconds) and, when
         it failed, ``error``: the one line ``restore`` prints."""
-        return find(job_id).status()
+        return find(job_id, request).status()
 
     @app.get("/v1/restorations/{job_id}/result", summary="The restored file", response_class=FileResponse)
-    async def result(job_id: str):
-        job = find(job_id)
+    async def result(job_id: str, request: Request):
+        job = find(job_id, request)
         if job.state != "done":
             raise HTTPException(409, f"job {job_id} is {job.state}; the result exists once it is done")
         stem = os.path.splitext(job.name)[0] or "restored"
         return FileResponse(job.output, filename=f"{stem}_restored{os.path.splitext(job.output)[1]}")
 
     @app.get("/v1/restorations/{job_id}/input", summary="The file the job restores", response_class=FileResponse)
-    async def source(job_id: str):
-        job = find(job_id)
+    async def source(job_id: str, request: Request):
+        job = find(job_id, request)
         if not os.path.isfile(job.input):
             raise HTTPException(410, f"the input of job {job_id} is gone")
         kind = mimetypes.guess_type(job.input)[0] or "application/octet-stream"  # the server's name, not the client's
         return FileResponse(job.input, filename=job.name, media_type=kind)
 
     @app.delete("/v1/restorations/{job_id}", summary="Cancel a job, or remove a finished one")
-    async def cancel(job_id: str) -> dict:
+    async def cancel(job_id: str, request: Request) -> dict:
         """A queued job is cancelled at once; a running one stops at its next temporal batch boundary (its state
         turns cancelled then; ``cancel_requested`` is true meanwhile); a finished one is removed with its files."""
-        job = find(job_id)
+        job = find(job_id, request)
         if job.state in FINISHED:
             store.delete(job)
             return {"id": job_id, "state": "deleted"}
@@ -287,7 +309,8 @@ def create_app(server: Server) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(_metrics(server), media_type="text/plain; version=0.0.4")
 
-    app.add_middleware(Guard, server=server, token=config.token, max_upload=max_upload, hosts=_hosts(config))
+    app.add_middleware(Guard, server=server, token=config.token, clients=config.clients, max_upload=max_upload,
+                       hosts=_hosts(config))
     return app
 
 

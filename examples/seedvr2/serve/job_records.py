@@ -95,6 +95,7 @@ def validate(raw: object, folder: str, name: str) -> dict:
         _flag(raw, key)
     _text(raw, "name", optional=False)
     _text(raw, "error", optional=True)
+    _text(raw, "client", optional=True)
     options = raw["options"]
     if not isinstance(options, dict) or not set(options) <= set(JOB_OPTIONS) or not all(
             isinstance(v, (str, int, float)) and not isinstance(v, bool) and len(str(v)) <= 64

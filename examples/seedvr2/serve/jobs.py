@@ -56,6 +56,7 @@ class Job:
     error: Optional[str] = None
     cancel_requested: bool = False
     sequence: int = 0
+    client: Optional[str] = None  # who submitted it, with --client-tokens (only that client sees it)
 
     def status(self) -> dict:
         """What ``GET /v1/restorations/{id}`` answers."""

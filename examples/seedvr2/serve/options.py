@@ -64,6 +64,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", metavar="PATH",
                    help="a file holding a bearer token every request but /v1/health must carry (Authorization: "
                         "Bearer TOKEN) (default: no token)")
+    p.add_argument("--client-tokens", metavar="PATH",
+                   help="a file of one 'NAME TOKEN' line per client, instead of --token-file: each client sends its "
+                        "own token and sees, cancels and deletes only its own jobs (default: none)")
     p.add_argument("--max-upload-mb", type=float, default=1024.0, metavar="MB",
                    help="largest upload accepted, in MiB (default 1024)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N",
@@ -87,6 +90,7 @@ class ServeConfig(argparse.Namespace):
 
     restore_flags: list
     token: Optional[str]
+    clients: dict
 
 
 def _restore_parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -148,8 +152,31 @@ def parse_serve(argv: Sequence[str], check_restore: bool = True) -> ServeConfig:
             raise UsageError(f"--token-file {config.token_file}: {exc.strerror or exc}") from None
         if not config.token:
             raise UsageError(f"--token-file {config.token_file} is empty")
+    config.clients = _client_tokens(config)
     config.restore_flags = list(rest)
     return config
+
+
+def _client_tokens(config) -> dict:
+    """``--client-tokens``: token -> client name (empty without the option)."""
+    if config.client_tokens is None:
+        return {}
+    if config.token is not None:
+        raise UsageError("give either --token-file (one token for everyone) or --client-tokens, not both")
+    try:
+        with open(config.client_tokens) as f:
+            lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as exc:
+        raise UsageError(f"--client-tokens {config.client_tokens}: {exc.strerror or exc}") from None
+    clients: dict = {}
+    for number, fields in enumerate(lines, 1):
+        if len(fields) != 2 or fields[1] in clients or fields[0] in clients.values():
+            raise UsageError(f"--client-tokens {config.client_tokens}: entry {number} must be 'NAME TOKEN', with "
+                             f"names and tokens each used once")
+        clients[fields[1]] = fields[0]
+    if not clients:
+        raise UsageError(f"--client-tokens {config.client_tokens} names no client")
+    return clients
 
 
 def job_flags(options: dict) -> list[str]:

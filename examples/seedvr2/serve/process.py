@@ -135,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.start()
         host, port = sock.getsockname()[:2]
         log(f"listening on {url_of(host, port)} ({config.ranks} rank(s) ready, state in {state_dir})")
-        warning = exposure_warning(config.host, config.token)
+        warning = exposure_warning(config.host, config.token or ("clients" if config.clients else None))
         if warning is not None:
             log(warning)
         http.run(sockets=[sock])
