@@ -19,22 +19,19 @@ The runtime is attached to the root module as ``model._winsp_runtime`` (not a pa
 from __future__ import annotations
 
 import fnmatch
-import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 import winsp.adoption.region_dropout as region_dropout
 import winsp.runtime.context as context
 from winsp.adoption.hourglass import Hourglass
 from winsp.adoption.recompute import watch_recompute
+from winsp.adoption.recording import HOOK_DICTS, dry_run
+from winsp.adoption.region import ChannelsLast, Region, TokenIO
 from winsp.adoption.region_checks import ForwardOrder, Step, watch_rows
 from winsp.adoption.replicated import Replicated
-from winsp.geometry.windows import Grid
 from winsp.planning.schedule import SPLITTING_PLANNERS
 from winsp.planning.stages import Stage, check_stages
 from winsp.runtime.config import DiffusionParallelConfig
@@ -51,108 +48,6 @@ __all__ = [
     "is_parallelized",
 ]
 
-
-class TokenIO:
-    """How a region's input holds its tokens and how its output is rebuilt from the gathered rows.
-
-    Subclass it for a model whose region takes tokens some other way (``[B, L, C]`` plus a grid argument, a
-    dataclass output, ...). Every method sees the region start's ``(args, kwargs)`` or the region end's output.
-    """
-
-    def read(self, args: tuple, kwargs: dict) -> tuple[Tensor, list[Grid]]:
-        """(canonical rows ``[N, ...]``: every sample's tokens row-major in (t, h, w), samples concatenated; grids)."""
-        raise NotImplementedError
-
-    def with_rows(self, args: tuple, kwargs: dict, rows: Tensor) -> tuple[tuple, dict]:
-        """The start module's ``(args, kwargs)`` with the local rows in place of the tokens."""
-        raise NotImplementedError
-
-    def output_rows(self, output: Any) -> Tensor:
-        """The local rows inside the end module's output."""
-        raise NotImplementedError
-
-    def with_output(self, output: Any, rows: Tensor, grids: Sequence[Grid]) -> Any:
-        """The end module's output rebuilt from the gathered canonical rows of ``grids``."""
-        raise NotImplementedError
-
-    @staticmethod
-    def first_item(output: Any) -> Tensor:
-        """The tokens of a module output that is a tensor, a tuple whose first item they are, or a mapping (a Hugging
-        Face ``ModelOutput``) whose first field they are."""
-        if isinstance(output, Tensor):
-            return output
-        if isinstance(output, (tuple, list)) and output:
-            return output[0]
-        if hasattr(output, "keys") and hasattr(output, "__getitem__"):
-            return output[next(iter(output.keys()))]
-        raise ValueError(f"the region's end module returned a {type(output).__name__}; a tensor, a tuple or a "
-                         f"ModelOutput whose first item is the tokens is expected")
-
-    @staticmethod
-    def with_first_item(output: Any, tokens: Tensor) -> Any:
-        """``output`` (as :meth:`first_item` reads it) with ``tokens`` in place of its first item."""
-        if isinstance(output, Tensor):
-            return tokens
-        if isinstance(output, tuple):
-            return (tokens,) + tuple(output[1:])
-        if isinstance(output, list):
-            return [tokens] + output[1:]
-        output[next(iter(output.keys()))] = tokens  # a ModelOutput: its first field (last_hidden_state, sample)
-        return output
-
-
-@dataclass(frozen=True)
-class ChannelsLast(TokenIO):
-    """Tokens as the first positional argument ``[B, T, H, W, C]`` (``spatial_dims=3``) or ``[B, H, W, C]`` (2).
-
-    Every sample of the batch has the same grid; the region's output is the same layout on the last stage's grid (a
-    tensor, or the first item of a tuple or ``ModelOutput``: the other items pass through).
-    """
-
-    spatial_dims: int = 3
-
-    def __post_init__(self) -> None:
-        if self.spatial_dims not in (2, 3):
-            raise ValueError(f"ChannelsLast.spatial_dims must be 2 or 3, got {self.spatial_dims!r}")
-
-    def read(self, args, kwargs):
-        if not args or not isinstance(args[0], Tensor) or args[0].dim() != self.spatial_dims + 2:
-            want = "[B, T, H, W, C]" if self.spatial_dims == 3 else "[B, H, W, C]"
-            got = tuple(args[0].shape) if args and isinstance(args[0], Tensor) else type(args[0]).__name__ if args \
-                else "no positional argument"
-            raise ValueError(f"the region's first input must be a {want} tensor, got {got}: say how it holds its "
-                             f"tokens with tokens= (Hourglass(..., tokens=) or Region(start, end, tokens=)): "
-                             f"winsp.ChannelsLast(2) for [B, H, W, C], ChannelsLast(3) for [B, T, H, W, C], or a "
-                             f"winsp.TokenIO subclass")
-        x = args[0]
-        grid = tuple(x.shape[1:-1]) if self.spatial_dims == 3 else (1,) + tuple(x.shape[1:-1])
-        return x.reshape(-1, x.shape[-1]), [grid] * x.shape[0]
-
-    def with_rows(self, args, kwargs, rows):
-        return (rows,) + tuple(args[1:]), kwargs
-
-    def output_rows(self, output):
-        return self.first_item(output)
-
-    def with_output(self, output, rows, grids):
-        if len(set(grids)) != 1:
-            raise ValueError(f"ChannelsLast: samples end on different grids {sorted(set(grids))}")
-        grid = grids[0] if self.spatial_dims == 3 else grids[0][1:]
-        return self.with_first_item(output, rows.reshape((len(grids),) + tuple(grid) + tuple(rows.shape[1:])))
-
-
-@dataclass(frozen=True)
-class Region:
-    """The window-parallel part of a forward: from the call of module ``start`` to the return of module ``end``.
-
-    ``start``'s input tokens are scattered (``tokens`` reads them and the grids), ``end``'s output is gathered and
-    rebuilt (the gather is the only all-gather of the forward; ``start == end`` is the usual case: a model's
-    ``features`` / ``encoder`` container).
-    """
-
-    start: str
-    end: str
-    tokens: TokenIO = field(default_factory=ChannelsLast)
 
 
 @dataclass(frozen=True)
@@ -375,7 +270,7 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
     if previous is not None and _same_swap(previous, new):  # a renumbering of a winsp.swapped module: kept, renumbered
         previous.index, new = new.index, previous
     elif previous is not None:  # a renumbering rebuilt it: the hooks registered on the module it replaces carry over
-        for hooks in _HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
+        for hooks in HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
             if hasattr(previous, hooks):
                 object.__setattr__(new, hooks, getattr(previous, hooks))
     parent._modules[name] = new
@@ -654,7 +549,7 @@ def _region_start(applied: _Applied):
             return None
         plan = applied.plan
         if plan.region.start == plan.region.end and not applied.order.dry_run_done:
-            _dry_run(applied, module, args, kwargs, repeats=False)
+            dry_run(applied, module, args, kwargs, repeats=False)
         io, replicated, held, lengths = plan.region.tokens, plan.replicated, None, None
         if replicated is not None:
             args, kwargs, held, counts = replicated.take(module, args, kwargs)
@@ -684,7 +579,7 @@ def _model_call(applied: _Applied):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         applied.depths.append(len(applied.tokens))
         if applied.order.recording is None and not applied.order.dry_run_done and not applied.tokens:
-            _dry_run(applied, module, args, kwargs, repeats=True)
+            dry_run(applied, module, args, kwargs, repeats=True)
         return None
 
     return hook
@@ -709,116 +604,6 @@ def _close_region_call(applied: _Applied) -> None:
     finally:
         context._leave(token)
 
-
-def _dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, repeats: bool) -> None:
-    """Before the first forward: record the steps the forward takes with the original modules on meta tensors (or,
-    for a model that cannot run on them and an order not stated, once on the real inputs without grad); renumber
-    the layers in that order unless the plan stated it; raise if they do not fit the plan's stages."""
-    model, order = applied.model, applied.order
-    found = "a forward on meta tensors"
-    try:
-        recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=True))
-    except Exception as err:  # noqa: BLE001 - an op without a meta kernel, data-dependent code (.item(), nonzero)
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-        if applied.stated:
-            warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}); the plan's "
-                          f"forward order is checked step by step as the forward runs", stacklevel=2)
-            order.dry_run_done = True
-            return
-        try:
-            recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=False))
-        except Exception as again:  # noqa: BLE001 - e.g. a module put in after parallelize that needs a request
-            again_why = (str(again).strip().splitlines() or [type(again).__name__])[0][:160]
-            warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}) nor as its "
-                          f"original modules ({again_why}); its layers keep named_modules order, checked step by step "
-                          f"as the forward runs (ParallelPlan.forward_order states another)", stacklevel=2)
-            order.dry_run_done = True
-            return
-        warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}); its forward "
-                      f"order is recorded once from a no-grad forward of the original modules on the real inputs "
-                      f"(ParallelPlan.forward_order states it instead)", stacklevel=2)
-        found = "a no-grad forward of the original modules"
-    if not applied.stated:
-        recorded = _renumber(applied, recorded)
-    applied.order.check(recorded, repeats=repeats, found=found)
-
-
-def _renumber(applied: _Applied, recorded: list) -> list:
-    """Number the layers and grid changes in the order ``recorded`` ran them (re-applying the plan if that is not how
-    they are numbered now); returns ``recorded`` in the new numbering."""
-    attention, entries, grids = applied.numbering
-    steps = applied.order.steps
-    first: dict = {}
-    for step in recorded:
-        first.setdefault(step, len(first))
-    missing = [s for s in steps if (s.kind, s.index) not in first]
-    if missing:
-        raise ValueError(f"winsp.parallelize: the forward never runs {missing[0]} (found by recording the forward "
-                         f"before any rows moved); ParallelPlan.attention / grid_changes match modules the forward "
-                         f"does not call")
-    layers = sorted(range(len(attention)), key=lambda i: first[("layer", i)])
-    changing = sorted(grids)
-    moves = sorted(changing, key=lambda s: first[("grid", s)])
-    new_layer = {old: new for new, old in enumerate(layers)}
-    new_stage = {old: new for old, new in zip(moves, changing, strict=True)}
-    relabeled = [(kind, new_layer[i] if kind == "layer" else new_stage[i]) for kind, i in recorded]
-    if layers != list(range(len(attention))) or moves != changing:
-        numbering = ([attention[i] for i in layers], [entries[i] for i in layers],
-                     {new_stage[s]: grids[s] for s in changing})
-        model = applied.model
-        applied.carried = {(f"{p}." if (p := _path_of(model, parent)) else "") + name: parent._modules[name]
-                           for parent, name, _ in applied.swapped}
-        _undo(applied)  # winsp's own hooks go; the user's stay in the swapped modules' hook dicts, carried over
-        try:
-            _apply(applied, numbering)
-        finally:
-            applied.carried = {}
-    return relabeled
-
-
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called")
-
-
-def _forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs: dict, *, meta: bool) -> None:
-    """``region``'s forward with the original modules back in place, on meta tensors (parameters, buffers and inputs)
-    or, ``meta`` False, on the real ones without grad (buffers copied, so running statistics stay as they are), noting
-    each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
-    user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
-    model = applied.model
-    current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
-    stash: list = []
-    try:
-        for parent, name, original in applied.swapped:
-            parent._modules[name] = original
-        for module in region.modules():
-            stash.append((module, {d: getattr(module, d) for d in _HOOK_DICTS if hasattr(module, d)}))
-            for d in stash[-1][1]:
-                object.__setattr__(module, d, OrderedDict())
-        for (kind, index), path in applied.step_paths.items():
-            target = model.get_submodule(path) if path else model
-            target.register_forward_pre_hook(lambda module, a, kind=kind, index=index:
-                                             applied.order.arrive(kind, index))
-        if meta:
-            # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
-            tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
-                       for name, t in list(region.named_parameters()) + list(region.named_buffers())}
-            convert = lambda v: tree_map(  # noqa: E731 - tensors inside tuples too (RoPE's (cos, sin))
-                lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, v)
-        else:
-            tensors = {name: t.clone() for name, t in region.named_buffers()}
-            convert = lambda v: v  # noqa: E731
-        devices = sorted({t.device.index or 0 for t in list(tensors.values()) + list(args) + list(kwargs.values())
-                          if isinstance(t, Tensor) and t.device.type == "cuda"})
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.func.functional_call(region, tensors, tuple(convert(a) for a in args),
-                                       {k: convert(v) for k, v in kwargs.items()})
-    finally:
-        for module, hooks in stash:
-            for d, value in hooks.items():
-                object.__setattr__(module, d, value)
-        for parent, name, module in current:
-            parent._modules[name] = module
 
 
 def _region_end(io: TokenIO, applied: _Applied):
