@@ -194,7 +194,7 @@ class _Applied:
     model: nn.Module
     runtime: WindowRuntime
     stated: bool  # the forward order was stated (ParallelPlan.forward_order or an Hourglass): recording only checks
-    swapped: list = field(default_factory=list)  # (parent, name, original) in application order
+    swapped: list = field(default_factory=list)  # (parent, name, original, path) in application order
     handles: list = field(default_factory=list)
     tokens: list = field(default_factory=list)  # ContextVar tokens of regions in progress
     order: ForwardOrder = field(default_factory=lambda: ForwardOrder(()))  # replaced by _apply
@@ -268,13 +268,14 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
     new.train(original.training)
     previous = applied.carried.pop(path, None)
     if previous is not None and _same_swap(previous, new):  # a renumbering of a winsp.swapped module: kept, renumbered
+        previous._modules.update(new._modules)  # its children as they are now (a nested swap may have rebuilt one)
         previous.index, new = new.index, previous
     elif previous is not None:  # a renumbering rebuilt it: the hooks registered on the module it replaces carry over
         for hooks in HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
             if hasattr(previous, hooks):
                 object.__setattr__(new, hooks, getattr(previous, hooks))
     parent._modules[name] = new
-    applied.swapped.append((parent, name, original))
+    applied.swapped.append((parent, name, original, path))
 
 
 def _with_hourglass(model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
@@ -372,10 +373,6 @@ def _same_swap(previous: nn.Module, new: nn.Module) -> bool:
             and previous.checkpoint == new.checkpoint and previous._swapped_class is new._swapped_class)
 
 
-def _path_of(model: nn.Module, module: nn.Module) -> str:
-    return next(path for path, m in model.named_modules() if m is module)
-
-
 def _refuse_splitting_planner(config: Optional[DiffusionParallelConfig], stages: Sequence[Stage]) -> None:
     """A planner that splits windows needs stages that may be split: parallelize keeps windows whole by default."""
     planner = getattr(config, "planner", "auto")
@@ -467,7 +464,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
 def _undo(applied: _Applied) -> None:
     for handle in reversed(applied.handles):
         handle.remove()
-    for parent, name, original in reversed(applied.swapped):
+    for parent, name, original, _ in reversed(applied.swapped):
         parent._modules[name] = original
     applied.handles.clear()
     applied.swapped.clear()

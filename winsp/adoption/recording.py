@@ -73,13 +73,13 @@ def renumber(applied: _Applied, recorded: list) -> list:
     new_stage = {old: new for old, new in zip(moves, changing, strict=True)}
     relabeled = [(kind, new_layer[i] if kind == "layer" else new_stage[i]) for kind, i in recorded]
     if layers != list(range(len(attention))) or moves != changing:
-        from winsp.adoption.parallelize import _apply, _path_of, _undo  # re-applying is parallelize's
+        from winsp.adoption.parallelize import _apply, _undo  # re-applying is parallelize's
 
         numbering = ([attention[i] for i in layers], [entries[i] for i in layers],
                      {new_stage[s]: grids[s] for s in changing})
-        model = applied.model
-        applied.carried = {(f"{p}." if (p := _path_of(model, parent)) else "") + name: parent._modules[name]
-                           for parent, name, _ in applied.swapped}
+        # by the path each swap was made at: the parent of a nested swap (an attention inside a swapped block) is
+        # the original block, no longer in the model
+        applied.carried = {path: parent._modules[name] for parent, name, _, path in applied.swapped}
         _undo(applied)  # winsp's own hooks go; the user's stay in the swapped modules' hook dicts, carried over
         try:
             _apply(applied, numbering)
@@ -98,10 +98,10 @@ def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs:
     each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
     user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
     model = applied.model
-    current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
+    current = [(parent, name, parent._modules[name]) for parent, name, _, _ in applied.swapped]
     stash: list = []
     try:
-        for parent, name, original in applied.swapped:
+        for parent, name, original, _ in applied.swapped:
             parent._modules[name] = original
         for module in region.modules():
             stash.append((module, {d: getattr(module, d) for d in HOOK_DICTS if hasattr(module, d)}))
