@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from torch import Tensor, nn
 
 import winsp.adoption.region_dropout as region_dropout
+import winsp.adoption.space_time as space_time
 import winsp.runtime.context as context
 from winsp.adoption.hourglass import Hourglass
 from winsp.adoption.recompute import watch_recompute
@@ -32,6 +33,7 @@ from winsp.adoption.recording import HOOK_DICTS, dry_run
 from winsp.adoption.region import ChannelsLast, Region, TokenIO
 from winsp.adoption.region_checks import ForwardOrder, Step, watch_rows
 from winsp.adoption.replicated import Replicated
+from winsp.adoption.space_time import SpaceTime, install_tables, remove_tables
 from winsp.planning.schedule import SPLITTING_PLANNERS
 from winsp.planning.stages import Stage, check_stages
 from winsp.runtime.config import DiffusionParallelConfig
@@ -98,6 +100,9 @@ class ParallelPlan:
             and which layers they join (:class:`~winsp.adoption.replicated.Replicated`); a joining layer's attention
             passes them as the request's text, the others pass none. An argument name or index stands for
             ``Replicated(at=...)``: a separate argument of the region's start, joining every layer.
+        space_time: a model that reshapes its own batches between per-frame ``[B*T, S, C]`` and per-position
+            ``[B*S, T, C]`` (:class:`~winsp.adoption.space_time.SpaceTime`): which blocks take which, and the
+            positional and frame tables it adds to them.
     """
 
     # region, stages, attention and make_attention are required (checked below); region may be left out with
@@ -114,6 +119,7 @@ class ParallelPlan:
     forward_order: Optional[tuple[str, ...]] = None
     dropout: str = "refuse"
     replicated: Optional[Replicated] = None  # an argument name or index is taken as Replicated(at=...)
+    space_time: Optional[SpaceTime] = None
 
     def __post_init__(self) -> None:
         hourglass = isinstance(self.stages, Hourglass)
@@ -136,6 +142,12 @@ class ParallelPlan:
         if self.replicated is not None and not isinstance(self.replicated, Replicated):
             raise ValueError(f"ParallelPlan.replicated must be a winsp.adoption.Replicated (or an argument name or "
                              f"index: Replicated(at=...)), got {type(self.replicated).__name__}")
+        if self.space_time is not None and not isinstance(self.space_time, SpaceTime):
+            raise ValueError(f"ParallelPlan.space_time must be a winsp.adoption.SpaceTime, got "
+                             f"{type(self.space_time).__name__}")
+        if self.space_time is not None and self.replicated is not None:
+            raise ValueError("ParallelPlan: space_time with replicated tokens is not supported (the presented sample "
+                             "would hold them beside the rows)")
         if self.dropout not in region_dropout.DROPOUT_POLICIES:
             raise ValueError(f"ParallelPlan.dropout must be one of {region_dropout.DROPOUT_POLICIES}, got "
                              f"{self.dropout!r}")
@@ -204,6 +216,9 @@ class _Applied:
     step_paths: dict = field(default_factory=dict)  # (kind, index) -> the module path that step starts at
     text_layers: Optional[tuple] = None  # per layer, whether the plan's replicated tokens join it
     carried: dict = field(default_factory=dict)  # path -> the swapped module a renumbering replaces (hooks carried)
+    batches: dict = field(default_factory=dict)  # SpaceTime: entry path -> "frames" / "positions"
+    returns: list = field(default_factory=list)  # SpaceTime: per block call in progress, the layer its rows came from
+    tables: list = field(default_factory=list)  # SpaceTime: the table dicts installed (space_time.install_tables)
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -440,6 +455,13 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
                                            modes=applied.dropouts)
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
             _region_end(plan.region.tokens, applied), with_kwargs=True, always_call=True))
+        if plan.space_time is not None:
+            applied.batches = space_time.batch_kinds(plan.space_time, entry_paths)
+            for path in applied.batches:
+                applied.handles.append(model.get_submodule(path).register_forward_hook(
+                    _block_return(applied), always_call=True))
+            applied.tables = install_tables(model, plan.space_time.tables, lambda: context.current_request_or_none()
+                                            if applied.tokens and applied.order.recording is None else None)
     except BaseException:
         _undo(applied)
         raise
@@ -466,6 +488,8 @@ def _undo(applied: _Applied) -> None:
         handle.remove()
     for parent, name, original, _ in reversed(applied.swapped):
         parent._modules[name] = original
+    remove_tables(applied.tables)
+    applied.tables.clear()
     applied.handles.clear()
     applied.swapped.clear()
 
@@ -509,6 +533,9 @@ def _layer_entry(path: str, applied: _Applied):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first argument (positional, or the first keyword of a call by keywords)")
         order.arrive("layer", layer)
+        if path in applied.batches:
+            return space_time.enter_block(context.current_request(), layer, path, applied.batches[path], args,
+                                          kwargs, applied.returns)
         moved = _to_layer(context.current_request(), x, layer, applied.plan.replicated)
         if args:
             return (moved,) + tuple(args[1:]), kwargs
@@ -533,6 +560,18 @@ def _to_layer(request, x: Tensor, layer: int, replicated: Optional[Replicated]) 
     return y[None] if one else y
 
 
+def _block_return(applied: _Applied):
+    """SpaceTime: a block's output goes back to the layout its rows came in (sizes the model read stay true)."""
+    def hook(module: nn.Module, args: tuple, output: Any):
+        back, kind = applied.returns.pop() if applied.returns else (None, None)
+        if back is None or kind is None or output is None or context.current_request_or_none() is None:
+            return None
+        out = space_time.leave_block(context.current_request(), TokenIO.first_item(output), kind, back)
+        return TokenIO.with_first_item(output, out)
+
+    return hook
+
+
 def _grid_change(path: str, applied: _Applied):
     def hook(module: nn.Module, args: tuple):
         applied.order.arrive("grid", next(s for s, p in applied.numbering[2].items() if p == path))
@@ -550,6 +589,8 @@ def _region_start(applied: _Applied):
         io, replicated, held, lengths = plan.region.tokens, plan.replicated, None, None
         if replicated is not None:
             args, kwargs, held, counts = replicated.take(module, args, kwargs)
+        if plan.space_time is not None:
+            space_time.check_one_sample(args[0] if args else None)
         rows, grids = io.read(args, kwargs)
         if replicated is not None:
             lengths = replicated.lengths(counts, len(grids))
@@ -557,6 +598,8 @@ def _region_start(applied: _Applied):
                                           text_layers=applied.text_layers)
         local = request.scatter(rows)
         new_args, new_kwargs = io.with_rows(args, kwargs, local)
+        if plan.space_time is not None:  # one sample of one frame: the model's own reshapes keep the rows in order
+            new_args = (space_time.present(new_args[0], args[0]),) + tuple(new_args[1:])
         if held is not None and replicated is not None:
             new_args = (replicated.join(new_args[0], held),) + tuple(new_args[1:])
         watched = module.training and plan.dropout != "unchecked"
@@ -615,6 +658,8 @@ def _region_end(io: TokenIO, applied: _Applied):
             request = context.current_request()
             replicated = applied.plan.replicated
             local = io.output_rows(output)
+            if applied.plan.space_time is not None:
+                local = local.flatten(0, -2)
             if replicated is not None and replicated.held:  # the held tokens go back next to the rows
                 held, local = replicated.part(local, request.num_text_rows)
             grids = request.stage_model_grids[request.stage]
