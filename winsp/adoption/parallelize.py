@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from torch import Tensor, nn
 
 import winsp.adoption.region_dropout as region_dropout
+import winsp.adoption.skips as skips
 import winsp.adoption.space_time as space_time
 import winsp.runtime.context as context
 from winsp.adoption.hourglass import Hourglass
@@ -103,6 +104,9 @@ class ParallelPlan:
         space_time: a model that reshapes its own batches between per-frame ``[B*T, S, C]`` and per-position
             ``[B*S, T, C]`` (:class:`~winsp.adoption.space_time.SpaceTime`): which blocks take which, and the
             positional and frame tables it adds to them.
+        skips: glob of modules inside the region whose outputs also feed skip connections on the whole tensor (a
+            hierarchical encoder's stages feeding a CNN decoder): each is gathered once at its return, and scattered
+            again (no communication) when the next of them is called with it (:mod:`winsp.adoption.skips`).
     """
 
     # region, stages, attention and make_attention are required (checked below); region may be left out with
@@ -120,6 +124,7 @@ class ParallelPlan:
     dropout: str = "refuse"
     replicated: Optional[Replicated] = None  # an argument name or index is taken as Replicated(at=...)
     space_time: Optional[SpaceTime] = None
+    skips: Union[str, tuple[str, ...], None] = None
 
     def __post_init__(self) -> None:
         hourglass = isinstance(self.stages, Hourglass)
@@ -130,7 +135,7 @@ class ParallelPlan:
             if getattr(self, name) is None:
                 raise ValueError(f"ParallelPlan.{name} is required")
         for name, optional in (("attention", False), ("layer_entry", False), ("grid_changes", True),
-                               ("per_sample", True)):
+                               ("per_sample", True), ("skips", True)):
             globs = getattr(self, name)
             if not (optional and globs is None) and not _are_globs(globs):
                 what = ('"parent" (the attention\'s parent module) or a glob, or a tuple of globs, of one entry '
@@ -219,6 +224,7 @@ class _Applied:
     batches: dict = field(default_factory=dict)  # SpaceTime: entry path -> "frames" / "positions"
     returns: list = field(default_factory=list)  # SpaceTime: per block call in progress, the layer its rows came from
     tables: list = field(default_factory=list)  # SpaceTime: the table dicts installed (space_time.install_tables)
+    wholes: list = field(default_factory=list)  # per region call in progress: whether a skip gathered its rows
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -357,6 +363,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     if len(grid_changes) != len(changing):
         raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
                          f"change the grid (stages {changing})")
+    if not plan.stages[-1].layers and plan.replicated is not None:
+        raise ValueError("ParallelPlan: a region that ends with a grid change (a last Stage without layers) cannot "
+                         "hold replicated tokens")
     if plan.per_sample is not None and plan.replicated is not None and plan.replicated.held:
         raise ValueError(f"ParallelPlan.per_sample with Replicated(at={plan.replicated.at!r}): the held tokens share "
                          f"the rows' tensor, which per-sample modules cannot take per row; pass them as a separate "
@@ -419,7 +428,8 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
     model, plan = applied.model, applied.plan
     attention, entry_paths, grid_paths = numbering
     applied.numbering = numbering
-    applied.runtime.layer_names = tuple(attention)
+    landing = len(applied.runtime.schedule) - len(attention)  # a last stage without layers has one to land in
+    applied.runtime.layer_names = tuple(attention) + (f"(rows after {next(reversed(grid_paths.values()))})",) * landing
     applied.order = ForwardOrder(_steps(plan, entry_paths, grid_paths))
     per_sample = ([p for p, _ in _matches(model, plan.per_sample, "per_sample")]
                   if plan.per_sample is not None else [])
@@ -453,6 +463,9 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
                                       dropout=plan.dropout, modes=applied.dropouts)
         applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []),  # activation checkpointing
                                            modes=applied.dropouts)
+        for path, module in (_matches(model, plan.skips, "skips") if plan.skips is not None else []):
+            applied.handles.append(module.register_forward_pre_hook(skips.skip_call(path, applied), with_kwargs=True))
+            applied.handles.append(module.register_forward_hook(skips.skip_return(path, applied)))
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
             _region_end(plan.region.tokens, applied), with_kwargs=True, always_call=True))
         if plan.space_time is not None:
@@ -532,6 +545,10 @@ def _layer_entry(path: str, applied: _Applied):
         if not isinstance(x, Tensor):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first argument (positional, or the first keyword of a call by keywords)")
+        if applied.wholes and applied.wholes[-1]:
+            raise ValueError(f"winsp.parallelize: {path!r} (entry of window layer {layer}) is called with the whole "
+                             f"tensor a ParallelPlan.skips module gathered: the first module to take it back must be a "
+                             f"skips module (its input is scattered again); add it to ParallelPlan.skips")
         order.arrive("layer", layer)
         if path in applied.batches:
             return space_time.enter_block(context.current_request(), layer, path, applied.batches[path], args,
@@ -606,6 +623,7 @@ def _region_start(applied: _Applied):
         dropout = region_dropout.enter(plan.dropout, plan.region.start) if watched else None
         applied.tokens.append(context._enter(request))  # nothing can fail from here to the return
         applied.dropouts.append(dropout)
+        applied.wholes.append(False)
         applied.order.begin()
         return new_args, new_kwargs
 
@@ -637,6 +655,8 @@ def _model_return(applied: _Applied):
 
 def _close_region_call(applied: _Applied) -> None:
     token, dropout = applied.tokens.pop(), applied.dropouts.pop()
+    if applied.wholes:
+        applied.wholes.pop()
     if applied.order.progress:
         applied.order.progress.pop()
     try:
@@ -651,9 +671,10 @@ def _region_end(io: TokenIO, applied: _Applied):
         if not applied.tokens or len(applied.tokens) <= (applied.depths[-1] if applied.depths else 0):
             return None  # no region call of this model call is open (a recording forward, or the end ran alone)
         token, dropout = applied.tokens.pop(), applied.dropouts.pop()
+        whole = applied.wholes.pop() if applied.wholes else False
         try:
             applied.order.end(completed=output is not None)
-            if output is None:  # the region raised; the hook only restores the context
+            if output is None or whole:  # the region raised (the hook only restores the context), or a skip gathered
                 return None
             request = context.current_request()
             replicated = applied.plan.replicated

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from winsp.geometry.windows import Grid
 
-__all__ = ["TokenIO", "ChannelsLast", "Region"]
+__all__ = ["TokenIO", "ChannelsLast", "ChannelsFirst", "Region"]
 
 class TokenIO:
     """How a region's input holds its tokens and how its output is rebuilt from the gathered rows.
@@ -114,3 +114,51 @@ class Region:
     start: str
     end: str
     tokens: TokenIO = field(default_factory=ChannelsLast)
+
+
+@dataclass(frozen=True)
+class ChannelsFirst(TokenIO):
+    """Tokens as the first positional argument ``[B, C, T, H, W]`` (``spatial_dims=3``) or ``[B, C, H, W]`` (2): a
+    CNN's layout, such as a Swin encoder on volumes whose stages take and return channels-first tensors.
+
+    Inside the region this rank's rows ``[L, C]`` reach the model as one sample on an ``(L, 1, 1)`` grid,
+    ``[1, C, L, 1, 1]``, so the model's own permutes to channels-last (``[1, L, 1, 1, C]``) and back keep them in
+    order, and winsp's layer entries take either. The region's output (a tensor, or the first item of a tuple or
+    ``ModelOutput``) comes back as ``[B, C', T', H', W']`` on the last stage's grid.
+    """
+
+    spatial_dims: int = 3
+
+    def __post_init__(self) -> None:
+        if self.spatial_dims not in (2, 3):
+            raise ValueError(f"ChannelsFirst.spatial_dims must be 2 or 3, got {self.spatial_dims!r}")
+
+    def read(self, args, kwargs):
+        x = args[0] if args else None
+        if not isinstance(x, Tensor) or x.dim() != self.spatial_dims + 2:
+            want = "[B, C, T, H, W]" if self.spatial_dims == 3 else "[B, C, H, W]"
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"ChannelsFirst: the region's first input must be a {want} tensor, got {got}")
+        grid = tuple(x.shape[2:]) if self.spatial_dims == 3 else (1,) + tuple(x.shape[2:])
+        return x.movedim(1, -1).reshape(-1, x.shape[1]), [grid] * x.shape[0]
+
+    def with_rows(self, args, kwargs, rows):
+        presented = rows.t().reshape((1, rows.shape[1], rows.shape[0]) + (1,) * (self.spatial_dims - 1))
+        return (presented,) + tuple(args[1:]), kwargs
+
+    def output_rows(self, output):
+        x = self.first_item(output)
+        if not isinstance(x, Tensor) or x.dim() != self.spatial_dims + 2 or x.shape[0] != 1 \
+                or any(s != 1 for s in x.shape[3:]):
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"ChannelsFirst: the region's end returned {got}, not this rank's rows as one "
+                             f"channels-first sample [1, C, L{', 1' * (self.spatial_dims - 1)}]: the region must end "
+                             f"where the tokens are channels-first again (the module whose input it scattered, or one "
+                             f"like it)")
+        return x[0].flatten(1).t()
+
+    def with_output(self, output, rows, grids):
+        if len(set(grids)) != 1:
+            raise ValueError(f"ChannelsFirst: samples end on different grids {sorted(set(grids))}")
+        grid = grids[0] if self.spatial_dims == 3 else grids[0][1:]
+        return self.with_first_item(output, rows.reshape((len(grids),) + tuple(grid) + (-1,)).movedim(-1, 1))
