@@ -428,8 +428,9 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
     model, plan = applied.model, applied.plan
     attention, entry_paths, grid_paths = numbering
     applied.numbering = numbering
-    landing = len(applied.runtime.schedule) - len(attention)  # a last stage without layers has one to land in
-    applied.runtime.layer_names = tuple(attention) + (f"(rows after {next(reversed(grid_paths.values()))})",) * landing
+    landing = len(applied.runtime.schedule) > len(attention)  # a last stage without layers has one to land in
+    applied.runtime.layer_names = tuple(attention) + ((f"(rows after {grid_paths[max(grid_paths)]})",) if landing
+                                                      else ())
     applied.order = ForwardOrder(_steps(plan, entry_paths, grid_paths))
     per_sample = ([p for p, _ in _matches(model, plan.per_sample, "per_sample")]
                   if plan.per_sample is not None else [])

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
+
+from winsp.adoption.region_fit import check_fit
 
 if TYPE_CHECKING:
     from winsp.adoption.parallelize import _Applied
@@ -24,10 +26,10 @@ def dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, 
     """Before the first forward: record the steps the forward takes with the original modules on meta tensors (or,
     for a model that cannot run on them and an order not stated, once on the real inputs without grad); renumber
     the layers in that order unless the plan stated it; raise if they do not fit the plan's stages."""
-    model, order = applied.model, applied.order
+    model, order, seen = applied.model, applied.order, {}
     found = "a forward on meta tensors"
     try:
-        recorded = order.record(lambda: forward_originals(applied, module, args, kwargs, meta=True))
+        recorded = order.record(lambda: forward_originals(applied, module, args, kwargs, meta=True, seen=seen))
     except Exception as err:  # noqa: BLE001 - an op without a meta kernel, data-dependent code (.item(), nonzero)
         why = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
         if applied.stated:
@@ -36,7 +38,8 @@ def dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, 
             order.dry_run_done = True
             return
         try:
-            recorded = order.record(lambda: forward_originals(applied, module, args, kwargs, meta=False))
+            recorded = order.record(lambda: forward_originals(applied, module, args, kwargs, meta=False,
+                                                                     seen=seen))
         except Exception as again:  # noqa: BLE001 - e.g. a module put in after parallelize that needs a request
             again_why = (str(again).strip().splitlines() or [type(again).__name__])[0][:160]
             warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}) nor as its "
@@ -48,6 +51,7 @@ def dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, 
                       f"order is recorded once from a no-grad forward of the original modules on the real inputs "
                       f"(ParallelPlan.forward_order states it instead)", stacklevel=2)
         found = "a no-grad forward of the original modules"
+    check_fit(applied, seen)
     if not applied.stated:
         recorded = renumber(applied, recorded)
     applied.order.check(recorded, repeats=repeats, found=found)
@@ -92,12 +96,14 @@ HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_
                "_forward_hooks_always_called")
 
 
-def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs: dict, *, meta: bool) -> None:
+def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs: dict, *, meta: bool,
+                      seen: Optional[dict] = None) -> None:
     """``region``'s forward with the original modules back in place, on meta tensors (parameters, buffers and inputs)
     or, ``meta`` False, on the real ones without grad (buffers copied, so running statistics stay as they are), noting
-    each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
+    each layer entry and grid change as it starts (and, in ``seen``, the region's input, first layer entry's tokens
+    and output: :mod:`winsp.adoption.region_fit`). Every other forward hook inside the region (winsp's and the
     user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
-    model = applied.model
+    model, seen = applied.model, {} if seen is None else seen
     current = [(parent, name, parent._modules[name]) for parent, name, _, _ in applied.swapped]
     stash: list = []
     try:
@@ -111,6 +117,13 @@ def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs:
             target = model.get_submodule(path) if path else model
             target.register_forward_pre_hook(lambda module, a, kind=kind, index=index:
                                              applied.order.arrive(kind, index))
+            if kind == "layer":  # the tokens the first layer entry the forward reaches takes (region_fit)
+                target.register_forward_pre_hook(lambda module, a, k, path=path: _note(
+                    seen, "entry", (path, a[0] if a else next(iter(k.values()), None))), with_kwargs=True)
+        start, end = (model.get_submodule(p) if p else model for p in (applied.plan.region.start,
+                                                                       applied.plan.region.end))
+        start.register_forward_pre_hook(lambda module, a, k: _note(seen, "start", (a, k)), with_kwargs=True)
+        end.register_forward_hook(lambda module, a, out: _note(seen, "end", out))
         if meta:
             # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
             tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
@@ -131,3 +144,8 @@ def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs:
                 object.__setattr__(module, d, value)
         for parent, name, module in current:
             parent._modules[name] = module
+
+
+def _note(seen: dict, key: str, value) -> None:
+    """Keep the first ``value`` seen under ``key`` (a hook that returns None: the forward runs unchanged)."""
+    seen.setdefault(key, value)
