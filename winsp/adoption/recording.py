@@ -26,7 +26,8 @@ def dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, 
     """Before the first forward: record the steps the forward takes with the original modules on meta tensors (or,
     for a model that cannot run on them and an order not stated, once on the real inputs without grad); renumber
     the layers in that order unless the plan stated it; raise if they do not fit the plan's stages."""
-    model, order, seen = applied.model, applied.order, {}
+    model, order = applied.model, applied.order
+    seen: dict = {}  # what the recording forward saw of the region (region_fit)
     found = "a forward on meta tensors"
     try:
         recorded = order.record(lambda: forward_originals(applied, module, args, kwargs, meta=True, seen=seen))
