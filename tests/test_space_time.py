@@ -87,6 +87,11 @@ def test_plans_that_do_not_fit_the_model_are_refused_naming_the_glob_or_table(sp
     assert not is_parallelized(model) and type(model.blocks[0].attn).__name__ == "Attention"
 
 
+def test_row_dropout_is_refused_for_per_position_batches():
+    with pytest.raises(ValueError, match=r"per-position batches \[B\*S, T, C\] are not"):
+        winsp.ParallelPlan(**{**video_plan().__dict__, "dropout": "rows"})
+
+
 def test_space_time_declarations_are_checked():
     with pytest.raises(ValueError, match="needs frames= or positions="):
         SpaceTime()

@@ -150,6 +150,10 @@ class ParallelPlan:
         if self.space_time is not None and not isinstance(self.space_time, SpaceTime):
             raise ValueError(f"ParallelPlan.space_time must be a winsp.adoption.SpaceTime, got "
                              f"{type(self.space_time).__name__}")
+        if self.space_time is not None and self.dropout == "rows":
+            raise ValueError("ParallelPlan: dropout='rows' draws the original's mask for tensors whose tokens are "
+                             "row-major; a space_time model's per-position batches [B*S, T, C] are not: keep "
+                             "dropout='refuse' (train with the model's dropout off, or end the region before it)")
         if self.space_time is not None and self.replicated is not None:
             raise ValueError("ParallelPlan: space_time with replicated tokens is not supported (the presented sample "
                              "would hold them beside the rows)")
