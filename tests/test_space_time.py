@@ -112,3 +112,28 @@ def test_grid_rows_takes_a_table_over_some_axes_shared_along_the_others():
         request.grid_rows(frames, axes="ht")
     with pytest.raises(ValueError, match=r"does not start with stage 0's sizes \[3, 2\] along 'hw'"):
         request.grid_rows(frames, axes="hw")
+
+
+class TwoLists(LatentVideoDiT):
+    """The same model with its spatial and temporal blocks in two lists (registered spatial first, run alternating),
+    as Latte keeps them: the recording renumbers the layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = list(self.blocks)
+        del self.blocks
+        self.spatial, self.temporal = torch.nn.ModuleList(blocks[0::2]), torch.nn.ModuleList(blocks[1::2])
+        self.blocks = [b for pair in zip(self.spatial, self.temporal, strict=True) for b in pair]  # a plain list
+
+
+def test_blocks_in_two_lists_are_renumbered_in_forward_order_and_exact():
+    torch.manual_seed(0)
+    original = TwoLists().double()
+    plan = winsp.ParallelPlan(**{**video_plan().__dict__, "attention": ("spatial.*.attn", "temporal.*.attn"),
+                                 "space_time": SpaceTime(frames="spatial.*", positions="temporal.*",
+                                                         tables=(("pos", "frames"), ("frame_pos", "positions")))})
+    model = winsp.parallelize(copy.deepcopy(original), plan)
+    x, t = torch.randn(1, 3, 3, 4, 4, dtype=torch.float64), torch.tensor([0.2], dtype=torch.float64)
+    torch.testing.assert_close(model(x, t), original(x, t), rtol=0, atol=1e-12)
+    assert model._winsp_runtime.layer_names == ("spatial.0.attn", "temporal.0.attn", "spatial.1.attn",
+                                                "temporal.1.attn")
