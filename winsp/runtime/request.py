@@ -265,15 +265,21 @@ class WindowRequest:
                              f"samples), got {list(x.shape)}")
         return x.index_select(0, self.row_sample)
 
-    def grid_rows(self, x: Tensor, *, spatial_dims: int | None = None) -> Tensor:
+    def grid_rows(self, x: Tensor, *, spatial_dims: int | None = None, axes: str | None = None) -> Tensor:
         """This rank's local rows (current layout) of a tensor given per position of the current stage's grid and
         shared by every sample: ``[T, H, W, ...]`` (``spatial_dims=3``), ``[H, W, ...]`` (2, a grid ``(1, H, W)``)
         or ``[W, ...]`` (1); None: the most grid dimensions whose sizes ``x`` starts with, else a flat table
         ``[T * H * W, ...]`` (the grid's positions row-major, as diffusers' RoPE angles come). For positions (axial
         RoPE), per-token tables, masks. Padding rows get zeros.
 
+        ``axes``: a table over some of the grid's axes, shared along the others: ``"t"`` a table per frame
+        ``[T, ...]``, ``"hw"`` one per position of a frame ``[H, W, ...]`` or ``[H * W, ...]`` (any frame), ``"thw"``
+        the whole grid; the axes in (t, h, w) order.
+
         No collective; backward sums into the positions read.
         """
+        if axes is not None:
+            return self._axes_rows(x, axes)
         if spatial_dims not in (None, 1, 2, 3):
             raise ValueError(f"grid_rows: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}")
         grids = sorted(set(self.stage_model_grids[self.stage]))
@@ -298,6 +304,37 @@ class WindowRequest:
         if not rows.padded:
             return flat.index_select(0, rows.scatter_index % per_sample)
         index = torch.where(rows.valid, rows.scatter_index % per_sample, per_sample)
+        return torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))]).index_select(0, index)
+
+    def _axes_rows(self, x: Tensor, axes: str) -> Tensor:
+        """:meth:`grid_rows` of a table over the grid ``axes`` (a part of ``"thw"``), shared along the others."""
+        if not isinstance(axes, str) or not axes or [a for a in "thw" if a in axes] != list(axes):
+            raise ValueError(f"grid_rows: axes must be grid axes in (t, h, w) order, a non-empty part of 'thw' ('t', "
+                             f"'hw', 'thw', ...), got {axes!r}")
+        grids = sorted(set(self.stage_model_grids[self.stage]))
+        if len(grids) != 1:
+            raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a table "
+                             f"shared by every sample cannot describe them")
+        grid, picked = grids[0], ["thw".index(a) for a in axes]
+        sizes = tuple(grid[i] for i in picked)
+        n = int(np.prod(sizes))
+        if tuple(x.shape[:len(sizes)]) == sizes:
+            flat = x.reshape((n,) + tuple(x.shape[len(sizes):]))
+        elif x.dim() and x.shape[0] == n:
+            flat = x
+        else:
+            raise ValueError(f"grid_rows(axes={axes!r}): a table {list(x.shape)} does not start with stage "
+                             f"{self.stage}'s sizes {list(sizes)} along {axes!r} (grid (t, h, w) = {grid}) nor with "
+                             f"their product {n}")
+        rows = self._rows()
+        within = rows.scatter_index % (grid[0] * grid[1] * grid[2])
+        coords = (within // (grid[1] * grid[2]), (within // grid[2]) % grid[1], within % grid[2])
+        index = torch.zeros_like(within)
+        for i in picked:
+            index = index * grid[i] + coords[i]
+        if not rows.padded:
+            return flat.index_select(0, index)
+        index = torch.where(rows.valid, index, n)
         return torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))]).index_select(0, index)
 
     @property
