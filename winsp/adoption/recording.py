@@ -3,31 +3,41 @@
 The model runs once with its original modules back in place on meta tensors (or, for a model that cannot, on the real
 inputs without grad); each layer entry and grid change notes itself as it starts. The plan's layers and grid changes
 are then numbered in that order (:func:`renumber`, re-applying the plan where needed), or a stated order is checked.
+
+What the recording saw also tells whether the plan's region fits the model, before any rows move (:func:`check_fit`).
+The recording runs the original modules on the whole input (meta tensors, or no-grad real ones): it sees the tokens
+the region's start takes, those its first layer entry takes, and what its end returns. Two misfits then show, and
+are refused naming the cause, where the model's own code would otherwise fail on local rows with a raw torch error:
+
+- a wrong layout: a channels-first input read as channels-last (or the reverse): the first block takes tokens whose
+  channels are the size of the input's dim 1 (its last dim), not what the region's TokenIO read as channels;
+- a wrong region end: the end returns tokens on another grid than the plan's last stage, such as a region that ends
+  at a patch merge the plan does not list.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from winsp.adoption.region_fit import check_fit
+from winsp.adoption.region import ChannelsFirst, ChannelsLast, TokenIO
 
 if TYPE_CHECKING:
     from winsp.adoption.parallelize import _Applied
 
-__all__ = ["dry_run", "renumber", "forward_originals", "HOOK_DICTS"]
+__all__ = ["dry_run", "renumber", "forward_originals", "check_fit", "HOOK_DICTS"]
 
 def dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, repeats: bool) -> None:
     """Before the first forward: record the steps the forward takes with the original modules on meta tensors (or,
     for a model that cannot run on them and an order not stated, once on the real inputs without grad); renumber
     the layers in that order unless the plan stated it; raise if they do not fit the plan's stages."""
     model, order = applied.model, applied.order
-    seen: dict = {}  # what the recording forward saw of the region (region_fit)
+    seen: dict = {}  # what the recording forward saw of the region (check_fit)
     found = "a forward on meta tensors"
     try:
         recorded = order.record(lambda: forward_originals(applied, module, args, kwargs, meta=True, seen=seen))
@@ -102,7 +112,7 @@ def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs:
     """``region``'s forward with the original modules back in place, on meta tensors (parameters, buffers and inputs)
     or, ``meta`` False, on the real ones without grad (buffers copied, so running statistics stay as they are), noting
     each layer entry and grid change as it starts (and, in ``seen``, the region's input, first layer entry's tokens
-    and output: :mod:`winsp.adoption.region_fit`). Every other forward hook inside the region (winsp's and the
+    and output: :func:`check_fit`). Every other forward hook inside the region (winsp's and the
     user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
     model, seen = applied.model, {} if seen is None else seen
     current = [(parent, name, parent._modules[name]) for parent, name, _, _ in applied.swapped]
@@ -118,7 +128,7 @@ def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs:
             target = model.get_submodule(path) if path else model
             target.register_forward_pre_hook(lambda module, a, kind=kind, index=index:
                                              applied.order.arrive(kind, index))
-            if kind == "layer":  # the tokens the first layer entry the forward reaches takes (region_fit)
+            if kind == "layer":  # the tokens the first layer entry the forward reaches takes (check_fit)
                 target.register_forward_pre_hook(lambda module, a, k, path=path: _note(
                     seen, "entry", (path, a[0] if a else next(iter(k.values()), None))), with_kwargs=True)
         start, end = (model.get_submodule(p) if p else model for p in (applied.plan.region.start,
@@ -150,3 +160,48 @@ def forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs:
 def _note(seen: dict, key: str, value) -> None:
     """Keep the first ``value`` seen under ``key`` (a hook that returns None: the forward runs unchanged)."""
     seen.setdefault(key, value)
+
+
+def check_fit(applied: Any, seen: dict) -> None:
+    """Raise ValueError if ``seen`` (``"start"``: the start's ``(args, kwargs)``, ``"entry"``: the first layer entry's
+    ``(path, tokens)``, ``"end"``: the end's output) shows a layout or region end that does not fit the plan."""
+    io, region = applied.plan.region.tokens, applied.plan.region
+    if not isinstance(io, (ChannelsLast, ChannelsFirst)) or "start" not in seen:
+        return
+    args, kwargs = seen["start"]
+    try:
+        rows, grids = io.read(args, kwargs)
+    except ValueError:
+        return  # the parallel forward refuses it, naming it
+    x, channels = args[0], rows.shape[-1]
+    entry = seen.get("entry")
+    if entry is not None and isinstance(entry[1], Tensor) and entry[1].dim() >= 2:
+        path, tokens = entry
+        other, layout, fix = (x.shape[1], "channels-first", "winsp.adoption.ChannelsFirst()") \
+            if isinstance(io, ChannelsLast) else (x.shape[-1], "channels-last", "winsp.ChannelsLast()")
+        if tokens.shape[-1] != channels and tokens.shape[-1] == other:
+            raise ValueError(f"winsp.parallelize: the region's input {list(x.shape)} at {region.start!r} is read by "
+                             f"{type(io).__name__} as tokens of {channels} channels on grids {grids[0]}, but its first "
+                             f"layer entry {path!r} takes {list(tokens.shape)}: tokens of {tokens.shape[-1]} channels, "
+                             f"the size of the input's {'dim 1' if layout == 'channels-first' else 'last dim'}. The "
+                             f"region's input is {layout}: give Region(..., tokens={fix}). Found by recording the "
+                             f"forward, before any rows moved")
+    end = seen.get("end")
+    if end is None or applied.plan.skips is not None:  # with skips, the end returns what they gathered
+        return
+    try:
+        _, got = io.read((TokenIO.first_item(end),), {})
+    except (ValueError, TypeError, IndexError):
+        return
+    want = applied.runtime.stage_grids(grids)[0][-1]
+    if list(got) == list(want):
+        return
+    hint = ""
+    if all(g <= w for g, w in zip(got[0], want[0], strict=True)):
+        factor = tuple(-(-w // g) for g, w in zip(got[0], want[0], strict=True))
+        hint = (f": the region ends with a grid change the plan does not list (a patch merge at the region's end). "
+                f"List it as the plan's last stage, winsp.Stage((), merge={factor}), with the module in "
+                f"ParallelPlan.grid_changes (make_grid_change moves the rows: request.to_grid), or end the region "
+                f"before it")
+    raise ValueError(f"winsp.parallelize: the region's end {region.end!r} returns tokens on grids {got[0]}, but the "
+                     f"plan's stages end on {want[0]}{hint}. Found by recording the forward, before any rows moved")
