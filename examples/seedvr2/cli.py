@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crf", type=_crf, default=DEFAULT_CRF,
                    help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
+    # ---- resume hook (issue 48): see .kept_batches
+    p.add_argument("--restart", action="store_true",
+                   help="start from the first frame, removing the finished batches a stopped run kept beside the "
+                        "output (by default the same command resumes after the last of them)")
+    p.add_argument("--no-resume-store", dest="resume_store", action="store_false",
+                   help="keep no finished batches beside the output while it runs (saves the disk they take: about "
+                        "the output's frames uncompressed; a fault then loses the whole clip)")
     p.add_argument("--ranks", type=int, metavar="N",
                    help="start N ranks on this machine (one per GPU on a GPU machine; gloo on the CPU): the same "
                         "results as torchrun --nproc-per-node N, a failure is one line (exit 2) and every rank stops "
@@ -610,6 +617,42 @@ def agree_loaded(error: Optional[Exception], launch: Launch, state: "RunState") 
         raise error if error is not None else PeerFailed(f"rank {failed[0]} failed")
 
 
+def _open_kept_batches(args: argparse.Namespace, launch: Launch, progress: StageProgress, state: "RunState",
+                       output: str, settings, plan, geometry: Geometry, info, dtype: torch.dtype, color_fix: str, sp_size: int,
+                       demo: bool):
+    """Resume hook (issue 48): the finished batches kept beside the output (see :mod:`.kept_batches`), read on rank 0
+    against this run's settings and agreed by every rank in one meeting. A refusal (a changed setting, another
+    version, a disk too small) is an :class:`InputError` reported by rank 0; every rank stops."""
+    from .kept_batches import PeerRefused, open_kept_batches
+    from .resume import ResumeRefused, run_settings
+
+    if demo:
+        from .demo import demo_vae_config
+
+        weights = f"demo weights, VAE widths {demo_vae_config()['block_out_channels']}"
+    else:
+        from .resume import file_identity
+
+        weights = (f"DiT {file_identity(args.dit_checkpoint)}; VAE {file_identity(args.vae_checkpoint)}; --weights "
+                   f"{getattr(args, 'weights', 'stored')}")
+    enabled = bool(getattr(args, "resume_store", False)) and not info.is_image  # `serve` builds no such option
+    run = run_settings(
+        input_path=args.input, model=args.model or "3b", weights=weights, text_embeds=args.text_embeds,
+        output_size=geometry.output, work_size=geometry.work, frames=info.num_frames, seed=args.seed,
+        batch_frames=settings.batch_frames, overlap=settings.overlap, dtype=str(dtype).replace("torch.", ""),
+        vae_parallel=settings.vae_parallel, vae_tile=settings.vae_tile, color_fix=color_fix, sp_size=sp_size)
+    rows = None if launch.world_size == 1 else (lambda row: _per_rank_figures(row, launch.device))
+    try:
+        return open_kept_batches(
+            output=output, settings=run, plan=plan,
+            frame_hw=geometry.output, overlap=settings.overlap, writer=launch.rank == 0, enabled=enabled,
+            restart=bool(getattr(args, "restart", False)), gather_rows=rows,
+            say=(lambda line: progress.note(f"{PROG}: {line}")) if launch.rank == 0 else (lambda line: None))
+    except (ResumeRefused, PeerRefused) as exc:
+        state.reporter = 0
+        raise InputError(str(exc)) from None
+
+
 def plan_memory(args: argparse.Namespace, pinned, geometry: Geometry, num_frames: int, dtype: torch.dtype,
                 sp_size: int, device: torch.device, demo: bool, limit=None, *,
                 weights_loaded: bool = False) -> MemoryPlan:
@@ -932,7 +975,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     from .pipeline import SeedVR2Pipeline
     from .progress import RestoreProgress, expected_calls, format_seconds, summary_line
     from .stage_clock import timed_iter
-    from .temporal import TemporalBlender, plan_temporal_batches, temporal_batches
+    from .temporal import plan_temporal_batches, temporal_batches
 
     # Everything cheap to check is checked before anything is read or any model built, identically on every rank;
     # then the ranks meet once (the only collective before the run) and agree to start, or all stop.
@@ -972,6 +1015,10 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 f"repeated (use --resolution with even sides to avoid this)"
             )
 
+    # ---- resume hook (issue 48): the kept batches decide where this run starts; every rank agrees before the load
+    kept = _open_kept_batches(args, launch, progress, state, output, settings, plan, geometry, info, dtype, color_fix,
+                              sp_size, demo)
+
     progress.start("load")
     fresh = state.models is None
     mesh = build_temporal_mesh(sp_size)
@@ -1004,7 +1051,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         stage_clock.active().mark("restore started")
     needed = np.zeros(info.num_frames, dtype=bool)  # frames of the batches this rank's group restores
     for batch in plan:
-        if mesh.owns(batch.index):
+        if mesh.owns(batch.index) and batch.index >= kept.first:  # resume hook: kept batches are not read again
             needed[batch.start:batch.stop] = True
     model_frames = (
         None if frame is None else frames_to_model(frame[None], geometry)[:, 0]
@@ -1014,7 +1061,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     batches = iter(prefetch(temporal_batches(timed_iter(model_frames, "read"), settings.batch_frames,
                                              settings.overlap)))
     computed = []
-    owned = [batch for batch in plan if mesh.owns(batch.index)]
+    owned = [batch for batch in plan if mesh.owns(batch.index) and batch.index >= kept.first]
     progress.break_line()  # the stage bar keeps its line; the restore bar below it (on a terminal)
     # each frame counted once: a batch adds its frames less those it shares with the previous batch
     live = RestoreProgress.for_stream(sum(b.num_frames - b.blend for b in owned), len(owned),
@@ -1047,18 +1094,27 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                        f"output")
         return frames
 
-    results = ordered_results(mesh, len(plan), compute, before=state.before_batch)
+    results = ordered_results(mesh, len(plan), compute, before=state.before_batch, first=kept.first)
     if mesh.is_writer:
         use_pts = is_video_out and len(info.frame_pts) == info.num_frames
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
                          audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf,
                          overwrite=args.overwrite) as writer:
-            blender = TemporalBlender()
+            blender = kept.blender()  # resume hook: the kept blend state, and the kept frames encoded first
+            with stage_clock.stage("write"):
+                for frame in kept.replay():
+                    writer.write(frame, info.frame_pts[writer.frames_written] if use_pts else None)
 
             def write_batch(item: tuple[int, torch.Tensor]) -> None:
                 index, frames = item
+                try:
+                    with stage_clock.stage("write"):
+                        final = list(blender.push(plan[index], frames.cpu(), settings.overlap))
+                        kept.keep(plan[index], final, blender)  # resume hook: kept as soon as final
+                finally:
+                    kept.mark_handled(index)
                 with stage_clock.stage("write"):
-                    for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
+                    for frame in final:
                         writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
                 if state.on_frames is not None:
                     state.on_frames(writer.frames_written, info.num_frames)
@@ -1069,6 +1125,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 for item in results:
                     with stage_clock.stage("writer wait"):
                         write.submit(item)
+                        kept.wait(item[0], lambda: write.failed)  # resume hook: kept before the next batch starts
             except BaseException:
                 write.abandon()  # the thread must not write on while the partial output is removed
                 raise
@@ -1078,6 +1135,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
                 writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
             if writer.frames_written != info.num_frames:  # a bug, never a silently short file
                 raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
+        kept.complete()  # resume hook: the output is published; its kept batches go
     else:
         for _ in results:
             pass
