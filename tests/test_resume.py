@@ -91,23 +91,23 @@ def _store_with(tmp_path, batches: int) -> BatchStore:
     return store
 
 
-def test_the_store_keeps_one_tail_and_finds_the_resume_point(tmp_path):
+def test_the_store_keeps_a_tail_per_batch_and_finds_the_resume_point(tmp_path):
     store = _store_with(tmp_path, 3)
     names = sorted(os.listdir(store.directory))
     assert names == ["frames-000000.bin", "frames-000001.bin", "frames-000002.bin", "manifest.json",
-                     "tail-000002.bin"]
+                     "tail-000000.bin", "tail-000001.bin", "tail-000002.bin"]
     assert store.finished(4) == (3, [])
     record = store.read_batch(2, tail=True)
     assert record.frames_out == 12 and np.array_equal(record.tail, _frames(1, 102))
     os.unlink(os.path.join(store.directory, "tail-000002.bin"))  # killed between a batch's frames and its tail
-    assert store.finished(4)[0] == 0  # no tail of batch 1 any more either: from the start
+    assert store.finished(4)[0] == 2
     store = _store_with(tmp_path, 3)
     path = os.path.join(store.directory, "frames-000001.bin")
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 0xFF
     open(path, "wb").write(bytes(data))
     done, notes = store.finished(4)
-    assert done == 0 and len(notes) == 1 and "frames-000001.bin fails its checksum" in notes[0]
+    assert done == 1 and len(notes) == 1 and "frames-000001.bin fails its checksum" in notes[0]
 
 
 def _settings(tmp_path, **change) -> dict:
@@ -130,7 +130,8 @@ def test_a_changed_setting_or_version_is_refused_by_name_and_the_store_kept(tmp_
     with pytest.raises(ResumeRefused, match=r"--batch-frames changed \(kept batches: 5; this run: 9\)"):
         resume_point(store, manifest_for(_settings(tmp_path, batch_frames=9)), 4, restart=False, output_name="o.mp4")
     other = dict(manifest_for(_settings(tmp_path)), version="0.0.1")
-    with pytest.raises(ResumeRefused, match=r"written by seedvr2 of winsp 0.0.1 \(store format 1\)"):
+    with pytest.raises(ResumeRefused, match=r"written by seedvr2 of winsp 0.1.0 \(store format 1\); this is winsp "
+                                            r"0.0.1 \(store format 1\)"):
         resume_point(store, other, 4, restart=False, output_name="o.mp4")
     assert store.finished(4)[0] == 1  # nothing lost by the refusals
     with open(tmp_path / "in.bin", "r+b") as f:  # the input's last MiB changed, its size and time kept
@@ -148,8 +149,8 @@ def test_too_little_disk_is_refused_before_the_start(tmp_path, monkeypatch):
     store = BatchStore(str(tmp_path / ("o.mp4" + STORE_SUFFIX)))
     monkeypatch.setattr(BatchStore, "free_bytes", lambda self: 10 * 2**20)
     with pytest.raises(ResumeRefused, match=r"need up to .* GiB beside the output .* --no-resume-store"):
-        check_disk(store, 1000, 720, 1280, 5)
-    check_disk(store, 1, 32, 48, 0)
+        check_disk(store, 1000, 720, 1280, 5, 63)
+    check_disk(store, 1, 32, 48, 0, 1)
 
 
 def test_a_full_disk_is_one_line_and_the_restore_goes_on(tmp_path, monkeypatch):
@@ -286,7 +287,7 @@ def test_a_changed_setting_is_refused_a_corrupt_batch_redone_and_restart_starts_
     changed = _run(clip, out, 0, extra=["--seed", "7"])
     lines = [line for line in changed.stderr.splitlines() if line.startswith(PREFIX)]
     assert changed.returncode == 2 and len(lines) == 1, changed.stderr
-    assert "--seed changed (kept batches: 42; this run: 7)" in lines[0] and "--restart" in lines[0], lines
+    assert "--seed changed (kept batches: 666; this run: 7)" in lines[0] and "--restart" in lines[0], lines
     assert sorted(os.listdir(store_path(str(out))))[:3] == ["frames-000000.bin", "frames-000001.bin",
                                                            "frames-000002.bin"]  # nothing lost
     path = os.path.join(store_path(str(out)), "frames-000001.bin")

@@ -167,7 +167,7 @@ def open_kept_batches(*, output: str, settings: dict, plan: tuple[TemporalBatch,
                 kept = _kept_bytes(store.directory) if not restart else 0
                 resume = resume_point(store, manifest_for(settings), len(plan), restart=restart,
                                       output_name=os.path.basename(output))
-                check_disk(store, plan[-1].stop, *frame_hw, overlap, already=kept)
+                check_disk(store, plan[-1].stop, *frame_hw, overlap, len(plan), already=kept)
         except ResumeRefused as exc:
             error = exc
     batches = agree_on_resume(error, resume.batches, gather_rows)

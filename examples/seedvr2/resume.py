@@ -136,10 +136,11 @@ def resume_point(store: BatchStore, manifest: dict, plan_length: int, *, restart
     return Resume(batches=done, frames=frames, notes=notes)
 
 
-def check_disk(store: BatchStore, frames: int, height: int, width: int, overlap: int, *, already: int = 0) -> None:
-    """``OSError``-free refusal before the start: :class:`ResumeRefused` when the store's file system has less free
-    space than the store may grow to (``already``: bytes of it kept from an earlier run)."""
-    need = store_bytes(frames, height, width, overlap) - already
+def check_disk(store: BatchStore, frames: int, height: int, width: int, overlap: int, batches: int, *,
+               already: int = 0) -> None:
+    """The refusal before the start: :class:`ResumeRefused` when the store's file system has less free space than
+    the store may grow to (``already``: bytes of it kept from an earlier run)."""
+    need = store_bytes(frames, height, width, overlap, batches) - already
     free = store.free_bytes()
     if free is not None and need > free:
         raise ResumeRefused(
