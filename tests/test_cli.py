@@ -88,7 +88,7 @@ def test_restore_mp4_single_process(tmp_path):
     assert "DEMO" in result.stderr and "WARNING" in result.stderr  # says loudly that it is the demo
     summary = result.stderr.strip().splitlines()[-1]
     assert f"wrote {out}: 48x32, 5 frames, 23.976 fps |" in summary and "1 rank" in summary and "| 1 batch |" in summary
-    assert "frames/s" in summary and "peak" in summary and len(summary) - len(str(out)) < 200
+    assert "frames/s" in summary and "peak" in summary and len(summary) - len(str(out)) < 260
     assert leftovers(tmp_path, {"in.mp4", "out.mp4"}) == []
 
 

@@ -956,6 +956,8 @@ class RunState:
     # there, on every rank alike), and on the writer with (frames written, frames) as batches are written
     before_batch: Optional[Callable[[int], None]] = None
     on_frames: Optional[Callable[[int, int], None]] = None
+    # the command's start (time.time()) for the closing line's wall time: a single file's run from main() only
+    command_started: Optional[float] = None
 
 
 def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
@@ -1147,14 +1149,15 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     figures = _per_rank_figures([peak, float(sum(computed)), seconds_restore], launch.device)
     progress.done()
 
+    seconds, stages = _command_time(progress, state)
     written = h264_frame_size(*geometry.output) if is_video_out else geometry.output
     vae = f"tiled {settings.vae_tile}px" if settings.vae_parallel == "tiled" else settings.vae_parallel
     if sp_size == 1 and settings.vae_parallel in ("height", "wavefront"):
         vae = "replicated"  # what one rank runs (see SeedVR2Pipeline)
     if settings.vae_parallel == "wavefront" and sp_size > 1 and pipe.vae_splits:  # what the cost model chose
-        from .vae.wavefront import describe_splits
+        from .vae.wavefront import splits_in_words
 
-        vae += f" ({'; '.join(sorted({describe_splits(*splits) for splits in pipe.vae_splits}))})"
+        vae += f" ({'; '.join(sorted({splits_in_words(*splits) for splits in pipe.vae_splits}))})"
     if pipe.weight_shards is not None:
         vae += f"; DiT blocks sharded x{mesh.sp_size}"
     return summary_line(
@@ -1162,8 +1165,23 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         weights=f"{'DEMO' if models.demo else 'SeedVR2'} {(args.model or '3b').upper()}",
         dtype="bf16" if dtype == torch.bfloat16 else "fp32", device=launch.device.type, world=launch.world_size,
         sp=mesh.sp_size, vae=vae, batches=len(plan), batch_frames=settings.batch_frames, overlap=settings.overlap,
-        seconds=sum(progress.seconds.values()), peak_gib=max(row[0] for row in figures) / 2**30,
+        seconds=seconds, stages=stages, peak_gib=max(row[0] for row in figures) / 2**30,
         color_fix=color_fix, work=geometry.work if geometry.work != geometry.output else None)
+
+
+#: set by ``python -m examples.seedvr2`` as it starts (inherited by the ranks ``--ranks`` starts): the command's start
+COMMAND_STARTED_ENV = "SEEDVR2_COMMAND_STARTED"
+
+
+def _command_time(progress: StageProgress, state: RunState) -> tuple[float, dict]:
+    """The closing line's time: the whole command's wall time and the stages in it (``start-up`` first: the
+    interpreter, imports, ranks and process group before the input is read), or, for a file of several (or a caller
+    that gives no start), the file's own stages."""
+    stages = dict(progress.seconds)
+    if state.command_started is None:
+        return sum(stages.values()), stages
+    wall = time.time() - state.command_started
+    return wall, {"start-up": max(0.0, wall - sum(stages.values())), **stages}
 
 
 def describe_batches(plan) -> str:
@@ -1239,6 +1257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     from . import stage_clock
 
+    global _MAIN_ENTERED
+    _MAIN_ENTERED = time.time()
     if os.environ.get(stage_clock.PROFILE_ENV):
         stage_clock.enable(comm=True).mark("main entered")
     try:
@@ -1290,7 +1310,7 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         if not job.batch:
             args.input, args.output = job.pairs[0]
-            code, failed, _ = _restore_file(args, launch, RunState())
+            code, failed, _ = _restore_file(args, launch, RunState(command_started=_command_started()))
             return code
         code, failed = _restore_batch(args, launch, job)
         return code
@@ -1299,6 +1319,18 @@ def _main(args: argparse.Namespace) -> int:
         raise
     finally:
         launch.close(failed=failed)
+
+
+def _command_started() -> float:
+    """When the command started: ``$SEEDVR2_COMMAND_STARTED`` (set by ``python -m examples.seedvr2``), else when
+    :func:`main` was entered."""
+    try:
+        return float(os.environ[COMMAND_STARTED_ENV])
+    except (KeyError, ValueError):
+        return _MAIN_ENTERED
+
+
+_MAIN_ENTERED = time.time()
 
 
 def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, bool]:
