@@ -413,8 +413,10 @@ def test_failed_write_leaves_no_file(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(media.MediaWriter, "write", explode)
     src = make_mp4(tmp_path / "in.mp4")
+    # no partial output; the finished batch is kept beside it (the same command resumes after it, see test_resume)
     _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--quiet"], "disk full", tmp_path,
-                  keep={"in.mp4"})
+                  keep={"in.mp4", "o.mp4.seedvr2-batches"})
+    assert os.path.isfile(tmp_path / "o.mp4.seedvr2-batches" / "frames-000000.bin")
 
 
 # ---- the CLI never loses data -------------------------------------------------------------------------------------

@@ -138,6 +138,8 @@ class BatchStore:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.full = False  # set when a write found the disk full: no more batches are kept
+        # the manifest of a store not created yet: created with the first batch, so a run that keeps none leaves none
+        self.pending: Optional[dict] = None
 
     # ---- the folder -------------------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -186,6 +188,9 @@ class BatchStore:
     def write_batch(self, record: BatchRecord) -> None:
         """Keep ``record``: its final frames, then its tail. Raises OSError as the file system does (the caller
         handles a full disk, see :meth:`disk_full`)."""
+        if self.pending is not None:
+            self.create(self.pending)
+            self.pending = None
         header = {"index": record.index, "next_start": record.next_start, "frames_out": record.frames_out}
         write_frames_file(self._path("frames", record.index), record.final, dict(header, kind="frames"))
         write_frames_file(self._path("tail", record.index), record.tail, dict(header, kind="tail"))

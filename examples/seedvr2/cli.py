@@ -1242,6 +1242,11 @@ def _stop_message(rank: int):
 
         what = (f"removed the partial output {', '.join(os.path.basename(p) for p in removed)}" if removed
                 else "no partial output left")
+        from .kept_batches import kept_folder  # resume hook (issue 48)
+
+        kept = kept_folder()
+        if kept is not None:
+            what += f"; kept the finished batches in {os.path.basename(kept)} (the same command resumes after them)"
         return printable(f"{PROG}: stopped by {signal.Signals(signum).name}: {what}")
     return message
 

@@ -25,7 +25,14 @@ from .batch_store import BatchRecord, BatchStore, StoreError, store_path
 from .resume import Resume, ResumeRefused, check_disk, manifest_for, resume_point
 from .temporal import TemporalBatch, TemporalBlender
 
-__all__ = ["ResumableBlender", "KeptBatches", "open_kept_batches", "agree_on_resume"]
+__all__ = ["ResumableBlender", "KeptBatches", "open_kept_batches", "agree_on_resume", "kept_folder"]
+
+_ACTIVE: list[str] = []  # the store folder of the run in progress in this process (for the stop signal's line)
+
+
+def kept_folder() -> Optional[str]:
+    """The folder of finished batches the run in progress has kept (None when none yet): what a stop leaves."""
+    return _ACTIVE[0] if _ACTIVE and os.path.isfile(os.path.join(_ACTIVE[0], "manifest.json")) else None
 
 
 class ResumableBlender(TemporalBlender):
@@ -58,6 +65,7 @@ class KeptBatches:
         self.store, self.resume, self.plan, self.say = store, resume, plan, say
         self._handled = resume.batches - 1  # the last batch the writer has kept (or given up on)
         self._changed = threading.Condition()
+        _ACTIVE[:] = [store.directory] if store is not None else []
 
     @property
     def first(self) -> int:
@@ -124,6 +132,7 @@ class KeptBatches:
 
     def complete(self) -> None:
         """The output is complete: the store is removed."""
+        _ACTIVE.clear()
         if self.store is not None:
             self.store.remove()
 

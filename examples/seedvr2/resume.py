@@ -101,12 +101,12 @@ def resume_point(store: BatchStore, manifest: dict, plan_length: int, *, restart
     fresh one, or the kept one less anything after its resume point), or :class:`ResumeRefused` naming the mismatch.
 
     ``restart`` ignores (removes) a kept store. Called on the writing rank only; the others learn the point from it.
+    A fresh store is created with its first batch (see :attr:`.batch_store.BatchStore.pending`).
     """
     where = os.path.basename(store.directory)
     if restart or not store.exists():
-        if os.path.isdir(store.directory) and not restart:  # a folder without a manifest: killed while creating it
-            store.remove()
-        store.create(manifest)
+        store.remove()  # with --restart; or a folder without a manifest: killed while creating it
+        store.pending = manifest  # created with the first finished batch
         return Resume(notes=[f"note: --restart: the kept batches in {where} were removed"] if restart else [])
     try:
         kept = store.read_manifest()
