@@ -378,3 +378,57 @@ def test_one_rank_of_two_killed_resumes_and_equals_an_uninterrupted_run(tmp_path
         what, first, second)
     assert out.read_bytes() == ref.read_bytes(), what
     assert not os.path.exists(store_path(str(out)))
+
+
+def test_ordered_results_skips_the_kept_batches_on_every_rank():
+    from winsp.comm.temporal import build_temporal_mesh, ordered_results
+
+    mesh = build_temporal_mesh()
+    computed = []
+    seen = list(ordered_results(mesh, 4, lambda i: computed.append(i) or torch.full((1,), i), first=2))
+    assert computed == [2, 3] and [i for i, _ in seen] == [2, 3]
+    assert list(ordered_results(mesh, 4, lambda i: torch.zeros(1), first=4)) == []
+    with pytest.raises(ValueError, match=r"first must be in \[0, num_batches\] = \[0, 4\], got 5"):
+        list(ordered_results(mesh, 4, lambda i: torch.zeros(1), first=5))
+
+
+@pytest.mark.slow
+def test_a_rank_of_the_launcher_killed_at_a_random_moment_resumes(tmp_path, clip):
+    """``--ranks 2``: rank 1 SIGKILLed from outside at a random moment after a batch is kept; the launcher stops
+    rank 0, and the same command resumes with every batch kept by then and writes what an uninterrupted run writes."""
+    import signal
+    import time
+
+    from tests.test_faults import _rank_pids
+
+    args = [sys.executable, "-m", "examples.seedvr2", *_args(clip, tmp_path / "ref.mp4", 0), "--ranks", "2"]
+    whole = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert whole.returncode == 0, whole.stderr
+    out = tmp_path / "out.mp4"
+    args = [sys.executable, "-m", "examples.seedvr2", *_args(clip, out, 0), "--ranks", "2"]
+    proc = subprocess.Popen(args, cwd=REPO, env=_env(), stderr=subprocess.PIPE, text=True)
+    store = store_path(str(out))
+    delay = random.Random(f"{SEED}-launcher").uniform(0.0, 0.5)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not os.path.exists(os.path.join(store, "tail-000000.bin")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no batch was kept before the end"
+            time.sleep(0.02)
+        time.sleep(delay)
+        kept = len([n for n in os.listdir(store) if n.startswith("tail-")])
+        os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode == 0:
+        pytest.skip(f"the run finished before the kill ({delay:.2f}s after the first batch, seed {SEED})")
+    assert proc.returncode == 2 and "rank 1 was killed by SIGKILL" in err, err
+    resumed = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr
+    reused = [line for line in resumed.stderr.splitlines() if "resuming:" in line]
+    assert len(reused) == 1, resumed.stderr
+    batches = int(reused[0].split("(")[1].split(" of ")[0])
+    assert batches >= kept, (reused, kept, SEED)  # nothing kept before the kill was lost
+    assert out.read_bytes() == (tmp_path / "ref.mp4").read_bytes(), SEED
+    assert not os.path.exists(store)
