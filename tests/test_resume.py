@@ -24,10 +24,16 @@ import torch
 av = pytest.importorskip("av")
 
 from examples.seedvr2.batch_store import (  # noqa: E402
-    STORE_SUFFIX, BatchRecord, BatchStore, StoreError, read_frames_file, store_path, write_frames_file)
+    STORE_SUFFIX,
+    BatchRecord,
+    BatchStore,
+    StoreError,
+    read_frames_file,
+    store_path,
+    write_frames_file,
+)
 from examples.seedvr2.kept_batches import KeptBatches, ResumableBlender  # noqa: E402
-from examples.seedvr2.resume import (  # noqa: E402
-    Resume, ResumeRefused, check_disk, manifest_for, resume_point, run_settings)
+from examples.seedvr2.resume import Resume, ResumeRefused, check_disk, manifest_for, resume_point, run_settings  # noqa: E402
 from examples.seedvr2.temporal import plan_temporal_batches  # noqa: E402
 from tests.test_cli import PREFIX, REPO, make_mp4  # noqa: E402
 
@@ -184,7 +190,7 @@ def test_a_resumed_blender_continues_exactly(tmp_path):
     blender = again.blender()
     frames = [torch.from_numpy(f.copy()) for f in again.replay()]
     frames += [f for b in PLAN[2:] for f in blender.push(b, clip[b.start:b.stop], OVERLAP)] + list(blender.finish())
-    assert len(frames) == FRAMES and all(torch.equal(a, b) for a, b in zip(frames, expected))
+    assert len(frames) == FRAMES and all(torch.equal(a, b) for a, b in zip(frames, expected, strict=True))
 
 
 # ---- real runs, killed --------------------------------------------------------------------------------------------

@@ -70,8 +70,9 @@ def store_bytes(frames: int, height: int, width: int, overlap: int, batches: int
     return (frames + overlap * batches) * height * width * 3 + 4096 * (batches + 1)
 
 
-def write_atomic(path: str, parts: list[bytes]) -> None:
-    """Write ``parts`` to ``path`` as one file that appears complete or not at all (a temporary name, then a rename).
+def write_atomic(path: str, parts: list) -> None:
+    """Write ``parts`` (bytes-like) to ``path`` as one file that appears complete or not at all (a temporary name,
+    then a rename).
 
     Not synced to the disk: a killed process's writes survive it (they are the kernel's), which is what the store is
     for; after a power cut a file the disk lost part of fails its checksum and its batch is restored again."""
@@ -89,11 +90,11 @@ def write_atomic(path: str, parts: list[bytes]) -> None:
         raise
 
 
-def _frames_parts(frames: np.ndarray, header: dict) -> list[bytes]:
+def _frames_parts(frames: np.ndarray, header: dict) -> list:
     frames = np.ascontiguousarray(frames, dtype=np.uint8)
     if frames.ndim != 4:
         raise ValueError(f"frames must be [n, h, w, c] uint8, got shape {list(frames.shape)}")
-    rows = [frame.tobytes() for frame in frames]
+    rows = [memoryview(frame).cast("B") for frame in frames]  # the frames' own bytes, not copies
     header = dict(header, frames=len(rows), shape=list(frames.shape[1:]), crc32=[zlib.crc32(r) for r in rows])
     text = json.dumps(header, sort_keys=True).encode()
     return [_MAGIC, struct.pack("<I", len(text)), text, *rows]

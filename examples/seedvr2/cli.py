@@ -618,8 +618,8 @@ def agree_loaded(error: Optional[Exception], launch: Launch, state: "RunState") 
 
 
 def _open_kept_batches(args: argparse.Namespace, launch: Launch, progress: StageProgress, state: "RunState",
-                       output: str, settings, plan, geometry: Geometry, info, dtype: torch.dtype, color_fix: str, sp_size: int,
-                       demo: bool):
+                       output: str, settings, plan, geometry: Geometry, info, dtype: torch.dtype, color_fix: str,
+                       sp_size: int, demo: bool):
     """Resume hook (issue 48): the finished batches kept beside the output (see :mod:`.kept_batches`), read on rank 0
     against this run's settings and agreed by every rank in one meeting. A refusal (a changed setting, another
     version, a disk too small) is an :class:`InputError` reported by rank 0; every rank stops."""
