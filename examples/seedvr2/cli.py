@@ -635,7 +635,7 @@ def _open_kept_batches(args: argparse.Namespace, launch: Launch, progress: Stage
 
         weights = (f"DiT {file_identity(args.dit_checkpoint)}; VAE {file_identity(args.vae_checkpoint)}; --weights "
                    f"{getattr(args, 'weights', 'stored')}")
-    enabled = bool(getattr(args, "resume_store", False)) and not info.is_image  # `serve` builds no such option
+    enabled = state.keep_batches and bool(getattr(args, "resume_store", True)) and not info.is_image
     run = run_settings(
         input_path=args.input, model=args.model or "3b", weights=weights, text_embeds=args.text_embeds,
         output_size=geometry.output, work_size=geometry.work, frames=info.num_frames, seed=args.seed,
@@ -958,6 +958,8 @@ class RunState:
     on_frames: Optional[Callable[[int, int], None]] = None
     # the command's start (time.time()) for the closing line's wall time: a single file's run from main() only
     command_started: Optional[float] = None
+    # resume hook (issue 48): keep finished batches beside the output (set by the restore command; `serve` does not)
+    keep_batches: bool = False
 
 
 def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgress,
@@ -1315,7 +1317,8 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         if not job.batch:
             args.input, args.output = job.pairs[0]
-            code, failed, _ = _restore_file(args, launch, RunState(command_started=_command_started()))
+            code, failed, _ = _restore_file(args, launch, RunState(command_started=_command_started(),
+                                                                   keep_batches=True))
             return code
         code, failed = _restore_batch(args, launch, job)
         return code
@@ -1362,7 +1365,7 @@ def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, 
     models, failures, done, broken = None, [], 0, False
     for index, (path, output) in enumerate(job.pairs):
         args.input, args.output = path, output
-        state = RunState(models=models)
+        state = RunState(models=models, keep_batches=True)
         code, broken, _ = _restore_file(args, launch, state)
         models = state.models
         if code == 0:
