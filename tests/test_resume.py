@@ -331,6 +331,12 @@ def test_no_resume_store_keeps_nothing(tmp_path, clip):
     out = tmp_path / "out.mp4"
     assert _run(clip, out, 0, "between", 0, extra=["--no-resume-store"]).returncode == 0  # never keeps: never killed
     assert sorted(os.listdir(tmp_path)) == ["out.mp4"]
+    out.unlink()
+    assert _run(clip, out, 0, "between", 0).returncode == -9
+    done = _run(clip, out, 0, extra=["--no-resume-store"])  # ignores the kept batches, and removes them when done
+    assert done.returncode == 0 and _computed(done.stderr) == [0, 1, 2, 3], done.stderr
+    # (the killed process's temporary output, .out.<random>.partial.mp4, is left: nothing ran to remove it)
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["out.mp4"]
 
 
 # ---- two ranks ----------------------------------------------------------------------------------------------------
@@ -438,3 +444,31 @@ def test_a_rank_of_the_launcher_killed_at_a_random_moment_resumes(tmp_path, clip
     assert batches >= kept, (reused, kept, SEED)  # nothing kept before the kill was lost
     assert out.read_bytes() == (tmp_path / "ref.mp4").read_bytes(), SEED
     assert not os.path.exists(store)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_rank_killed_mid_batch_costs_that_batch_alone(tmp_path, clip):
+    """torchrun's own ranks (``--standalone --nproc-per-node 2``): rank 1 SIGKILLed inside a random batch; torchrun
+    stops rank 0; the same torchrun command resumes and writes what an uninterrupted torchrun run writes."""
+
+    def torchrun(out, point="none", n=0) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "tests.cli_with_kill", point, str(n), "1", *_args(clip, out, 0)]
+        return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+
+    ref = tmp_path / "ref.mp4"
+    whole = torchrun(ref)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    n = random.Random(f"{SEED}-torchrun").randrange(len(PLAN))
+    out = tmp_path / "out.mp4"
+    killed = torchrun(out, "mid_batch", n)
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    resumed = torchrun(out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # both ranks print their batches into torchrun's stderr: each batch index appears once per rank that ran it
+    first, second = _computed(killed.stderr), _computed(resumed.stderr)
+    again = set(first) & set(second)
+    assert len(again) <= 1 and set(first) | set(second) == {0, 1, 2, 3}, (n, first, second, SEED)
+    assert not second or set(second) == set(range(min(second), len(PLAN)))  # from the resume point on
+    assert out.read_bytes() == ref.read_bytes(), (n, SEED)
+    assert not os.path.exists(store_path(str(out)))

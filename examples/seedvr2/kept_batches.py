@@ -61,8 +61,9 @@ class KeptBatches:
     None: ``--no-resume-store``, or a rank that does not write) keeps nothing and resumes nothing."""
 
     def __init__(self, store: Optional[BatchStore], resume: Resume, plan: tuple[TemporalBatch, ...],
-                 say: Callable[[str], None] = lambda line: None) -> None:
+                 say: Callable[[str], None] = lambda line: None, folder: Optional[str] = None) -> None:
         self.store, self.resume, self.plan, self.say = store, resume, plan, say
+        self.folder = folder if folder is not None else store.directory if store is not None else None
         self._handled = resume.batches - 1  # the last batch the writer has kept (or given up on)
         self._changed = threading.Condition()
         _ACTIVE[:] = [store.directory] if store is not None else []
@@ -133,8 +134,8 @@ class KeptBatches:
     def complete(self) -> None:
         """The output is complete: the store is removed."""
         _ACTIVE.clear()
-        if self.store is not None:
-            self.store.remove()
+        if self.folder is not None:  # also an earlier run's, left by a run with --no-resume-store: now of no use
+            BatchStore(self.folder).remove()
 
 
 def agree_on_resume(error: Optional[Exception], batches: int,
@@ -162,8 +163,9 @@ def open_kept_batches(*, output: str, settings: dict, plan: tuple[TemporalBatch,
                       say: Callable[[str], None]) -> KeptBatches:
     """The kept batches of this run, agreed by every rank (see the module docstring). ``settings``: this run's
     :func:`.resume.run_settings`; ``frame_hw``: the output frames' size; ``writer``: this rank writes the output and
-    keeps the batches; ``enabled``: False for ``--no-resume-store`` (nothing is read, kept or removed, except with
-    ``restart``). Raises :class:`.resume.ResumeRefused` (on the writer) or :class:`PeerRefused` (on the others)."""
+    keeps the batches; ``enabled``: False for ``--no-resume-store`` (nothing is read or kept; an earlier run's batches
+    are removed once the output is complete, or at once with ``restart``). Raises
+    :class:`.resume.ResumeRefused` (on the writer) or :class:`PeerRefused` (on the others)."""
     store = BatchStore(store_path(output)) if writer else None
     resume, error = Resume(), None
     if store is not None:
@@ -187,7 +189,7 @@ def open_kept_batches(*, output: str, settings: dict, plan: tuple[TemporalBatch,
     if resume.batches:
         say(f"note: resuming: {resume.frames} of {plan[-1].stop} frames reused ({resume.batches} of {len(plan)} "
             f"batches kept in {os.path.basename(store_path(output))}); --restart starts over")
-    return KeptBatches(store, resume, plan, say)
+    return KeptBatches(store, resume, plan, say, folder=store_path(output) if writer else None)
 
 
 def _kept_bytes(directory: str) -> int:
