@@ -256,6 +256,8 @@ def _kill_and_resume(tmp_path, clip, reference, crf, point, n, what):
     assert np.array_equal(_decoded(out), frames), what
     assert out.read_bytes() == data, f"{what}: the file differs from an uninterrupted run's"
     assert not os.path.exists(store_path(str(out))), what
+    if 0 not in second:  # resumed from kept batches: the killed run's temporary output was removed with them
+        assert os.listdir(tmp_path) == ["out.mp4"], (what, os.listdir(tmp_path))
     lines = [line for line in resumed.stderr.splitlines() if line.startswith(PROG)]
     reused = [line for line in lines if "resuming:" in line]
     if 0 not in second:
@@ -335,7 +337,7 @@ def test_no_resume_store_keeps_nothing(tmp_path, clip):
     assert _run(clip, out, 0, "between", 0).returncode == -9
     done = _run(clip, out, 0, extra=["--no-resume-store"])  # ignores the kept batches, and removes them when done
     assert done.returncode == 0 and _computed(done.stderr) == [0, 1, 2, 3], done.stderr
-    # (the killed process's temporary output, .out.<random>.partial.mp4, is left: nothing ran to remove it)
+    # (the killed process's temporary output, .out.<random>.partial.mp4, is left: no resume ran to remove it)
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["out.mp4"]
 
 

@@ -37,6 +37,8 @@ __all__ = ["STORE_FORMAT", "STORE_SUFFIX", "MANIFEST", "StoreError", "BatchRecor
 STORE_FORMAT = 1
 STORE_SUFFIX = ".seedvr2-batches"
 MANIFEST = "manifest.json"
+#: the name of the temporary output file of the run that keeps the batches (removed by the run that resumes them)
+PARTIAL = "partial-output.txt"
 _MAGIC = b"SVR2BAT1"
 _TMP = ".tmp-"
 
@@ -166,6 +168,23 @@ class BatchStore:
     def remove(self) -> None:
         """Remove the folder and everything in it (nothing when absent)."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+    def note_partial(self, path: str) -> None:
+        """Record the temporary output file this run writes (its base name), for a resumed run to remove."""
+        write_atomic(os.path.join(self.directory, PARTIAL), [os.path.basename(path).encode()])
+
+    def remove_noted_partial(self, output_directory: str) -> None:
+        """Remove the temporary output file a killed run noted (nothing when none was noted or it is gone)."""
+        try:
+            with open(os.path.join(self.directory, PARTIAL), "rb") as f:
+                name = os.fsdecode(f.read())
+        except OSError:
+            return
+        if name and os.path.basename(name) == name and ".partial" in name:
+            try:
+                os.unlink(os.path.join(output_directory, name))
+            except OSError:
+                pass
 
     def clear_temporaries(self) -> None:
         """Remove the temporary files a run killed mid-write left."""

@@ -1104,6 +1104,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
                          audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf,
                          overwrite=args.overwrite) as writer:
+            kept.note_partial(getattr(writer, "partial_path", None))  # resume hook: a resumed run removes it
             blender = kept.blender()  # resume hook: the kept blend state, and the kept frames encoded first
             with stage_clock.stage("write"):
                 for frame in kept.replay():

@@ -64,6 +64,7 @@ class KeptBatches:
                  say: Callable[[str], None] = lambda line: None, folder: Optional[str] = None) -> None:
         self.store, self.resume, self.plan, self.say = store, resume, plan, say
         self.folder = folder if folder is not None else store.directory if store is not None else None
+        self._partial: Optional[str] = None  # this run's temporary output file, noted with its first kept batch
         self._handled = resume.batches - 1  # the last batch the writer has kept (or given up on)
         self._changed = threading.Condition()
         _ACTIVE[:] = [store.directory] if store is not None else []
@@ -92,6 +93,13 @@ class KeptBatches:
                                    f"run the command again") from None
             yield from record.final
 
+    def note_partial(self, path: Optional[str]) -> None:
+        """This run's temporary output file: noted in the store, so that the run resuming it removes it (a killed
+        process leaves it)."""
+        self._partial = path
+        if path is not None and self.store is not None and self.store.exists():
+            self.store.note_partial(path)
+
     def keep(self, batch: TemporalBatch, final: list[torch.Tensor], blender: ResumableBlender) -> None:
         """Keep batch ``batch`` now that it is final: ``final`` (the frames the cross-fade released for it) and the
         blender's held frames. A full disk stops the keeping, with one line; the restore goes on."""
@@ -105,6 +113,11 @@ class KeptBatches:
             held = frames[:0]
         following = self.plan[batch.index + 1].start if batch.index + 1 < len(self.plan) else batch.stop
         try:
+            created = self.store.pending is not None
+            if created and self._partial is not None:  # the store is made with this batch: note the partial first
+                self.store.create(self.store.pending)
+                self.store.pending = None
+                self.store.note_partial(self._partial)
             self.store.write_batch(BatchRecord(index=batch.index, next_start=following,
                                                frames_out=blender.frames_out, final=frames, tail=held))
         except OSError as exc:

@@ -129,6 +129,7 @@ def resume_point(store: BatchStore, manifest: dict, plan_length: int, *, restart
                 f"this run: {_show(new)}); run the same settings again to resume, or --restart to start over (it "
                 f"removes the kept batches)")
     store.clear_temporaries()
+    store.remove_noted_partial(os.path.dirname(store.directory))  # the killed run's temporary output
     done, notes = store.finished(plan_length)
     notes = [f"note: {note}: that batch is restored again" for note in notes]
     store.drop_from(done)
