@@ -474,3 +474,31 @@ def test_under_torchrun_a_rank_killed_mid_batch_costs_that_batch_alone(tmp_path,
     assert not second or set(second) == set(range(min(second), len(PLAN)))  # from the resume point on
     assert out.read_bytes() == ref.read_bytes(), (n, SEED)
     assert not os.path.exists(store_path(str(out)))
+
+
+def test_a_disk_too_small_is_refused_before_the_start_and_a_full_disk_is_one_line(tmp_path, clip, reference,
+                                                                                  capsys, monkeypatch):
+    from examples.seedvr2 import cli
+
+    out = tmp_path / "out.mp4"
+    argv = _args(clip, out, 0)
+    monkeypatch.setattr(BatchStore, "free_bytes", lambda self: 1000)
+    assert cli.main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PROG)]
+    assert len(lines) == 1 and "need up to" in lines[0] and "0.00 GiB free" in lines[0], lines
+    assert os.listdir(tmp_path) == []  # refused before anything was written
+    monkeypatch.undo()
+    written = []
+
+    def fills(self, record):
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(record.index)
+        original(self, record)
+
+    original = BatchStore.write_batch
+    monkeypatch.setattr(BatchStore, "write_batch", fills)
+    assert cli.main(argv) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "disk filled" in line]
+    assert len(notes) == 1 and "keeping batch 2 of 4" in notes[0] and "the restore goes on" in notes[0], notes
+    assert out.read_bytes() == reference[0][0] and os.listdir(tmp_path) == ["out.mp4"]
