@@ -8,9 +8,9 @@ whole command with the store (the default) and with ``--no-resume-store``, each 
 and takes the best (minimum) of the rounds for each. Printed per clip: the wall time and the CLI's ``restore`` stage
 (from its closing line) of both, the store's overhead on each, and its disk: the most bytes the store held during the
 run (polled every 20 ms) and the figure :func:`examples.seedvr2.restore.batch_store.store_bytes` plans with, both
-also per minute of output video. Demo weights (no checkpoints); ``--vae-channels`` gives the demo VAE the released widths
-(``128,256,512,512``, the default, through ``SEEDVR2_DEMO_VAE_CHANNELS``) so that the VAE costs what it costs a
-user. On a GPU machine the command runs on the GPU as a user's does.
+also per minute of output video. Demo weights (no checkpoints); ``--vae-channels`` gives the demo VAE the released
+widths (``128,256,512,512``, the default, through ``SEEDVR2_DEMO_VAE_CHANNELS``) so that the VAE costs what it costs
+a user. On a GPU machine the command runs on the GPU as a user's does.
 
 ``--quick``: one 96x64x9 clip, one round, the demo VAE's own widths (a smoke test of the script, not a measurement).
 The store's target: at most 5 % of the restore's wall time (issue 48).
