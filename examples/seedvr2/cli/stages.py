@@ -446,13 +446,12 @@ def write_stage(args: argparse.Namespace, state: RunState, read: ReadStage, mesh
 
             def write_batch(item: tuple[int, torch.Tensor]) -> None:
                 index, frames = item
-                try:
-                    with stage_clock.stage("write"):
+                with stage_clock.stage("write"):
+                    try:
                         final = list(blender.push(plan[index], frames.cpu(), settings.overlap))
                         kept.keep(plan[index], final, blender)  # resume hook: kept as soon as final
-                finally:
-                    kept.mark_handled(index)
-                with stage_clock.stage("write"):
+                    finally:
+                        kept.mark_handled(index)
                     for frame in final:
                         writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
                 if state.on_frames is not None:
