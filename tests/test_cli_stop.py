@@ -124,7 +124,8 @@ def test_every_rank_exits_soon_after_one_fails(tmp_path, fault, rank):
     failed_at = float(errs[rank].split(f"injected {fault} at ")[1].split()[0])
     for r in range(2):
         assert ended[r] - failed_at < 10, f"rank {r} exited {ended[r] - failed_at:.1f}s after the failure: {errs[r]}"
-    assert leftovers(tmp_path, {"in.mp4"}) == []
+    # no partial output; the batches finished before the failure may be kept to resume after them (see test_resume)
+    assert leftovers(tmp_path, {"in.mp4"}) in ([], ["out.mp4.seedvr2-batches"])
     other = 1 - rank
     assert procs[other].returncode == 2, errs[other]
     assert f"rank {other}: stopped: another rank failed" in errs[other] and "Traceback" not in errs[other]
