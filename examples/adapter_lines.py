@@ -15,7 +15,8 @@ __all__ = ["model_specific_lines", "SHIPPED"]
 
 # the shipped adapters, each the whole file a user writes for the model (imports included)
 SHIPPED = ("examples/swin3d/adapter.py", "examples/swinv2/adapter.py", "examples/hourglass/adapter.py",
-           "examples/natten_video/adapter.py", "examples/cogvideox/adapter.py", "examples/divided_video/adapter.py")
+           "examples/natten_video/adapter.py", "examples/cogvideox/adapter.py", "examples/divided_video/adapter.py",
+           "examples/hunyuanvideo15/adapter.py", "examples/latent_video/adapter.py", "examples/swin_seg3d/adapter.py")
 
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 

@@ -13,16 +13,23 @@ import torch
 from winsp.geometry.neighborhood import Neighborhood
 
 
-def _axis_keys(n: int, k: int, d: int, causal: bool, i: int) -> set[int]:
-    """NATTEN's neighbourhood of position i along one axis, as a set (written from the rules, not from winsp)."""
+def _axis_keys(n: int, k: int, d: int, causal: bool, i: int, s: int = 1) -> set[int]:
+    """NATTEN's neighbourhood of position i along one axis, as a set (written from the rules, not from winsp).
+
+    Stride ``s``: the dilation group's members are dealt into runs of ``s`` (the last one shorter); every query of a
+    run takes the window of the run's leader, its middle member (the right one of two) or, causally, its last.
+    """
     members = list(range(i % d, n, d))
     j = members.index(i)
+    run = [x for x in range(len(members)) if x // s == j // s]
     if causal:
-        chosen = range(max(0, j - k + 1), j + 1)
+        leader = run[-1]
+        chosen = [x for x in range(len(members)) if leader - k < x <= j]
     else:
+        leader = run[min(s // 2, len(run) - 1)]
         left, right = k // 2, k // 2 - (1 - k % 2)
-        centre = min(max(j, left), len(members) - 1 - right)
-        chosen = range(centre - left, centre + right + 1)
+        centre = min(max(leader, left), len(members) - 1 - right)
+        chosen = list(range(centre - left, centre + right + 1))
     return {members[x] for x in chosen}
 
 
@@ -43,7 +50,7 @@ def oracle_mask(grids, geometry: Neighborhood) -> torch.Tensor:
             for a in range(3):  # a key is in the neighbourhood iff each of its coordinates is in that axis's set
                 inside = torch.zeros(grid[a], dtype=torch.bool)
                 inside[list(_axis_keys(grid[a], geometry.kernel[a], geometry.dilation[a], geometry.causal[a],
-                                       qc[a]))] = True
+                                       qc[a], geometry.stride[a]))] = True
                 ok &= inside[cs[:, a]]
             mask[start + qi, start:start + len(cs)] = ok
         start += math.prod(grid)
@@ -87,9 +94,9 @@ def oracle_attention(q, k, v, grids, geometry, q_txt=None, k_txt=None, v_txt=Non
 
 
 
-def dense_na3d(query, key, value, kernel_size, dilation=1, is_causal=False, scale=None, **unused):
+def dense_na3d(query, key, value, kernel_size, dilation=1, is_causal=False, scale=None, stride=1, **unused):
     """``natten.na3d``'s signature on ``[B, T, H, W, heads, D]``, computed densely (a drop-in for checks)."""
-    geom = Neighborhood(kernel_size, dilation, is_causal)
+    geom = Neighborhood(kernel_size, dilation, is_causal, stride=stride)
     b, t, h, w, heads, d = query.shape
     grids = [(t, h, w)] * b
     flat = [x.reshape(b * t * h * w, heads, -1) for x in (query, key, value)]

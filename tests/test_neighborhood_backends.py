@@ -246,9 +246,9 @@ def test_a_causal_axis_is_padded_to_natten_s_minimum():
 
     geom = CASES["3d-causal-time"][2]
     box, why = extended_box((6, 8, 7), geom, [(0, 2), (0, 8), (0, 7)])
-    assert why is None and box == [(0, 2, 6), (0, 8, 8), (0, 7, 7)]
+    assert why is None and box == [(0, 0, 2, 6), (0, 0, 8, 8), (0, 0, 7, 7)]
     box, why = extended_box((6, 8, 7), geom, [(0, 1), (0, 8), (0, 7)])
-    assert why is None and box[0] == (0, 1, 6)
+    assert why is None and box[0] == (0, 0, 1, 6)
     # non-causal, one frame: it reaches frames 0, 2, 4 only (its dilation group), a ragged halo
     _, why = extended_box((6, 8, 7), Neighborhood((3, 4, 3), (2, 2, 2)), [(0, 1), (0, 8), (0, 7)])
     assert why is not None and "axis t" in why

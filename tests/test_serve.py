@@ -49,6 +49,9 @@ class Served:
     def __init__(self, tmp, *flags, ranks: int = 1, token: bool = True, torchrun: int = 0, restarts: int = 0,
                  env=None) -> None:
         self.log_path = os.path.join(tmp, f"serve-{time.time_ns()}.log")
+        # the test-only gate (serve/worker.py): while this file exists, a running job waits before each batch
+        self.gate = os.path.join(tmp, f"gate-{time.time_ns()}")
+        env = {"SEEDVR2_SERVE_TEST_GATE": self.gate, **(env or {})}
         prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
                    f"--max-restarts={restarts}"] if torchrun else [sys.executable])
         argv = [*prefix, "-m", "examples.seedvr2", "serve", "--port", "0", "--demo", *map(str, flags)]
@@ -83,6 +86,19 @@ class Served:
     def text(self) -> str:
         with open(self.log_path) as f:
             return f.read()
+
+    def hold(self) -> None:
+        """Close the gate: from now on a running job waits before its next temporal batch (until :meth:`release`,
+        or until it is cancelled), so that a test acts on a running job whatever the machine's speed."""
+        open(self.gate, "w").close()
+
+    def release(self) -> None:
+        if os.path.exists(self.gate):
+            os.unlink(self.gate)
+
+    def state_dir(self) -> str:
+        """The state folder the log names (a temporary one unless --state-dir)."""
+        return re.findall(r"state in (\S+)\)", self.text())[-1]
 
     def submit(self, path, **options) -> httpx.Response:
         with open(path, "rb") as f:
@@ -184,10 +200,12 @@ def _restore(src, out, *flags, ranks: int = 1) -> bytes:
 def _cancel_then_restore(served, media, clip: str) -> bytes:
     """The long clip (10 batches of 5 frames) cancelled once it runs (it ends cancelled at a batch boundary), then
     ``clip`` restored on the same ranks (in 5-frame batches): its result."""
+    served.hold()
     long_id = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
     served.wait(long_id, states=("running",))
     served.client.delete(f"/v1/restorations/{long_id}")
     assert served.wait(long_id)["state"] == "cancelled"
+    served.release()
     good = served.submit(media[clip], crf=0, batch_frames=5).json()["id"]
     assert served.wait(good)["state"] == "done", served.text()
     return served.client.get(f"/v1/restorations/{good}/result").content
@@ -230,23 +248,28 @@ def test_refusals_are_one_line_before_anything_runs(server, media, tmp_path):
 
 
 def test_a_job_whose_file_breaks_fails_alone_then_a_good_job_is_restore_byte_for_byte(server, media, tmp_path):
-    """A server file (--allow-paths) that passes the checks at submission but is garbage when its turn comes: the
-    job fails with restore's one line, and the next job is byte for byte what restore writes."""
+    """A job whose input passes the checks at submission but is garbage when its turn comes (its copy in the state
+    folder spoiled: a server file under --allow-paths is copied at submission, so changing that file changes nothing):
+    the job fails with restore's one line, and the next job is byte for byte what restore writes."""
     victim = os.path.join(media["folder"], "victim.mp4")
     with open(media["short"], "rb") as src, open(victim, "wb") as dst:
         dst.write(src.read())
+    server.hold()
     ahead = server.submit(media["long"], crf=0, batch_frames=5).json()["id"]
     server.wait(ahead, states=("running",))
     broken = server.client.post("/v1/restorations", data={"path": "victim.mp4", "crf": "0"})
     assert broken.status_code == 202, broken.text
     good = server.client.post("/v1/restorations", data={"path": "short.mp4", "crf": "0", "seed": "7"})
     assert good.status_code == 202, good.text
-    with open(victim, "wb") as f:
+    with open(os.path.join(server.state_dir(), "jobs", broken.json()["id"], "input.mp4"), "wb") as f:
+        f.write(b"no longer a video" * 100)
+    with open(victim, "wb") as f:  # the server file itself: its job has its own copy
         f.write(b"no longer a video" * 100)
     server.client.delete(f"/v1/restorations/{ahead}")  # only held the queue until the file was spoiled
+    server.release()
     failed = server.wait(broken.json()["id"])
     assert failed["state"] == "failed", failed
-    assert failed["error"].startswith("not a readable video or image: victim.mp4"), failed
+    assert failed["error"].startswith("victim.mp4 is not a video or image this server reads"), failed
     done = server.wait(good.json()["id"])
     assert done["state"] == "done" and done["progress"]["frames_done"] == 5, done
     result = server.client.get(done["result"])
@@ -257,34 +280,43 @@ def test_a_job_whose_file_breaks_fails_alone_then_a_good_job_is_restore_byte_for
 
 
 def test_two_uploads_at_once_a_full_queue_and_cancels(server, media, tmp_path):
+    """The gate holds whichever of the two uploads runs first at its first batch (not a clip long enough on some
+    machine), so exactly 3 jobs wait when the queue refuses."""
     answers: list = [None, None]
 
     def upload(i: int) -> None:
         answers[i] = server.submit(media["short"] if i else media["long"], crf=0, batch_frames=5)
 
+    server.hold()
     threads = [threading.Thread(target=upload, args=(i,)) for i in range(2)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert [a.status_code for a in answers] == [202, 202], [a.text for a in answers]
     long_id, short_id = answers[0].json()["id"], answers[1].json()["id"]
+    first = [j for j in (long_id, short_id) if server.wait(j, states=("running", "queued"))["state"] == "running"]
+    deadline = time.monotonic() + JOB_S
+    while not first and time.monotonic() < deadline:  # the dispatcher picks the first within a moment
+        first = [j for j in (long_id, short_id) if server.status(j)["state"] == "running"]
+        time.sleep(0.05)
+    assert len(first) == 1, [server.status(j) for j in (long_id, short_id)]
     extra = []
-    for _ in range(4):  # the queue holds 3 waiting jobs: the fourth upload at the latest is refused
+    for _ in range(4):  # the queue holds 3 waiting jobs: the fourth upload is refused
         answer = server.submit(media["short"], crf=0)
         if answer.status_code == 429:
             break
         extra.append(answer.json()["id"])
     assert answer.status_code == 429 and "queue is full (3 jobs waiting" in answer.json()["error"], answer.text
-    # refused with exactly 3 waiting: the extras and whichever of the two uploads has not run (either may have gone
-    # first; the long one runs for seconds, so none started since the refusal)
+    assert len(extra) == 2, extra  # the held one runs, the other upload and 2 extras wait
     waiting = [j for j in (long_id, short_id, *extra) if server.status(j)["state"] == "queued"]
     assert len(waiting) == 3, [server.status(j) for j in (long_id, short_id, *extra)]
     for job_id in extra:  # a queued job is cancelled at once
-        cancelled = server.client.delete(f"/v1/restorations/{job_id}").json()
-        assert cancelled["state"] in ("cancelled", "running")
-    # the long job (10 batches of 5 frames) is cancelled once it is running: it stops at a batch boundary
-    status = server.wait(long_id, states=("running",))
-    assert server.client.delete(f"/v1/restorations/{long_id}").json()["cancel_requested"]
+        assert server.client.delete(f"/v1/restorations/{job_id}").json()["state"] == "cancelled"
+    # the long job is cancelled: at once while queued, or at its batch boundary while running (held there)
+    status = server.status(long_id)
+    cancelled = server.client.delete(f"/v1/restorations/{long_id}").json()
+    assert cancelled["cancel_requested"] if status["state"] == "running" else cancelled["state"] == "cancelled"
     ended = server.wait(long_id)
+    server.release()
     assert ended["state"] == "cancelled" and ended["progress"]["frames_done"] < 41, ended
     assert server.client.get(f"/v1/restorations/{long_id}/result").status_code == 409
     done = server.wait(short_id)  # the ranks went on
@@ -300,12 +332,14 @@ def test_two_uploads_at_once_a_full_queue_and_cancels(server, media, tmp_path):
 
 
 def test_a_killed_rank_fails_its_job_and_the_ranks_come_back(server, media, tmp_path):
+    server.hold()
     victim = server.submit(media["long"], crf=0, batch_frames=5)
     assert victim.status_code == 202, victim.text
     server.wait(victim.json()["id"], states=("running",))
     (rank,) = server.ranks()
     os.kill(rank, signal.SIGKILL)
     failed = server.wait(victim.json()["id"])
+    server.release()
     assert failed["state"] == "failed" and "rank 0 was killed by SIGKILL" in failed["error"], failed
     good = server.submit(media["short"], crf=0)
     assert good.status_code == 202, good.text
@@ -443,10 +477,12 @@ def test_under_torchrun_a_killed_rank_fails_its_job_torchrun_starts_the_world_ag
     state = tmp_path / "state"
     served = Served(str(tmp_path), "--state-dir", state, "--port", port, torchrun=2, restarts=1, token=False)
     try:
+        served.hold()
         victim = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         good = served.submit(media["short"], crf=0, seed=7).json()["id"]
         served.wait(victim, states=("running",))
         os.kill(served.torchrun_rank(1), signal.SIGKILL)
+        served.release()
         served.listen(2)
         assert served.url == f"http://127.0.0.1:{port}"
         assert served.client.get("/v1/health").status_code == 200
@@ -523,7 +559,7 @@ def test_the_page_uploads_shows_progress_compares_and_downloads(server, media, t
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=flags)
         try:
-            page = browser.new_page(accept_downloads=True)
+            page = browser.new_page(accept_downloads=True, bypass_csp=True)  # wait_for_function evaluates a string
             page.goto(server.url + "/")
             page.fill("#token", TOKEN)
             page.set_input_files("#file", media["short"])
@@ -552,6 +588,7 @@ def test_sigterm_drains_and_a_restart_on_the_state_dir_finishes_the_jobs(media, 
         quick = first.submit(media["short"], crf=0)
         kept = first.wait(quick.json()["id"])
         assert kept["state"] == "done"
+        first.hold()  # the running job lasts until the drain cancels it
         running = first.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         waiting = first.submit(media["short"], crf=0, seed=3).json()["id"]
         first.wait(running, states=("running",))
@@ -580,9 +617,11 @@ def test_two_ranks_cancel_at_a_batch_boundary_and_survive_a_killed_rank(media, t
     served = Served(str(tmp_path), ranks=2, token=False)
     try:
         ours = _cancel_then_restore(served, media, "long")
+        served.hold()
         victim = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
         served.wait(victim, states=("running",))
         os.kill(served.ranks()[1], signal.SIGKILL)
+        served.release()
         failed = served.wait(victim)
         assert failed["state"] == "failed" and "rank 1 was killed by SIGKILL" in failed["error"], failed
         again = served.submit(media["long"], crf=0, batch_frames=5).json()["id"]
@@ -707,6 +746,7 @@ def test_under_torchrun_sigterm_drains_with_every_rank(tmp_path):
     state = tmp_path / "state"
     served = Served(str(tmp_path), "--state-dir", state, "--drain-timeout", RANK0_WAIT_S + 3, torchrun=2, token=False)
     try:
+        served.hold()  # the running job lasts until the drain cancels it
         running = served.submit(clip, crf=0, batch_frames=5).json()["id"]
         served.wait(running, states=("running",))
         served.proc.send_signal(signal.SIGTERM)

@@ -48,7 +48,7 @@ def _restore_here(argv: list[str]) -> int:
 
 def _run() -> int:
     if sys.argv[1:2] == ["serve"]:  # the HTTP server starts its own ranks (see .serve)
-        from .serve.server import main as serve
+        from .serve.process import main as serve
 
         return serve(sys.argv[2:])
     previous = {s: signal.signal(s, _stop_now) for s in _STOPS}

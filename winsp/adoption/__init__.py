@@ -19,11 +19,13 @@ from winsp.adoption.parallelize import (
     unparallelize,
 )
 from winsp.adoption.per_sample import PerSampleOnRows
+from winsp.adoption.region import ChannelsFirst
 from winsp.adoption.replicated import Replicated
 from winsp.adoption.sharding import shard_weights
+from winsp.adoption.space_time import SpaceTime
 from winsp.adoption.swapped import Swapped, swapped
 from winsp.adoption.token_io import FlatTokens, Patches
 
 __all__ = ["parallelize", "unparallelize", "is_parallelized", "ParallelPlan", "Region", "ChannelsLast", "TokenIO",
            "FlatTokens", "Patches", "Replicated", "adopt", "swapped", "Swapped", "shard_weights", "Hourglass",
-           "PerSampleOnRows"]
+           "PerSampleOnRows", "SpaceTime", "ChannelsFirst"]

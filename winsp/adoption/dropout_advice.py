@@ -58,7 +58,7 @@ def token_order(tokens: Any) -> Union[str, Literal[False], None]:
 
 def _swapped_above(model: nn.Module, applied: Any, path: str) -> Optional[str]:
     """The innermost module at or above ``path`` that the plan swapped (its forward is the adapter's), if any."""
-    swaps = {id(parent._modules[name]) for parent, name, _ in applied.swapped if name in parent._modules}
+    swaps = {id(parent._modules[name]) for parent, name, *_ in applied.swapped if name in parent._modules}
     parts = path.split(".") if path and path != "<root>" else []
     for n in range(len(parts), 0, -1):
         prefix = ".".join(parts[:n])

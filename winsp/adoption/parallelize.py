@@ -19,22 +19,22 @@ The runtime is attached to the root module as ``model._winsp_runtime`` (not a pa
 from __future__ import annotations
 
 import fnmatch
-import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 import winsp.adoption.region_dropout as region_dropout
+import winsp.adoption.skips as skips
+import winsp.adoption.space_time as space_time
 import winsp.runtime.context as context
 from winsp.adoption.hourglass import Hourglass
 from winsp.adoption.recompute import watch_recompute
+from winsp.adoption.recording import HOOK_DICTS, dry_run
+from winsp.adoption.region import ChannelsLast, Region, TokenIO
 from winsp.adoption.region_checks import ForwardOrder, Step, watch_rows
 from winsp.adoption.replicated import Replicated
-from winsp.geometry.windows import Grid
+from winsp.adoption.space_time import SpaceTime, install_tables, remove_tables
 from winsp.planning.schedule import SPLITTING_PLANNERS
 from winsp.planning.stages import Stage, check_stages
 from winsp.runtime.config import DiffusionParallelConfig
@@ -51,108 +51,6 @@ __all__ = [
     "is_parallelized",
 ]
 
-
-class TokenIO:
-    """How a region's input holds its tokens and how its output is rebuilt from the gathered rows.
-
-    Subclass it for a model whose region takes tokens some other way (``[B, L, C]`` plus a grid argument, a
-    dataclass output, ...). Every method sees the region start's ``(args, kwargs)`` or the region end's output.
-    """
-
-    def read(self, args: tuple, kwargs: dict) -> tuple[Tensor, list[Grid]]:
-        """(canonical rows ``[N, ...]``: every sample's tokens row-major in (t, h, w), samples concatenated; grids)."""
-        raise NotImplementedError
-
-    def with_rows(self, args: tuple, kwargs: dict, rows: Tensor) -> tuple[tuple, dict]:
-        """The start module's ``(args, kwargs)`` with the local rows in place of the tokens."""
-        raise NotImplementedError
-
-    def output_rows(self, output: Any) -> Tensor:
-        """The local rows inside the end module's output."""
-        raise NotImplementedError
-
-    def with_output(self, output: Any, rows: Tensor, grids: Sequence[Grid]) -> Any:
-        """The end module's output rebuilt from the gathered canonical rows of ``grids``."""
-        raise NotImplementedError
-
-    @staticmethod
-    def first_item(output: Any) -> Tensor:
-        """The tokens of a module output that is a tensor, a tuple whose first item they are, or a mapping (a Hugging
-        Face ``ModelOutput``) whose first field they are."""
-        if isinstance(output, Tensor):
-            return output
-        if isinstance(output, (tuple, list)) and output:
-            return output[0]
-        if hasattr(output, "keys") and hasattr(output, "__getitem__"):
-            return output[next(iter(output.keys()))]
-        raise ValueError(f"the region's end module returned a {type(output).__name__}; a tensor, a tuple or a "
-                         f"ModelOutput whose first item is the tokens is expected")
-
-    @staticmethod
-    def with_first_item(output: Any, tokens: Tensor) -> Any:
-        """``output`` (as :meth:`first_item` reads it) with ``tokens`` in place of its first item."""
-        if isinstance(output, Tensor):
-            return tokens
-        if isinstance(output, tuple):
-            return (tokens,) + tuple(output[1:])
-        if isinstance(output, list):
-            return [tokens] + output[1:]
-        output[next(iter(output.keys()))] = tokens  # a ModelOutput: its first field (last_hidden_state, sample)
-        return output
-
-
-@dataclass(frozen=True)
-class ChannelsLast(TokenIO):
-    """Tokens as the first positional argument ``[B, T, H, W, C]`` (``spatial_dims=3``) or ``[B, H, W, C]`` (2).
-
-    Every sample of the batch has the same grid; the region's output is the same layout on the last stage's grid (a
-    tensor, or the first item of a tuple or ``ModelOutput``: the other items pass through).
-    """
-
-    spatial_dims: int = 3
-
-    def __post_init__(self) -> None:
-        if self.spatial_dims not in (2, 3):
-            raise ValueError(f"ChannelsLast.spatial_dims must be 2 or 3, got {self.spatial_dims!r}")
-
-    def read(self, args, kwargs):
-        if not args or not isinstance(args[0], Tensor) or args[0].dim() != self.spatial_dims + 2:
-            want = "[B, T, H, W, C]" if self.spatial_dims == 3 else "[B, H, W, C]"
-            got = tuple(args[0].shape) if args and isinstance(args[0], Tensor) else type(args[0]).__name__ if args \
-                else "no positional argument"
-            raise ValueError(f"the region's first input must be a {want} tensor, got {got}: say how it holds its "
-                             f"tokens with tokens= (Hourglass(..., tokens=) or Region(start, end, tokens=)): "
-                             f"winsp.ChannelsLast(2) for [B, H, W, C], ChannelsLast(3) for [B, T, H, W, C], or a "
-                             f"winsp.TokenIO subclass")
-        x = args[0]
-        grid = tuple(x.shape[1:-1]) if self.spatial_dims == 3 else (1,) + tuple(x.shape[1:-1])
-        return x.reshape(-1, x.shape[-1]), [grid] * x.shape[0]
-
-    def with_rows(self, args, kwargs, rows):
-        return (rows,) + tuple(args[1:]), kwargs
-
-    def output_rows(self, output):
-        return self.first_item(output)
-
-    def with_output(self, output, rows, grids):
-        if len(set(grids)) != 1:
-            raise ValueError(f"ChannelsLast: samples end on different grids {sorted(set(grids))}")
-        grid = grids[0] if self.spatial_dims == 3 else grids[0][1:]
-        return self.with_first_item(output, rows.reshape((len(grids),) + tuple(grid) + tuple(rows.shape[1:])))
-
-
-@dataclass(frozen=True)
-class Region:
-    """The window-parallel part of a forward: from the call of module ``start`` to the return of module ``end``.
-
-    ``start``'s input tokens are scattered (``tokens`` reads them and the grids), ``end``'s output is gathered and
-    rebuilt (the gather is the only all-gather of the forward; ``start == end`` is the usual case: a model's
-    ``features`` / ``encoder`` container).
-    """
-
-    start: str
-    end: str
-    tokens: TokenIO = field(default_factory=ChannelsLast)
 
 
 @dataclass(frozen=True)
@@ -203,6 +101,12 @@ class ParallelPlan:
             and which layers they join (:class:`~winsp.adoption.replicated.Replicated`); a joining layer's attention
             passes them as the request's text, the others pass none. An argument name or index stands for
             ``Replicated(at=...)``: a separate argument of the region's start, joining every layer.
+        space_time: a model that reshapes its own batches between per-frame ``[B*T, S, C]`` and per-position
+            ``[B*S, T, C]`` (:class:`~winsp.adoption.space_time.SpaceTime`): which blocks take which, and the
+            positional and frame tables it adds to them.
+        skips: glob of modules inside the region whose outputs also feed skip connections on the whole tensor (a
+            hierarchical encoder's stages feeding a CNN decoder): each is gathered once at its return, and scattered
+            again (no communication) when the next of them is called with it (:mod:`winsp.adoption.skips`).
     """
 
     # region, stages, attention and make_attention are required (checked below); region may be left out with
@@ -219,6 +123,8 @@ class ParallelPlan:
     forward_order: Optional[tuple[str, ...]] = None
     dropout: str = "refuse"
     replicated: Optional[Replicated] = None  # an argument name or index is taken as Replicated(at=...)
+    space_time: Optional[SpaceTime] = None
+    skips: Union[str, tuple[str, ...], None] = None
 
     def __post_init__(self) -> None:
         hourglass = isinstance(self.stages, Hourglass)
@@ -229,7 +135,7 @@ class ParallelPlan:
             if getattr(self, name) is None:
                 raise ValueError(f"ParallelPlan.{name} is required")
         for name, optional in (("attention", False), ("layer_entry", False), ("grid_changes", True),
-                               ("per_sample", True)):
+                               ("per_sample", True), ("skips", True)):
             globs = getattr(self, name)
             if not (optional and globs is None) and not _are_globs(globs):
                 what = ('"parent" (the attention\'s parent module) or a glob, or a tuple of globs, of one entry '
@@ -241,6 +147,16 @@ class ParallelPlan:
         if self.replicated is not None and not isinstance(self.replicated, Replicated):
             raise ValueError(f"ParallelPlan.replicated must be a winsp.adoption.Replicated (or an argument name or "
                              f"index: Replicated(at=...)), got {type(self.replicated).__name__}")
+        if self.space_time is not None and not isinstance(self.space_time, SpaceTime):
+            raise ValueError(f"ParallelPlan.space_time must be a winsp.adoption.SpaceTime, got "
+                             f"{type(self.space_time).__name__}")
+        if self.space_time is not None and self.dropout == "rows":
+            raise ValueError("ParallelPlan: dropout='rows' draws the original's mask for tensors whose tokens are "
+                             "row-major; a space_time model's per-position batches [B*S, T, C] are not: keep "
+                             "dropout='refuse' (train with the model's dropout off, or end the region before it)")
+        if self.space_time is not None and self.replicated is not None:
+            raise ValueError("ParallelPlan: space_time with replicated tokens is not supported (the presented sample "
+                             "would hold them beside the rows)")
         if self.dropout not in region_dropout.DROPOUT_POLICIES:
             raise ValueError(f"ParallelPlan.dropout must be one of {region_dropout.DROPOUT_POLICIES}, got "
                              f"{self.dropout!r}")
@@ -299,7 +215,7 @@ class _Applied:
     model: nn.Module
     runtime: WindowRuntime
     stated: bool  # the forward order was stated (ParallelPlan.forward_order or an Hourglass): recording only checks
-    swapped: list = field(default_factory=list)  # (parent, name, original) in application order
+    swapped: list = field(default_factory=list)  # (parent, name, original, path) in application order
     handles: list = field(default_factory=list)
     tokens: list = field(default_factory=list)  # ContextVar tokens of regions in progress
     order: ForwardOrder = field(default_factory=lambda: ForwardOrder(()))  # replaced by _apply
@@ -309,6 +225,10 @@ class _Applied:
     step_paths: dict = field(default_factory=dict)  # (kind, index) -> the module path that step starts at
     text_layers: Optional[tuple] = None  # per layer, whether the plan's replicated tokens join it
     carried: dict = field(default_factory=dict)  # path -> the swapped module a renumbering replaces (hooks carried)
+    batches: dict = field(default_factory=dict)  # SpaceTime: entry path -> "frames" / "positions"
+    returns: list = field(default_factory=list)  # SpaceTime: per block call in progress, the layer its rows came from
+    tables: list = field(default_factory=list)  # SpaceTime: the table dicts installed (space_time.install_tables)
+    wholes: list = field(default_factory=list)  # per region call in progress: whether a skip gathered its rows
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -373,13 +293,14 @@ def _swap(model: nn.Module, path: str, new: nn.Module, applied: _Applied, what: 
     new.train(original.training)
     previous = applied.carried.pop(path, None)
     if previous is not None and _same_swap(previous, new):  # a renumbering of a winsp.swapped module: kept, renumbered
+        previous._modules.update(new._modules)  # its children as they are now (a nested swap may have rebuilt one)
         previous.index, new = new.index, previous
     elif previous is not None:  # a renumbering rebuilt it: the hooks registered on the module it replaces carry over
-        for hooks in _HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
+        for hooks in HOOK_DICTS + ("_backward_hooks", "_backward_pre_hooks"):
             if hasattr(previous, hooks):
                 object.__setattr__(new, hooks, getattr(previous, hooks))
     parent._modules[name] = new
-    applied.swapped.append((parent, name, original))
+    applied.swapped.append((parent, name, original, path))
 
 
 def _with_hourglass(model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
@@ -446,6 +367,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, config: Optional[Diffusion
     if len(grid_changes) != len(changing):
         raise ValueError(f"ParallelPlan.grid_changes matches {len(grid_changes)} modules but {len(changing)} stages "
                          f"change the grid (stages {changing})")
+    if not plan.stages[-1].layers and plan.replicated is not None:
+        raise ValueError("ParallelPlan: a region that ends with a grid change (a last Stage without layers) cannot "
+                         "hold replicated tokens")
     if plan.per_sample is not None and plan.replicated is not None and plan.replicated.held:
         raise ValueError(f"ParallelPlan.per_sample with Replicated(at={plan.replicated.at!r}): the held tokens share "
                          f"the rows' tensor, which per-sample modules cannot take per row; pass them as a separate "
@@ -473,10 +397,6 @@ def _same_swap(previous: nn.Module, new: nn.Module) -> bool:
 
     return (type(previous) is Swapped and type(new) is Swapped and previous.fn is new.fn
             and previous.checkpoint == new.checkpoint and previous._swapped_class is new._swapped_class)
-
-
-def _path_of(model: nn.Module, module: nn.Module) -> str:
-    return next(path for path, m in model.named_modules() if m is module)
 
 
 def _refuse_splitting_planner(config: Optional[DiffusionParallelConfig], stages: Sequence[Stage]) -> None:
@@ -512,7 +432,9 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
     applied.numbering = numbering
     if plan.replicated is not None:  # per layer in this numbering (joins may name the attention modules)
         applied.text_layers = plan.replicated.layers([len(st.layers) for st in plan.stages], attention)
-    applied.runtime.layer_names = tuple(attention)
+    landing = len(applied.runtime.schedule) > len(attention)  # a last stage without layers has one to land in
+    applied.runtime.layer_names = tuple(attention) + ((f"(rows after {grid_paths[max(grid_paths)]})",) if landing
+                                                      else ())
     applied.order = ForwardOrder(_steps(plan, entry_paths, grid_paths))
     per_sample = ([p for p, _ in _matches(model, plan.per_sample, "per_sample")]
                   if plan.per_sample is not None else [])
@@ -546,8 +468,18 @@ def _apply(applied: _Applied, numbering: tuple) -> None:
                                       dropout=plan.dropout, modes=applied.dropouts)
         applied.handles += watch_recompute(model, _inner_paths(model, plan.region, []),  # activation checkpointing
                                            modes=applied.dropouts)
+        for path, module in (_matches(model, plan.skips, "skips") if plan.skips is not None else []):
+            applied.handles.append(module.register_forward_pre_hook(skips.skip_call(path, applied), with_kwargs=True))
+            applied.handles.append(module.register_forward_hook(skips.skip_return(path, applied)))
         applied.handles.append(model.get_submodule(plan.region.end).register_forward_hook(
             _region_end(plan.region.tokens, applied), with_kwargs=True, always_call=True))
+        if plan.space_time is not None:
+            applied.batches = space_time.batch_kinds(plan.space_time, entry_paths)
+            for path in applied.batches:
+                applied.handles.append(model.get_submodule(path).register_forward_hook(
+                    _block_return(applied), always_call=True))
+            applied.tables = install_tables(model, plan.space_time.tables, lambda: context.current_request_or_none()
+                                            if applied.tokens and applied.order.recording is None else None)
     except BaseException:
         _undo(applied)
         raise
@@ -572,8 +504,10 @@ def unparallelize(model: nn.Module) -> nn.Module:
 def _undo(applied: _Applied) -> None:
     for handle in reversed(applied.handles):
         handle.remove()
-    for parent, name, original in reversed(applied.swapped):
+    for parent, name, original, _ in reversed(applied.swapped):
         parent._modules[name] = original
+    remove_tables(applied.tables)
+    applied.tables.clear()
     applied.handles.clear()
     applied.swapped.clear()
 
@@ -616,7 +550,14 @@ def _layer_entry(path: str, applied: _Applied):
         if not isinstance(x, Tensor):
             raise ValueError(f"{type(module).__name__} (entry of window layer {layer}) must take the tokens as its "
                              f"first argument (positional, or the first keyword of a call by keywords)")
+        if applied.wholes and applied.wholes[-1]:
+            raise ValueError(f"winsp.parallelize: {path!r} (entry of window layer {layer}) is called with the whole "
+                             f"tensor a ParallelPlan.skips module gathered: the first module to take it back must be a "
+                             f"skips module (its input is scattered again); add it to ParallelPlan.skips")
         order.arrive("layer", layer)
+        if path in applied.batches:
+            return space_time.enter_block(context.current_request(), layer, path, applied.batches[path], args,
+                                          kwargs, applied.returns)
         moved = _to_layer(context.current_request(), x, layer, applied.plan.replicated)
         if args:
             return (moved,) + tuple(args[1:]), kwargs
@@ -641,6 +582,18 @@ def _to_layer(request, x: Tensor, layer: int, replicated: Optional[Replicated]) 
     return y[None] if one else y
 
 
+def _block_return(applied: _Applied):
+    """SpaceTime: a block's output goes back to the layout its rows came in (sizes the model read stay true)."""
+    def hook(module: nn.Module, args: tuple, output: Any):
+        back, kind = applied.returns.pop() if applied.returns else (None, None)
+        if back is None or kind is None or output is None or context.current_request_or_none() is None:
+            return None
+        out = space_time.leave_block(context.current_request(), TokenIO.first_item(output), kind, back)
+        return TokenIO.with_first_item(output, out)
+
+    return hook
+
+
 def _grid_change(path: str, applied: _Applied):
     def hook(module: nn.Module, args: tuple):
         applied.order.arrive("grid", next(s for s, p in applied.numbering[2].items() if p == path))
@@ -654,10 +607,12 @@ def _region_start(applied: _Applied):
             return None
         plan = applied.plan
         if plan.region.start == plan.region.end and not applied.order.dry_run_done:
-            _dry_run(applied, module, args, kwargs, repeats=False)
+            dry_run(applied, module, args, kwargs, repeats=False)
         io, replicated, held, lengths = plan.region.tokens, plan.replicated, None, None
         if replicated is not None:
             args, kwargs, held, counts = replicated.take(module, args, kwargs)
+        if plan.space_time is not None:
+            space_time.check_one_sample(args[0] if args else None)
         rows, grids = io.read(args, kwargs)
         if replicated is not None:
             lengths = replicated.lengths(counts, len(grids))
@@ -665,12 +620,15 @@ def _region_start(applied: _Applied):
                                           text_layers=applied.text_layers)
         local = request.scatter(rows)
         new_args, new_kwargs = io.with_rows(args, kwargs, local)
+        if plan.space_time is not None:  # one sample of one frame: the model's own reshapes keep the rows in order
+            new_args = (space_time.present(new_args[0], args[0]),) + tuple(new_args[1:])
         if held is not None and replicated is not None:
             new_args = (replicated.join(new_args[0], held),) + tuple(new_args[1:])
         watched = module.training and plan.dropout != "unchecked"
         dropout = region_dropout.enter(plan.dropout, plan.region.start) if watched else None
         applied.tokens.append(context._enter(request))  # nothing can fail from here to the return
         applied.dropouts.append(dropout)
+        applied.wholes.append(False)
         applied.order.begin()
         return new_args, new_kwargs
 
@@ -684,7 +642,7 @@ def _model_call(applied: _Applied):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         applied.depths.append(len(applied.tokens))
         if applied.order.recording is None and not applied.order.dry_run_done and not applied.tokens:
-            _dry_run(applied, module, args, kwargs, repeats=True)
+            dry_run(applied, module, args, kwargs, repeats=True)
         return None
 
     return hook
@@ -702,6 +660,8 @@ def _model_return(applied: _Applied):
 
 def _close_region_call(applied: _Applied) -> None:
     token, dropout = applied.tokens.pop(), applied.dropouts.pop()
+    if applied.wholes:
+        applied.wholes.pop()
     if applied.order.progress:
         applied.order.progress.pop()
     try:
@@ -710,129 +670,22 @@ def _close_region_call(applied: _Applied) -> None:
         context._leave(token)
 
 
-def _dry_run(applied: _Applied, module: nn.Module, args: tuple, kwargs: dict, *, repeats: bool) -> None:
-    """Before the first forward: record the steps the forward takes with the original modules on meta tensors (or,
-    for a model that cannot run on them and an order not stated, once on the real inputs without grad); renumber
-    the layers in that order unless the plan stated it; raise if they do not fit the plan's stages."""
-    model, order = applied.model, applied.order
-    found = "a forward on meta tensors"
-    try:
-        recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=True))
-    except Exception as err:  # noqa: BLE001 - an op without a meta kernel, data-dependent code (.item(), nonzero)
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-        if applied.stated:
-            warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}); the plan's "
-                          f"forward order is checked step by step as the forward runs", stacklevel=2)
-            order.dry_run_done = True
-            return
-        try:
-            recorded = order.record(lambda: _forward_originals(applied, module, args, kwargs, meta=False))
-        except Exception as again:  # noqa: BLE001 - e.g. a module put in after parallelize that needs a request
-            again_why = (str(again).strip().splitlines() or [type(again).__name__])[0][:160]
-            warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}) nor as its "
-                          f"original modules ({again_why}); its layers keep named_modules order, checked step by step "
-                          f"as the forward runs (ParallelPlan.forward_order states another)", stacklevel=2)
-            order.dry_run_done = True
-            return
-        warnings.warn(f"winsp.parallelize: {type(model).__name__} cannot run on meta tensors ({why}); its forward "
-                      f"order is recorded once from a no-grad forward of the original modules on the real inputs "
-                      f"(ParallelPlan.forward_order states it instead)", stacklevel=2)
-        found = "a no-grad forward of the original modules"
-    if not applied.stated:
-        recorded = _renumber(applied, recorded)
-    applied.order.check(recorded, repeats=repeats, found=found)
-
-
-def _renumber(applied: _Applied, recorded: list) -> list:
-    """Number the layers and grid changes in the order ``recorded`` ran them (re-applying the plan if that is not how
-    they are numbered now); returns ``recorded`` in the new numbering."""
-    attention, entries, grids = applied.numbering
-    steps = applied.order.steps
-    first: dict = {}
-    for step in recorded:
-        first.setdefault(step, len(first))
-    missing = [s for s in steps if (s.kind, s.index) not in first]
-    if missing:
-        raise ValueError(f"winsp.parallelize: the forward never runs {missing[0]} (found by recording the forward "
-                         f"before any rows moved); ParallelPlan.attention / grid_changes match modules the forward "
-                         f"does not call")
-    layers = sorted(range(len(attention)), key=lambda i: first[("layer", i)])
-    changing = sorted(grids)
-    moves = sorted(changing, key=lambda s: first[("grid", s)])
-    new_layer = {old: new for new, old in enumerate(layers)}
-    new_stage = {old: new for old, new in zip(moves, changing, strict=True)}
-    relabeled = [(kind, new_layer[i] if kind == "layer" else new_stage[i]) for kind, i in recorded]
-    if layers != list(range(len(attention))) or moves != changing:
-        numbering = ([attention[i] for i in layers], [entries[i] for i in layers],
-                     {new_stage[s]: grids[s] for s in changing})
-        model = applied.model
-        applied.carried = {(f"{p}." if (p := _path_of(model, parent)) else "") + name: parent._modules[name]
-                           for parent, name, _ in applied.swapped}
-        _undo(applied)  # winsp's own hooks go; the user's stay in the swapped modules' hook dicts, carried over
-        try:
-            _apply(applied, numbering)
-        finally:
-            applied.carried = {}
-    return relabeled
-
-
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called")
-
-
-def _forward_originals(applied: _Applied, region: nn.Module, args: tuple, kwargs: dict, *, meta: bool) -> None:
-    """``region``'s forward with the original modules back in place, on meta tensors (parameters, buffers and inputs)
-    or, ``meta`` False, on the real ones without grad (buffers copied, so running statistics stay as they are), noting
-    each layer entry and grid change as it starts. Every other forward hook inside the region (winsp's and the
-    user's: a hook recording features must not see this forward) is set aside meanwhile; the random state is kept."""
-    model = applied.model
-    current = [(parent, name, parent._modules[name]) for parent, name, _ in applied.swapped]
-    stash: list = []
-    try:
-        for parent, name, original in applied.swapped:
-            parent._modules[name] = original
-        for module in region.modules():
-            stash.append((module, {d: getattr(module, d) for d in _HOOK_DICTS if hasattr(module, d)}))
-            for d in stash[-1][1]:
-                object.__setattr__(module, d, OrderedDict())
-        for (kind, index), path in applied.step_paths.items():
-            target = model.get_submodule(path) if path else model
-            target.register_forward_pre_hook(lambda module, a, kind=kind, index=index:
-                                             applied.order.arrive(kind, index))
-        if meta:
-            # torch.empty, not empty_like: a parameter FSDP2 sharded is a DTensor whose .shape is the whole tensor's
-            tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
-                       for name, t in list(region.named_parameters()) + list(region.named_buffers())}
-            convert = lambda v: tree_map(  # noqa: E731 - tensors inside tuples too (RoPE's (cos, sin))
-                lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, v)
-        else:
-            tensors = {name: t.clone() for name, t in region.named_buffers()}
-            convert = lambda v: v  # noqa: E731
-        devices = sorted({t.device.index or 0 for t in list(tensors.values()) + list(args) + list(kwargs.values())
-                          if isinstance(t, Tensor) and t.device.type == "cuda"})
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.func.functional_call(region, tensors, tuple(convert(a) for a in args),
-                                       {k: convert(v) for k, v in kwargs.items()})
-    finally:
-        for module, hooks in stash:
-            for d, value in hooks.items():
-                object.__setattr__(module, d, value)
-        for parent, name, module in current:
-            parent._modules[name] = module
-
 
 def _region_end(io: TokenIO, applied: _Applied):
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if not applied.tokens or len(applied.tokens) <= (applied.depths[-1] if applied.depths else 0):
             return None  # no region call of this model call is open (a recording forward, or the end ran alone)
         token, dropout = applied.tokens.pop(), applied.dropouts.pop()
+        whole = applied.wholes.pop() if applied.wholes else False
         try:
             applied.order.end(completed=output is not None)
-            if output is None:  # the region raised; the hook only restores the context
+            if output is None or whole:  # the region raised (the hook only restores the context), or a skip gathered
                 return None
             request = context.current_request()
             replicated = applied.plan.replicated
             local = io.output_rows(output)
+            if applied.plan.space_time is not None:
+                local = local.flatten(0, -2)
             if replicated is not None and replicated.held:  # the held tokens go back next to the rows
                 held, local = replicated.part(local, request.num_text_rows)
             grids = request.stage_model_grids[request.stage]

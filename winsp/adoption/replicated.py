@@ -21,13 +21,21 @@ They come with the region's input in one of two ways, ``at``:
 ``joins``: whether an attention layer takes them: True (every layer), False, one bool per stage or per layer, or the
 attention modules they join by glob (``"**.attn"``, a tuple of globs: the rule of ``ParallelPlan.attention``), for a
 block with two attentions the tokens join one of (a class token in the spatial attention, not the temporal one).
+
+``valid``: for a separate argument, how many of each sample's tokens attention takes, where that is not the argument's
+count: a function of the region start's arguments (by name, defaults applied) returning one count per sample. A model
+that pads its text and masks the padding (valid tokens first), or builds its joint text stream inside the region from
+several inputs (diffusers' HunyuanVideo 1.5: text, ByT5 glyphs and image tokens, valid ones first), gives the count
+of rows, first in each sample's text, that attend and are attended; its swapped attention passes those rows
+(``request.num_text_rows``) and leaves the rest out.
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -47,11 +55,15 @@ class Replicated:
         count: tokens per sample for ``"first"`` / ``"last"`` (a separate argument's count is read from its shape).
         joins: True (every attention layer takes them), False, one bool per stage or per layer, or a glob (a tuple of
             globs) of the attention modules they join.
+        valid: for a separate argument, ``valid(arguments) -> one count per sample``: the tokens of each sample that
+            attention takes (the first ones of its text), read from the region start's arguments by name; None: the
+            argument's count.
     """
 
     at: Union[str, int] = "first"
     count: int = 1
     joins: Union[bool, tuple[bool, ...], str, tuple[str, ...]] = True
+    valid: Optional[Callable[[dict[str, Any]], Sequence[int]]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.at, bool) or not isinstance(self.at, (str, int)) or (isinstance(self.at, int)
@@ -69,6 +81,10 @@ class Replicated:
                 raise ValueError(f"Replicated.joins must be True, False, one bool per stage or per layer, or globs of "
                                  f"the attention modules they join, got {self.joins!r}")
             object.__setattr__(self, "joins", joins)
+        if self.valid is not None and (self.held or not callable(self.valid)):
+            raise ValueError(f"Replicated.valid must be a function of the region's arguments returning one count per "
+                             f"sample, for a separate argument (at=name or index), got valid={self.valid!r} with "
+                             f"at={self.at!r}")
 
     @property
     def held(self) -> bool:
@@ -108,9 +124,9 @@ class Replicated:
                          f"and {total} layers (give one per stage or one per layer)")
 
     def take(self, module: nn.Module, args: tuple,
-             kwargs: dict) -> tuple[tuple, dict, Optional[Tensor], tuple[int, int]]:
+             kwargs: dict) -> tuple[tuple, dict, Optional[Tensor], tuple[int, Union[int, tuple[int, ...]]]]:
         """The region start's ``(args, kwargs)`` without held tokens, the held tokens ``[B * count, ...]`` (None for an
-        argument) and ``(B, tokens per sample)``."""
+        argument) and ``(B, tokens per sample)`` (with ``valid``: one count per sample)."""
         if self.held:
             x = args[0] if args else None
             if not isinstance(x, Tensor) or x.dim() < 3 or x.shape[1] <= self.count:
@@ -121,7 +137,22 @@ class Replicated:
                 (slice(x.shape[1] - self.count, None), slice(None, x.shape[1] - self.count))
             return (x[:, cut[1]],) + tuple(args[1:]), kwargs, x[:, cut[0]].flatten(0, 1), (x.shape[0], self.count)
         t = self._argument(module, args, kwargs)
+        if self.valid is not None:
+            return args, kwargs, None, (t.shape[0], self._valid_counts(module, args, kwargs, t.shape[0]))
         return args, kwargs, None, (t.shape[0], t.shape[1] if t.dim() >= 3 else 1)
+
+    def _valid_counts(self, module: nn.Module, args: tuple, kwargs: dict, samples: int) -> tuple[int, ...]:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        counts = self.valid(dict(bound.arguments))  # type: ignore[misc]
+        try:
+            counts = tuple(operator.index(c) for c in counts)  # ints, or 0-dim integer tensors
+        except TypeError:
+            counts = None
+        if counts is None or len(counts) != samples or min(counts, default=0) < 0:
+            raise ValueError(f"Replicated(at={self.at!r}).valid must return one non-negative integer count per "
+                             f"sample, for the {samples} sample(s) of {type(module).__name__}'s call")
+        return counts
 
     def _argument(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         if isinstance(self.at, int) and self.at < len(args):
@@ -142,12 +173,13 @@ class Replicated:
                              f"argument {self.at!r} of [B, n, ...] (or [B, C]) replicated tokens (got {got})")
         return t
 
-    def lengths(self, counts: tuple[int, int], samples: int) -> tuple[int, ...]:
+    def lengths(self, counts: tuple[int, Union[int, tuple[int, ...]]], samples: int) -> tuple[int, ...]:
         """The request's text lengths from :meth:`take`'s counts, checked against the region's ``samples``."""
         if counts[0] != samples:
             raise ValueError(f"Replicated(at={self.at!r}): the replicated tokens are for {counts[0]} samples but the "
                              f"region's tokens hold {samples}")
-        return (counts[1],) * samples
+        per_sample = counts[1]
+        return per_sample if isinstance(per_sample, tuple) else (per_sample,) * samples
 
     def join(self, rows: Tensor, held: Tensor) -> Tensor:
         """Local rows with the held tokens at their side (inside the region)."""

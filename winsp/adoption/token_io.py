@@ -7,7 +7,9 @@
 - ``Patches``: a whole video DiT as the region (diffusers' CogVideoX and the like): its input is the latent video
   before the patch embedding, and its output the video after the unpatchify. Each rank gets its patches as a batch of
   one video of one-patch frames, which a strided-conv patch embedding turns into exactly its tokens, and the model's
-  own unpatchify turns back into patches.
+  own unpatchify turns back into patches. ``Patches.whole_grid`` swaps a module that computes a table per grid
+  position from the shape of the video it is given (diffusers' RoPE modules: ``self.rope(hidden_states)``): it runs
+  on the whole grid's shape and returns this rank's rows.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from winsp.adoption.parallelize import TokenIO
+from winsp.adoption.swapped import Swapped
 
 __all__ = ["FlatTokens", "Patches"]
 
@@ -194,3 +197,28 @@ class Patches(TokenIO):
         video = rows.reshape(1, t, h, w, c, pt, ph, pw).permute(0, 1, 5, 4, 2, 6, 3, 7)
         video = video.reshape(1, t * pt, c, h * ph, w * pw)
         return self.with_first_item(output, video if self.channels == 2 else video.transpose(1, 2))
+
+    def whole_grid(self, original: nn.Module, index: Optional[int] = None) -> Swapped:
+        """A ``ParallelPlan.swaps`` factory for a module inside the region that computes a table per grid position
+        from the *shape* of the video it is given (diffusers' RoPE modules, called as ``self.rope(hidden_states)``
+        on the latent video): inside the region it gets this rank's patches, so the swap runs the original's forward
+        on an empty video of the whole grid's shape (no channels: only the shape is given) and returns this rank's
+        rows of each table it returns (``request.grid_rows``: tables ``[T * H * W, ...]`` or ``[T, H, W, ...]``, a
+        tensor or a tuple / list of them)."""
+        return Swapped(self._on_whole_grid, original, index)
+
+    def _on_whole_grid(self, m: Swapped, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        grids = m.request.grids
+        if len(grids) != 1 or not isinstance(x, Tensor) or x.dim() != 5:
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"Patches.whole_grid ({m.swapped_from}): takes this rank's patches of one video "
+                             f"(5 dimensions) first, got {got}")
+        (t, h, w), (pt, ph, pw) = grids[0], self.patch
+        shape = (1, 0, t * pt, h * ph, w * pw) if self.channels == 1 else (1, t * pt, 0, h * ph, w * pw)
+        out = m._swapped_class.forward(m, x.new_empty(shape), *args, **kwargs)
+        if isinstance(out, Tensor):
+            return m.request.grid_rows(out)
+        if not isinstance(out, (tuple, list)) or not all(isinstance(o, Tensor) for o in out):
+            raise ValueError(f"Patches.whole_grid: {m.swapped_from} returned a {type(out).__name__}; a table per "
+                             f"grid position (a tensor, or a tuple / list of them) is expected")
+        return type(out)(m.request.grid_rows(o) for o in out)

@@ -1,14 +1,15 @@
 """Halo planning for neighborhood layers: cut the grid into one block per rank, and list the rows each block reaches.
 
 A neighborhood layer keeps its rows where they are: rank ``r`` owns block ``r`` of every sample (a box of the grid,
-from cutting t, h and w into ``splits`` balanced runs) and needs only the key rows its queries can reach that other
-ranks own, its *halo*. Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches
-are exactly the product of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per
-axis, never per token.
+from cutting t, h and w into ``splits`` runs of balanced attention work, at whole stride groups of a strided layer
+where that stays balanced) and needs only the key rows its queries can reach that other ranks own, its *halo*.
+Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches are exactly the product
+of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per axis, never per token.
 
-:func:`choose_splits` picks the cut (along t, h, w or a 2D/3D tiling) that minimises the predicted time of the
-slowest rank, its rows of work and its halo bytes weighed with :mod:`winsp.planning.costs`: halo rows traded against
-balance. Every neighborhood layer of a schedule shares one cut (the one best for all of them together), so consecutive
+:func:`choose_blocks` picks the cut (along t, h, w or a 2D/3D tiling, at stride groups or anywhere) that minimises
+the predicted time of the slowest rank, its rows, attention work and halo bytes weighed with
+:mod:`winsp.planning.costs`, among the cuts within ``BALANCE_LIMIT`` of balanced attention work when there are any.
+Every neighborhood layer of a schedule shares one cut (the one best for all of them together), so consecutive
 neighborhood layers share one plan and move nothing but halos; transitions to window layouts are ordinary
 redistributions. :class:`HaloExchange` is one rank's share: what it sends to whom, and for each local query the key
 rows (local rows first, then received halo rows) of its neighbourhood.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import pairwise
 from typing import Sequence
 
@@ -25,15 +27,20 @@ import numpy as np
 import torch
 
 from winsp.geometry.layout import build_layout
-from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, axis_reach
+from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, axis_reach, axis_work
 from winsp.geometry.windows import Grid, WindowGeometry, WindowSlices, check_grid
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 from winsp.planning.plan import Plan
 
-__all__ = ["NeighborhoodBlocks", "axis_cuts", "choose_splits", "block_halo_rows", "neighborhood_plan",
+__all__ = ["NeighborhoodBlocks", "axis_cuts", "choose_splits", "choose_blocks", "block_halo_rows", "block_work",
+           "neighborhood_plan", "query_tile_length", "BALANCE_LIMIT",
            "HaloExchange", "HaloTensors", "NEIGHBORHOOD_PLANNER_VERSION"]
 
-NEIGHBORHOOD_PLANNER_VERSION = 1
+NEIGHBORHOOD_PLANNER_VERSION = 2
+
+#: A cut whose heaviest rank carries more than (1 + BALANCE_LIMIT) x the mean attention work is chosen only when no cut
+#: is balanced that well.
+BALANCE_LIMIT = 0.05
 
 
 def axis_cuts(n: int, parts: int) -> list[tuple[int, int]]:
@@ -44,10 +51,51 @@ def axis_cuts(n: int, parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in pairwise(bounds)]
 
 
-def _blocks(grid: Grid, splits: Grid) -> list[tuple[int, WindowSlices]]:
+def _weighted_cuts(weights: np.ndarray, parts: int, unit: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous runs of an axis whose heaviest run (sum of ``weights``) is as light as it can be, with
+    every cut at a multiple of ``unit`` (or the axis end); runs may be empty. Uniform weights at unit 1 give
+    :func:`axis_cuts` (its longer runs first)."""
+    n = weights.size
+    if unit == 1 and (n == 0 or np.all(weights == weights[0])):
+        return axis_cuts(n, parts)
+    allowed = np.unique(np.concatenate([np.arange(0, n, unit), [n]]))
+    cum = np.concatenate([[0.0], np.cumsum(weights, dtype=np.float64)])[allowed]
+    m = allowed.size
+    # best[q][i]: the least heaviest run cutting [0, allowed[i]) into q runs; from[q][i] the previous cut
+    best = np.full((parts + 1, m), np.inf)
+    best[0, 0] = 0.0
+    back = np.zeros((parts + 1, m), dtype=np.int64)
+    for q in range(1, parts + 1):
+        for i in range(m):
+            cand = np.maximum(best[q - 1, : i + 1], cum[i] - cum[: i + 1])
+            j = i - int(np.argmin(cand[::-1]))  # the latest best previous cut: longer runs first, as axis_cuts
+            best[q, i], back[q, i] = cand[j], j
+    bounds, i = [m - 1], m - 1
+    for q in range(parts, 0, -1):
+        i = int(back[q, i])
+        bounds.append(i)
+    edges = allowed[np.asarray(bounds[::-1])]
+    return [(int(a), int(b)) for a, b in pairwise(edges)]
+
+
+def _axis_weights(grid: Grid, geometries: Sequence[Neighborhood], axis: int) -> np.ndarray:
+    """Attention work per position of one axis, summed over ``geometries`` (each weighed by its work on the other
+    axes): what a cut along that axis balances."""
+    out = np.zeros(grid[axis])
+    for geom in geometries:
+        per_axis = [axis_work(*a) for a in geom.axes(grid)]
+        others = math.prod(float(per_axis[b].sum()) for b in range(3) if b != axis)
+        out += per_axis[axis] * others
+    return out if geometries else np.ones(grid[axis])
+
+
+def _blocks(grid: Grid, blocks: "Grid | NeighborhoodBlocks") -> list[tuple[int, WindowSlices]]:
     """(rank, box) of every non-empty block of ``grid``; block ``(it, ih, iw)`` belongs to rank
     ``(it * ph + ih) * pw + iw``."""
-    cuts = [axis_cuts(n, p) for n, p in zip(grid, splits, strict=True)]
+    if not isinstance(blocks, NeighborhoodBlocks):
+        blocks = NeighborhoodBlocks(check_grid(blocks, "splits"))
+    splits = blocks.splits
+    cuts = blocks.axis_runs(grid)
     out = []
     for it, (t0, t1) in enumerate(cuts[0]):
         for ih, (h0, h1) in enumerate(cuts[1]):
@@ -59,16 +107,36 @@ def _blocks(grid: Grid, splits: Grid) -> list[tuple[int, WindowSlices]]:
 
 @dataclass(frozen=True)
 class NeighborhoodBlocks(WindowGeometry):
-    """The layout of neighborhood layers: each sample's grid cut into ``splits[a]`` balanced runs per axis.
+    """The layout of neighborhood layers: each sample's grid cut into ``splits[a]`` runs per axis.
 
-    Its "windows" are the blocks, in rank order (block ``(it, ih, iw)`` is rank ``(it * ph + ih) * pw + iw``'s);
-    empty blocks (an axis shorter than its split) are left out, so their rank holds nothing of that sample.
+    The runs balance the attention work of ``geometries`` (keys per query: fewer near a causal start), with every cut
+    at a multiple of ``unit[a]`` (a strided layer's stride groups, ``stride * dilation`` positions, kept whole on one
+    rank; 1: anywhere). Without geometries, or with uniform work at unit 1, the runs are balanced rows (longer runs
+    first). Its "windows" are the blocks, in rank order (block ``(it, ih, iw)`` is rank ``(it * ph + ih) * pw +
+    iw``'s); empty blocks (an axis shorter than its split) are left out, so their rank holds nothing of that sample.
     """
 
     splits: Grid
+    unit: Grid = (1, 1, 1)
+    geometries: tuple[Neighborhood, ...] = ()
+
+    def params(self) -> dict:
+        return {"splits": list(self.splits), "unit": list(self.unit),
+                "geometries": [g.fingerprint for g in self.geometries]}
+
+    def axis_runs(self, grid: Grid) -> list[list[tuple[int, int]]]:
+        """Per axis, the ``splits[a]`` runs ``(lo, hi)`` of ``grid`` (some empty)."""
+        return [list(runs) for runs in _axis_runs(self, check_grid(grid))]
 
     def slices(self, grid: Grid) -> list[WindowSlices]:
-        return [box for _, box in _blocks(check_grid(grid), self.splits)]
+        return [box for _, box in _blocks(check_grid(grid), self)]
+
+
+@lru_cache(maxsize=1024)
+def _axis_runs(blocks: NeighborhoodBlocks, grid: Grid) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """:meth:`NeighborhoodBlocks.axis_runs`, cached: the split chooser and every rank's plan ask for the same cuts."""
+    return tuple(tuple(_weighted_cuts(_axis_weights(grid, blocks.geometries, a), p, u))
+                 for a, (p, u) in enumerate(zip(blocks.splits, blocks.unit, strict=True)))
 
 
 def _factorisations(p: int) -> list[Grid]:
@@ -76,39 +144,72 @@ def _factorisations(p: int) -> list[Grid]:
             for b in range(1, p // a + 1) if (p // a) % b == 0]
 
 
-def block_halo_rows(grid: Grid, splits: Grid, geometry: Neighborhood) -> list[tuple[int, int]]:
+def block_halo_rows(grid: Grid, splits: "Grid | NeighborhoodBlocks", geometry: Neighborhood) -> list[tuple[int, int]]:
     """(own rows, halo rows) of each rank for one sample: the halo is what its block's queries reach outside it."""
     grid = check_grid(grid)
-    out = [(0, 0)] * math.prod(splits)
+    out = [(0, 0)] * math.prod(splits.splits if isinstance(splits, NeighborhoodBlocks) else splits)
     for rank, box in _blocks(grid, splits):
-        reach = [axis_reach(n, k, d, c, s.start, s.stop).size for n, k, d, c, s in
-                 zip(grid, geometry.kernel, geometry.dilation, geometry.causal, box, strict=True)]
-        own = math.prod(s.stop - s.start for s in box)
+        reach = [axis_reach(n, k, d, c, sl.start, sl.stop, s).size
+                 for (n, k, d, c, s), sl in zip(geometry.axes(grid), box, strict=True)]
+        own = math.prod(sl.stop - sl.start for sl in box)
         out[rank] = (own, math.prod(reach) - own)
     return out
 
 
-def choose_splits(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,
-                  costs: CostConstants = DEFAULT_COSTS) -> Grid:
+def block_work(grid: Grid, blocks: "Grid | NeighborhoodBlocks", geometry: Neighborhood) -> list[int]:
+    """Attention work (query x key pairs of the neighbourhoods) of each rank's block of one sample."""
+    grid = check_grid(grid)
+    out = [0] * math.prod(blocks.splits if isinstance(blocks, NeighborhoodBlocks) else blocks)
+    per_axis = [axis_work(*a) for a in geometry.axes(grid)]
+    for rank, box in _blocks(grid, blocks):
+        out[rank] = math.prod(int(w[sl].sum()) for w, sl in zip(per_axis, box, strict=True))
+    return out
+
+
+def _stride_unit(geometries: Sequence[Neighborhood]) -> Grid:
+    """Per axis, the positions of a stride group of every strided geometry (their lcm; 1 where none is strided)."""
+    return tuple(math.lcm(*(g.stride[a] * g.dilation[a] for g in geometries if g.stride[a] > 1), 1)
+                 for a in range(3))  # type: ignore[return-value]
+
+
+def choose_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,
+                  costs: CostConstants = DEFAULT_COSTS) -> NeighborhoodBlocks:
     """The cut of every sample's grid into ``world_size`` blocks for these neighborhood layers.
 
-    Each candidate ``(pt, ph, pw)`` with ``pt * ph * pw = world_size`` is scored by the slowest rank's predicted
-    time summed over the layers: its rows (tokenwise work and ``kernel`` query x key pairs each) plus the bytes of
-    its halo (k and v, received) and one collective; ties go to the first candidate in (pt, ph, pw) order.
+    Candidates: each ``(pt, ph, pw)`` with ``pt * ph * pw = world_size``, and per strided axis cuts at whole stride
+    groups or anywhere (a stride group cut in two is reached whole from both sides: a wider halo). Each is scored by
+    the slowest rank's predicted time summed over the layers: its rows (tokenwise work), its attention work (query x
+    key pairs) and the bytes of its halo (k and v, received), plus one collective a layer. Only candidates whose
+    heaviest rank carries at most ``1 + BALANCE_LIMIT`` of the mean attention work compete, when there are any.
+    Ties go to the first candidate (splits in (pt, ph, pw) order, aligned cuts first).
     """
-    best, best_cost = None, math.inf
+    geometries = tuple(geometries)
+    stride_unit = _stride_unit(geometries)
+    scored: list[tuple[bool, float, int, NeighborhoodBlocks]] = []
     for splits in _factorisations(world_size):
-        rank_time = np.zeros(world_size)
-        for geom in geometries:
-            for grid in grids:
-                for rank, (own, halo) in enumerate(block_halo_rows(grid, splits, geom)):
-                    rank_time[rank] += (own * (costs.row_s + geom.kernel_volume * costs.pair_s)
-                                        + 2 * halo * costs.row_bytes * costs.byte_s)
-        cost = float(rank_time.max()) + (costs.latency_s if world_size > 1 else 0.0) * len(geometries)
-        if cost < best_cost - 1e-15:
-            best, best_cost = splits, cost
-    assert best is not None, "world_size has at least the factorisation (1, 1, world_size)"
-    return best
+        # aligned cuts first; an axis that is not cut has one run whatever its unit
+        units = sorted({tuple(stride_unit[a] if aligned[a] and splits[a] > 1 else 1 for a in range(3))
+                        for aligned in np.ndindex(2, 2, 2)}, key=lambda u: (-sum(x > 1 for x in u), u))
+        for unit in units:
+            blocks = NeighborhoodBlocks(splits, unit, geometries)  # type: ignore[arg-type]
+            rank_time, work = np.zeros(world_size), np.zeros(world_size)
+            for geom in geometries:
+                for grid in grids:
+                    pairs = np.asarray(block_work(grid, blocks, geom), np.float64)
+                    own, halo = np.asarray(block_halo_rows(grid, blocks, geom), np.float64).T
+                    work += pairs
+                    rank_time += own * costs.row_s + pairs * costs.pair_s + 2 * halo * costs.row_bytes * costs.byte_s
+            cost = float(rank_time.max()) + (costs.latency_s if world_size > 1 else 0.0) * len(geometries)
+            balanced = work.sum() == 0 or work.max() <= (1 + BALANCE_LIMIT) * work.mean() * (1 + 1e-12)
+            scored.append((not balanced, cost, len(scored), blocks))
+    best = min(scored, key=lambda x: (x[0], x[1], x[2]))
+    return best[3]
+
+
+def choose_splits(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,
+                  costs: CostConstants = DEFAULT_COSTS) -> Grid:
+    """The ``(pt, ph, pw)`` of :func:`choose_blocks`."""
+    return choose_blocks(grids, geometries, world_size, costs).splits
 
 
 def neighborhood_plan(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int) -> Plan:
@@ -116,13 +217,12 @@ def neighborhood_plan(grids: Sequence[Grid], geometries: Sequence[Neighborhood],
     for geom in geometries:
         for i, grid in enumerate(grids):
             geom.check_fits(grid, f"grids[{i}]")
-    splits = choose_splits(grids, geometries, world_size)
-    blocks = NeighborhoodBlocks(splits)
+    blocks = choose_blocks(grids, geometries, world_size)
     layout = build_layout(grids, blocks)
     rank_windows: list[list[int]] = [[] for _ in range(world_size)]
     window = 0
     for grid in layout.grids:
-        for rank, _ in _blocks(grid, splits):
+        for rank, _ in _blocks(grid, blocks):
             rank_windows[rank].append(window)
             window += 1
     key = (tuple(grids), blocks.fingerprint, blocks.version, world_size, "neighborhood", NEIGHBORHOOD_PLANNER_VERSION)
@@ -138,11 +238,21 @@ def _box_ids(sets: Sequence[np.ndarray], grid: Grid) -> np.ndarray:
     return ((t[:, None, None] * grid[1] + h[None, :, None]) * grid[2] + w[None, None, :]).reshape(-1)
 
 
-def _axis_tiles(n: int, k: int, d: int, causal: bool, box: slice) -> list[tuple[int, int]]:
-    """One axis of a box cut into near-equal query tiles of at most ``k * d``: the longer tiles first or last,
-    whichever makes fewer (query, reached key) pairs. A tile's reach is clamped at the grid's border, so there a
-    longer tile costs less padding (a rank whose box ends at the far border would otherwise pay more than its
-    neighbour)."""
+def query_tile_length(k: int, d: int, s: int) -> int:
+    """The longest query tile along an axis: ``k * d`` (a tile of neighbours reaches under ``2 k d`` positions), or
+    one stride group, ``s * d``, on a strided axis (its queries share one window, so the tile reaches just that)."""
+    return s * d if s > 1 else k * d
+
+
+def _axis_tiles(n: int, k: int, d: int, causal: bool, box: slice, s: int = 1) -> list[tuple[int, int]]:
+    """One axis of a box cut into query tiles. Strided: the box's pieces of each stride group (``s * d`` positions
+    from 0). Else near-equal tiles of at most ``k * d``: the longer tiles first or last, whichever makes fewer
+    (query, reached key) pairs. A tile's reach is clamped at the grid's border, so there a longer tile costs less
+    padding (a rank whose box ends at the far border would otherwise pay more than its neighbour)."""
+    if s > 1:
+        step = s * d
+        edges = sorted({box.start, box.stop, *range((box.start // step + 1) * step, box.stop, step)})
+        return [(int(lo), int(hi)) for lo, hi in pairwise(edges)]
     extent = box.stop - box.start
     parts = -(-extent // max(1, k * d))
     lengths = [hi - lo for lo, hi in axis_cuts(extent, parts)]
@@ -188,9 +298,9 @@ class HaloTensors:
     num_samples: int
 
 
-def _axis_mask(n: int, k: int, d: int, causal: bool, lo: int, hi: int, reach: np.ndarray) -> np.ndarray:
+def _axis_mask(n: int, k: int, d: int, causal: bool, s: int, lo: int, hi: int, reach: np.ndarray) -> np.ndarray:
     """[hi - lo, len(reach)]: whether query position ``lo + i`` of one axis has ``reach[j]`` among its neighbours."""
-    keys, valid = axis_neighbours(int(n), int(k), int(d), bool(causal))
+    keys, valid = axis_neighbours(int(n), int(k), int(d), bool(causal), int(s))
     hit = (keys[lo:hi, :, None] == reach[None, None, :]) & valid[lo:hi, :, None]
     return hit.any(axis=1)
 
@@ -222,8 +332,8 @@ class HaloExchange:
         lay = plan.layout
         p = plan.world_size
         boxes = _rank_boxes(plan)
-        reach = [{r: [axis_reach(n, k, d, c, s.start, s.stop) for n, k, d, c, s in
-                      zip(grid, geometry.kernel, geometry.dilation, geometry.causal, box, strict=True)]
+        reach = [{r: [axis_reach(n, k, d, c, sl.start, sl.stop, st) for (n, k, d, c, st), sl in
+                      zip(geometry.axes(grid), box, strict=True)]
                   for r, box in sample_boxes.items()} for grid, sample_boxes in zip(lay.grids, boxes, strict=True)]
 
         def rows_from(src: int, dst: int) -> np.ndarray:
@@ -264,7 +374,8 @@ class HaloExchange:
         self._tiles(plan, rank, geometry, boxes, sorted_ids, order)
 
     def _tiles(self, plan: Plan, rank: int, geometry: Neighborhood, boxes, sorted_ids, order) -> None:
-        """Cut each of this rank's boxes into near-equal query tiles of at most ``kernel * dilation`` per axis;
+        """Cut each of this rank's boxes into query tiles (:func:`_axis_tiles`: at most ``kernel * dilation`` per
+        axis, or one stride group on a strided axis);
         a tile attends densely to the box of rows its queries reach, masked to each query's neighbourhood."""
         lay = plan.layout
         tiles = []  # (query local rows, key ids, sample)
@@ -274,22 +385,21 @@ class HaloExchange:
             box = boxes[s].get(rank)
             if box is None:
                 continue
-            spans = [_axis_tiles(grid[a], geometry.kernel[a], geometry.dilation[a], geometry.causal[a], sl)
-                     for a, sl in enumerate(box)]
+            axes = geometry.axes(grid)
+            spans = [_axis_tiles(n, k, d, c, sl, st) for (n, k, d, c, st), sl in zip(axes, box, strict=True)]
             for t0, t1 in spans[0]:
                 for h0, h1 in spans[1]:
                     for w0, w1 in spans[2]:
                         q_ids = lay.sample_offsets[s] + _box_ids(
                             [np.arange(t0, t1), np.arange(h0, h1), np.arange(w0, w1)], grid)
-                        reach = [axis_reach(n, k, d, c, lo, hi) for n, k, d, c, (lo, hi) in
-                                 zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
-                                     ((t0, t1), (h0, h1), (w0, w1)), strict=True)]
+                        spans3 = ((t0, t1), (h0, h1), (w0, w1))
+                        reach = [axis_reach(n, k, d, c, lo, hi, st) for (n, k, d, c, st), (lo, hi) in
+                                 zip(axes, spans3, strict=True)]
                         k_ids = lay.sample_offsets[s] + _box_ids(reach, grid)
                         q_rows = own_sorted[np.searchsorted(own_ids_sorted, q_ids)]
                         # the mask is the outer product of per-axis masks: a neighbourhood is a product over axes
-                        axis_masks = [_axis_mask(n, k, d, c, lo, hi, r) for n, k, d, c, (lo, hi), r in
-                                      zip(grid, geometry.kernel, geometry.dilation, geometry.causal,
-                                          ((t0, t1), (h0, h1), (w0, w1)), reach, strict=True)]
+                        axis_masks = [_axis_mask(n, k, d, c, st, lo, hi, r) for (n, k, d, c, st), (lo, hi), r in
+                                      zip(axes, spans3, reach, strict=True)]
                         # interior: the keys (a box) lie inside this rank's box, so it needs no halo row
                         interior = all(r[0] >= sl.start and r[-1] < sl.stop for r, sl in zip(reach, box, strict=True))
                         tiles.append((q_rows, k_ids, s, axis_masks, interior))

@@ -48,14 +48,20 @@ class Stage:
     split_windows: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        # whatever a flat schedule accepts as a layer's geometry, a stage accepts (one rule, in winsp.planning.schedule)
-        try:
-            layers = _check_schedule(self.layers)
-        except ValueError as err:
-            raise ValueError(f"Stage.layers: {err}") from None
-        object.__setattr__(self, "layers", layers)
         merge = _positive_int_triple(self.merge, "Stage.merge")
         split = _positive_int_triple(self.split, "Stage.split")
+        # whatever a flat schedule accepts as a layer geometry, a stage accepts (one rule: winsp.planning.schedule);
+        # a stage that changes the grid may have none: the last step of a region that ends with a grid change
+        empty = isinstance(self.layers, (tuple, list)) and not self.layers
+        if not (empty and (merge, split) != ((1, 1, 1), (1, 1, 1))):
+            try:
+                object.__setattr__(self, "layers", _check_schedule(self.layers))
+            except ValueError as err:
+                hint = " (a stage without layers must merge or split: the grid change a region ends with)" \
+                    if empty else ""
+                raise ValueError(f"Stage.layers: {err}{hint}") from None
+        else:
+            object.__setattr__(self, "layers", ())
         if merge != (1, 1, 1) and split != (1, 1, 1):
             raise ValueError(f"a stage either merges or splits, got merge={merge} and split={split}")
         object.__setattr__(self, "merge", merge)
@@ -110,6 +116,9 @@ def check_stages(stages: Sequence[Stage]) -> tuple[Stage, ...]:
             raise ValueError("stages[0] is the input grid: it cannot merge or split")
         if st.like is not None and not 0 <= st.like < i:
             raise ValueError(f"stages[{i}].like={st.like} must name an earlier stage")
+        if not st.layers and i != len(stages) - 1:
+            raise ValueError(f"stages[{i}] has no layers: only the last stage may (a region that ends with a grid "
+                             f"change); stage {i + 1} follows it")
     return stages
 
 

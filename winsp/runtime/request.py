@@ -265,15 +265,21 @@ class WindowRequest:
                              f"samples), got {list(x.shape)}")
         return x.index_select(0, self.row_sample)
 
-    def grid_rows(self, x: Tensor, *, spatial_dims: int | None = None) -> Tensor:
+    def grid_rows(self, x: Tensor, *, spatial_dims: int | None = None, axes: str | None = None) -> Tensor:
         """This rank's local rows (current layout) of a tensor given per position of the current stage's grid and
         shared by every sample: ``[T, H, W, ...]`` (``spatial_dims=3``), ``[H, W, ...]`` (2, a grid ``(1, H, W)``)
         or ``[W, ...]`` (1); None: the most grid dimensions whose sizes ``x`` starts with, else a flat table
         ``[T * H * W, ...]`` (the grid's positions row-major, as diffusers' RoPE angles come). For positions (axial
         RoPE), per-token tables, masks. Padding rows get zeros.
 
+        ``axes``: a table over some of the grid's axes, shared along the others: ``"t"`` a table per frame
+        ``[T, ...]``, ``"hw"`` one per position of a frame ``[H, W, ...]`` or ``[H * W, ...]`` (any frame), ``"thw"``
+        the whole grid; the axes in (t, h, w) order.
+
         No collective; backward sums into the positions read.
         """
+        if axes is not None:
+            return self._axes_rows(x, axes)
         if spatial_dims not in (None, 1, 2, 3):
             raise ValueError(f"grid_rows: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}")
         grids = sorted(set(self.stage_model_grids[self.stage]))
@@ -298,6 +304,37 @@ class WindowRequest:
         if not rows.padded:
             return flat.index_select(0, rows.scatter_index % per_sample)
         index = torch.where(rows.valid, rows.scatter_index % per_sample, per_sample)
+        return torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))]).index_select(0, index)
+
+    def _axes_rows(self, x: Tensor, axes: str) -> Tensor:
+        """:meth:`grid_rows` of a table over the grid ``axes`` (a part of ``"thw"``), shared along the others."""
+        if not isinstance(axes, str) or not axes or [a for a in "thw" if a in axes] != list(axes):
+            raise ValueError(f"grid_rows: axes must be grid axes in (t, h, w) order, a non-empty part of 'thw' ('t', "
+                             f"'hw', 'thw', ...), got {axes!r}")
+        grids = sorted(set(self.stage_model_grids[self.stage]))
+        if len(grids) != 1:
+            raise ValueError(f"grid_rows: the samples are on different grids {grids} in stage {self.stage}; a table "
+                             f"shared by every sample cannot describe them")
+        grid, picked = grids[0], ["thw".index(a) for a in axes]
+        sizes = tuple(grid[i] for i in picked)
+        n = int(np.prod(sizes))
+        if tuple(x.shape[:len(sizes)]) == sizes:
+            flat = x.reshape((n,) + tuple(x.shape[len(sizes):]))
+        elif x.dim() and x.shape[0] == n:
+            flat = x
+        else:
+            raise ValueError(f"grid_rows(axes={axes!r}): a table {list(x.shape)} does not start with stage "
+                             f"{self.stage}'s sizes {list(sizes)} along {axes!r} (grid (t, h, w) = {grid}) nor with "
+                             f"their product {n}")
+        rows = self._rows()
+        within = rows.scatter_index % (grid[0] * grid[1] * grid[2])
+        coords = (within // (grid[1] * grid[2]), (within // grid[2]) % grid[1], within % grid[2])
+        index = torch.zeros_like(within)
+        for i in picked:
+            index = index * grid[i] + coords[i]
+        if not rows.padded:
+            return flat.index_select(0, index)
+        index = torch.where(rows.valid, index, n)
         return torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))]).index_select(0, index)
 
     @property
@@ -508,6 +545,7 @@ class WindowRequest:
         softmax_scale: float | None = None,
         text_output: bool = True,
         dropout_p: float = 0.0,
+        text_padded: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Window attention of layer ``layer`` on local rows over [window video, sample text], then the text reduction.
 
@@ -526,6 +564,10 @@ class WindowRequest:
         ``dropout_p``: the original attention's probability dropout (0 in eval); pass it, so that a training forward
         with it on is refused by name (``docs/adopting_a_model.md``): winsp offers none, as no window layout can draw
         the original's mask over its ``[heads, n, n]`` probabilities.
+
+        ``text_padded=True``: the text tensors hold every sample's text padded to one row count, its valid rows (its
+        ``text_lengths`` entry: ``Replicated(valid=...)``) first, as a model that masks padded text holds them; only
+        the valid rows take part, and the padding rows' output is zeros (what SDPA gives a fully masked row).
         """
         if dropout_p:
             names = self.runtime.layer_names
@@ -534,6 +576,9 @@ class WindowRequest:
                              f"offered by winsp: the original draws its mask over each attention's [heads, n, n] "
                              f"probabilities of its own batch and order, which no window layout reproduces; train "
                              f"with the attention's dropout off (p=0) or in eval mode")
+        if text_padded and q_txt is not None:
+            return self._attention_padded_text(layer, (q_vid, k_vid, v_vid), (q_txt, k_txt, v_txt), dict(
+                score_mod=score_mod, mask_mod=mask_mod, softmax_scale=softmax_scale, text_output=text_output))
         if not self._dtypes_checked and not torch.compiler.is_compiling():
             self._check_dtypes((q_vid, k_vid, v_vid, q_txt, k_txt, v_txt))
         lay = self._layer_layout(layer)
@@ -579,6 +624,26 @@ class WindowRequest:
         if not (has_text and text_output):
             return vid_out, None
         return vid_out, reduce_window_text(window_text, lay.text, self.group)
+
+    def _attention_padded_text(self, layer: int, qkv: tuple, qkv_txt: tuple,
+                               options: dict) -> tuple[Tensor, Tensor | None]:
+        """:meth:`attention` with ``text_padded``: the valid rows of each sample's padded text in, zeros out for the
+        padding (slices, no index tensors)."""
+        samples, lengths = len(self.text_lengths), self.text_lengths
+        rows = {t.shape[0] for t in qkv_txt if t is not None}
+        per = next(iter(rows)) // samples if len(rows) == 1 and samples else -1
+        if len(rows) != 1 or per * samples != next(iter(rows)) or per < max(lengths, default=0):
+            raise ValueError(f"attention(text_padded=True): the text tensors have {sorted(rows)} rows; they must hold "
+                             f"the {samples} sample(s)' text padded to one row count of at least their text lengths "
+                             f"{lengths} (each sample's valid rows first)")
+        valid = (None if t is None else torch.cat([t[i * per:i * per + n] for i, n in enumerate(lengths)])
+                 for t in qkv_txt)
+        vid, txt = self.attention(*qkv, *valid, layer=layer, **options)
+        if txt is None:
+            return vid, None
+        pad = [txt.new_zeros((per - n,) + tuple(txt.shape[1:])) for n in lengths]
+        ends = [sum(lengths[:i + 1]) for i in range(samples)]
+        return vid, torch.cat([part for i, n in enumerate(lengths) for part in (txt[ends[i] - n:ends[i]], pad[i])])
 
     def joint_attention(self, q: Tensor, k: Tensor, v: Tensor, *, layer: int, text_first: bool = True,
                         **options: Any) -> Tensor:

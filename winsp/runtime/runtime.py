@@ -33,6 +33,7 @@ from winsp.comm.group import SPGroup
 from winsp.comm.redistribute import RankTransitionTensors, Transition
 from winsp.geometry.layout import Grids, check_grids
 from winsp.geometry.neighborhood import is_neighborhood
+from winsp.geometry.rolled import GlobalWindow
 from winsp.geometry.windows import WindowGeometry
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 from winsp.planning.grid_step import GridStep, StageRows
@@ -54,11 +55,18 @@ _log = logging.getLogger("winsp")
 
 
 def as_stages(schedule: Sequence[WindowGeometry] | Sequence[Stage]) -> tuple[Stage, ...]:
-    """A runtime's stages: a list of :class:`Stage` as given (checked), or a flat schedule as one stage."""
+    """A runtime's stages: a list of :class:`Stage` as given (checked), or a flat schedule as one stage. A last stage
+    without layers (only a grid change) gets one layer for its rows to land in: a global window split over every rank,
+    where no attention runs."""
     items: tuple = tuple(schedule) if not isinstance(schedule, (str, bytes)) else (schedule,)
     stages = [s for s in items if isinstance(s, Stage)]
     if items and len(stages) == len(items):
-        return check_stages(stages)
+        stages = list(check_stages(stages))
+        if not stages[-1].layers:  # a region that ends with a grid change: its rows land spread over every rank
+            last = stages[-1]
+            stages[-1] = Stage((GlobalWindow(),), merge=last.merge, split=last.split, like=last.like,
+                               order=last.order, split_windows=True)
+        return tuple(stages)
     if stages:
         raise ValueError("give a runtime either one WindowGeometry per layer or a list of winsp.Stage, not a mix")
     return (Stage(_check_schedule(items)),)

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-partial-input", action="store_true",
                    help="restore the frames that decode from a truncated or damaged video (with a warning) instead of "
                         "refusing it")
+    p.add_argument("--untrusted-input", action="store_true",
+                   help="open each input as a file from someone else, as serve does: by its content only as mp4/mov, "
+                        "mkv/webm, avi, png, jpg, webp or bmp, never following what it names (playlists, lists, "
+                        "patterns), no FIFO or device")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--resolution", metavar="WxH",
                       help="exact output size; the input is scaled to cover it and centre-cropped "

@@ -100,6 +100,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .stop_signals import StopOnSignals
 
         args = build_parser().parse_args(argv)
+        if args.untrusted_input:  # inputs opened as data (media/untrusted.py), as serve opens uploads
+            from ..media.untrusted import install
+
+            install()
     except KeyboardInterrupt:
         print(f"{PROG}: stopped by SIGINT during start-up: nothing was written", file=sys.stderr)
         return 130

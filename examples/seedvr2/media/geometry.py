@@ -59,6 +59,8 @@ def check_scale(scale) -> float:
     :class:`MediaError`. Whether the output it gives is allowed depends on the input (:func:`plan_geometry`)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise MediaError(f"--scale must be a positive finite number, got {scale!r}")
+    if scale > MAX_SIDE:  # any input side of 1 pixel or more would give an output side over the maximum
+        raise MediaError(f"--scale must be at most {MAX_SIDE} (the largest output side), got {scale!r}")
     return float(scale)
 
 

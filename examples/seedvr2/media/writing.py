@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from . import reading
 from .launch_record import record_partial
 from .reading import (
     DEFAULT_CRF,
@@ -296,7 +297,9 @@ class MediaWriter:
             stream.codec_context.time_base = self.time_base
         self._video = stream
         if self.audio_from is not None:
-            source = self._stack.enter_context(av.open(self.audio_from))
+            opener = reading.INPUT_OPENER
+            source = self._stack.enter_context(
+                av.open(self.audio_from) if opener is None else opener(self.audio_from))
             for in_stream in source.streams.audio:
                 out_stream = container.add_stream_from_template(in_stream)
                 self._audio.append([out_stream, in_stream, None])

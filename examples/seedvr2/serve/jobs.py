@@ -1,10 +1,15 @@
 """The server's jobs: their states, their files, the queue, and what survives a restart.
 
 Each job is a folder ``STATE_DIR/jobs/<id>/`` holding ``job.json`` (rewritten atomically at every change of state),
-the uploaded input (unless the job names a server path) and the result. A server started again on the same state
-folder keeps the finished jobs and puts every job that had not finished back in the queue, in the order they came.
+the input (an upload, or the copy of a server file) and the result. A server started again on the same state folder
+keeps the finished jobs and puts every job that had not finished back in the queue, in the order they came.
 Finished jobs beyond ``max_results``, or whose files exceed ``max_bytes`` together, are evicted oldest first (the
 newest finished job stays, whatever its size).
+
+The state folder is read as untrusted input (:mod:`.job_records`): a record is used only when every field checks,
+its id is the server's own format and names its folder, and its paths are rebuilt from the id; anything else is
+moved aside into ``STATE_DIR/set-aside/`` with one log line, never deleted and never followed outside. A write that
+fails (a full disk, an I/O error) fails that job with its one-line reason; the queue goes on.
 """
 
 from __future__ import annotations
@@ -12,61 +17,31 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import asdict
+from typing import Callable, Optional
 
-__all__ = ["Job", "JobStore", "STATES", "FINISHED"]
+from .job_records import FINISHED, STATES, BadRecord, Job, is_job_id, read_record, set_aside, unfinished_upload
 
-STATES = ("queued", "running", "done", "failed", "cancelled")
-FINISHED = ("done", "failed", "cancelled")
+__all__ = ["Job", "JobStore", "STATES", "FINISHED", "RecordError"]
 
 
-@dataclass
-class Job:
-    """One restoration: where its files are, the ``restore`` flags it adds, and how far it got."""
+class RecordError(OSError):
+    """A job's record could not be written (a full disk, an I/O error): the one line said to its client."""
 
-    id: str
-    state: str
-    created: float
-    input: str  # the file restored: the upload in the job's folder, or an allowed server path
-    output: str
-    flags: list
-    options: dict
-    name: str  # the name the client gave the file (shown back, never used as a path)
-    input_is_upload: bool = True
-    frames: int = 0
-    frames_done: int = 0
-    started: Optional[float] = None
-    finished: Optional[float] = None
-    error: Optional[str] = None
-    cancel_requested: bool = False
-    sequence: int = 0
-
-    def status(self) -> dict:
-        """What ``GET /v1/restorations/{id}`` answers."""
-        now = time.time()
-        eta = None
-        if self.state == "running" and self.started is not None and self.frames_done:
-            elapsed = now - self.started
-            eta = round(elapsed / self.frames_done * (self.frames - self.frames_done), 2)
-        return {
-            "id": self.id, "state": self.state, "name": self.name, "options": self.options,
-            "created": self.created, "started": self.started, "finished": self.finished,
-            "progress": {"frames_done": self.frames_done, "frames": self.frames,
-                         "fraction": round(self.frames_done / self.frames, 4) if self.frames else 0.0,
-                         "eta_seconds": eta},
-            "error": self.error, "cancel_requested": self.cancel_requested,
-            "result": f"/v1/restorations/{self.id}/result" if self.state == "done" else None,
-        }
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class JobStore:
     """Jobs by id, the FIFO queue of queued ones, persisted under ``root`` (thread-safe)."""
 
-    def __init__(self, root: str, max_queue: int, max_results: int, max_bytes: int) -> None:
+    def __init__(self, root: str, max_queue: int, max_results: int, max_bytes: int,
+                 log: Optional[Callable[[str], None]] = None) -> None:
+        self.log = log or (lambda line: None)
         self.root = os.path.join(root, "jobs")
         os.makedirs(self.root, exist_ok=True)
         self.max_queue, self.max_results, self.max_bytes = max_queue, max_results, max_bytes
@@ -78,33 +53,52 @@ class JobStore:
     # ---- persistence -----------------------------------------------------------------------------------------
 
     def folder(self, job_id: str) -> str:
+        if not is_job_id(job_id):
+            raise ValueError(f"{job_id!r} is not a job id of this server")
         return os.path.join(self.root, job_id)
 
     def _save(self, job: Job) -> None:
+        """Write ``job.json`` atomically (never through a link someone left in the folder); :class:`RecordError`."""
         path = os.path.join(self.folder(job.id), "job.json")
         temporary = path + ".tmp"
-        with open(temporary, "w") as f:
-            json.dump(asdict(job), f)
-        os.replace(temporary, path)
+        try:
+            if os.path.lexists(temporary):
+                os.unlink(temporary)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(job), f)
+            os.replace(temporary, path)
+        except OSError as exc:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+            raise RecordError(exc.errno, f"the server could not write job {job.id}'s record "
+                                         f"({exc.strerror or exc})") from None
 
     def _load(self) -> int:
         """Read the jobs a previous server left; the unfinished ones are queued again. Returns how many."""
         requeued = 0
         for name in sorted(os.listdir(self.root)):
-            path = os.path.join(self.root, name, "job.json")
+            folder = os.path.join(self.root, name)
             try:
-                with open(path) as f:
-                    job = Job(**json.load(f))
-            except (OSError, ValueError, TypeError):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)  # a job whose upload never finished
+                if not is_job_id(name) or not stat.S_ISDIR(os.lstat(folder).st_mode):
+                    raise BadRecord("not a job folder of this server")
+                if unfinished_upload(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
+                    self.log(f"removed jobs/{name}: an upload that never finished (no record, no result)")
+                    continue
+                job = Job(**read_record(folder, name))
+            except BadRecord as exc:
+                self.log(f"set aside jobs/{name!r}: {exc} (moved to {set_aside(self.root, name)})")
                 continue
+            for leftover in os.listdir(folder):  # partial results of a server that was killed, a cancel of its own
+                if (leftover.startswith(".") and ".partial" in leftover) or leftover in ("cancel", "job.json.tmp"):
+                    os.unlink(os.path.join(folder, leftover))
             if job.state not in FINISHED:
                 job.state, job.frames_done, job.started, job.cancel_requested = "queued", 0, None, False
                 if os.path.lexists(job.output):
-                    os.remove(job.output)
-                for leftover in ("cancel",):
-                    if os.path.exists(os.path.join(self.folder(job.id), leftover)):
-                        os.remove(os.path.join(self.folder(job.id), leftover))
+                    os.unlink(job.output)
                 self._save(job)
                 requeued += 1
             self.jobs[job.id] = job
@@ -132,8 +126,8 @@ class JobStore:
                 return False
             self._sequence += 1
             job.sequence = self._sequence
+            self._save(job)  # RecordError: not queued (the client is told why)
             self.jobs[job.id] = job
-            self._save(job)
             self.lock.notify_all()
             return True
 
@@ -151,7 +145,11 @@ class JobStore:
                 return None
             job = waiting[0]
             job.state, job.started, job.frames_done = "running", time.time(), 0
-            self._save(job)
+            try:
+                self._save(job)
+            except RecordError as exc:
+                self._fail(job, exc)
+                return None
             return job
 
     def progress(self, job: Job, done: int, total: int) -> None:
@@ -165,8 +163,23 @@ class JobStore:
                 job.frames_done = job.frames
             elif os.path.lexists(job.output):
                 os.remove(job.output)
-            self._save(job)
+            try:
+                self._save(job)
+            except RecordError as exc:
+                self._fail(job, exc)
             self._evict()
+
+    def _fail(self, job: Job, exc: OSError) -> None:
+        """``job`` failed because its record could not be written: said in memory (its client sees it), logged,
+        its result removed (a result without a record would be lost at the next start anyway) (lock held)."""
+        job.state, job.error, job.finished = "failed", str(exc), time.time()
+        self.log(f"job {job.id} failed: {exc}")
+        try:
+            if os.path.lexists(job.output):
+                os.remove(job.output)
+            self._save(job)
+        except OSError:
+            pass
 
     def requeue(self, job: Job) -> None:
         """Put a running job back (the server stopped before it finished): it runs again after a restart."""
@@ -174,7 +187,10 @@ class JobStore:
             job.state, job.started, job.frames_done, job.cancel_requested = "queued", None, 0, False
             if os.path.lexists(job.output):
                 os.remove(job.output)
-            self._save(job)
+            try:
+                self._save(job)
+            except RecordError as exc:
+                self._fail(job, exc)
 
     def cancel(self, job: Job) -> None:
         """A queued job is cancelled at once; a running one is asked to stop (at its next batch boundary)."""
@@ -183,8 +199,14 @@ class JobStore:
                 job.state, job.finished = "cancelled", time.time()
             elif job.state == "running":
                 job.cancel_requested = True
-                open(os.path.join(self.folder(job.id), "cancel"), "w").close()
-            self._save(job)
+                try:
+                    open(os.path.join(self.folder(job.id), "cancel"), "w").close()
+                except OSError as exc:
+                    self.log(f"job {job.id}: cannot ask the ranks to cancel it ({exc.strerror or exc})")
+            try:
+                self._save(job)
+            except RecordError as exc:
+                self.log(str(exc))
 
     def delete(self, job: Job) -> None:
         """Remove a finished job and its files."""
@@ -199,7 +221,7 @@ class JobStore:
     def _bytes(self, job: Job) -> int:
         total = 0
         for root, _, files in os.walk(self.folder(job.id)):
-            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+            total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
         return total
 
     def _evict(self) -> None:

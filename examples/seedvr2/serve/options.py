@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import ipaddress
 import os
 import re
 from typing import Optional, Sequence
 
 __all__ = ["build_serve_parser", "ServeConfig", "parse_serve", "check_restore_flags", "job_flags", "restore_args",
-           "UsageError", "JOB_OPTIONS"]
+           "UsageError", "JOB_OPTIONS", "is_loopback"]
 
 PROG = "python -m examples.seedvr2 serve"
 #: restore flags that make no sense for a server (it names the files itself; `serve --ranks` starts the ranks)
@@ -57,9 +58,16 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         "removed at exit)")
     p.add_argument("--allow-paths", metavar="DIR",
                    help="let jobs name a file on the server under DIR instead of uploading it (default: uploads only)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a name clients (or a reverse proxy) reach this server by, answered in the Host header besides "
+                        "the loopback names (repeatable; default: the loopback names when bound to loopback, any "
+                        "name otherwise)")
     p.add_argument("--token-file", metavar="PATH",
                    help="a file holding a bearer token every request but /v1/health must carry (Authorization: "
                         "Bearer TOKEN) (default: no token)")
+    p.add_argument("--client-tokens", metavar="PATH",
+                   help="a file of one 'NAME TOKEN' line per client, instead of --token-file: each client sends its "
+                        "own token and sees, cancels and deletes only its own jobs (default: none)")
     p.add_argument("--max-upload-mb", type=float, default=1024.0, metavar="MB",
                    help="largest upload accepted, in MiB (default 1024)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N",
@@ -83,6 +91,7 @@ class ServeConfig(argparse.Namespace):
 
     restore_flags: list
     token: Optional[str]
+    clients: dict
 
 
 def _restore_parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -144,8 +153,31 @@ def parse_serve(argv: Sequence[str], check_restore: bool = True) -> ServeConfig:
             raise UsageError(f"--token-file {config.token_file}: {exc.strerror or exc}") from None
         if not config.token:
             raise UsageError(f"--token-file {config.token_file} is empty")
+    config.clients = _client_tokens(config)
     config.restore_flags = list(rest)
     return config
+
+
+def _client_tokens(config) -> dict:
+    """``--client-tokens``: token -> client name (empty without the option)."""
+    if config.client_tokens is None:
+        return {}
+    if config.token is not None:
+        raise UsageError("give either --token-file (one token for everyone) or --client-tokens, not both")
+    try:
+        with open(config.client_tokens) as f:
+            lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as exc:
+        raise UsageError(f"--client-tokens {config.client_tokens}: {exc.strerror or exc}") from None
+    clients: dict = {}
+    for number, fields in enumerate(lines, 1):
+        if len(fields) != 2 or fields[1] in clients or fields[0] in clients.values():
+            raise UsageError(f"--client-tokens {config.client_tokens}: entry {number} must be 'NAME TOKEN', with "
+                             f"names and tokens each used once")
+        clients[fields[1]] = fields[0]
+    if not clients:
+        raise UsageError(f"--client-tokens {config.client_tokens} names no client")
+    return clients
 
 
 def job_flags(options: dict) -> list[str]:
@@ -158,4 +190,28 @@ def job_flags(options: dict) -> list[str]:
     crf = options.get("crf")
     if crf is not None and crf != "" and not 0 <= int(crf) <= 51:
         raise UsageError(f"--crf must be an integer from 0 (lossless) to 51, got {crf}")
+    scale = options.get("scale")
+    if scale is not None and scale != "":
+        from ..media import MediaError, check_scale
+
+        try:
+            check_scale(float(scale))
+        except MediaError as exc:
+            raise UsageError(str(exc)) from None
+    seed = options.get("seed")
+    if seed is not None and seed != "" and not 0 <= int(seed) < 2**63:
+        raise UsageError(f"--seed must be an integer from 0 to 2**63-1, got {seed}")
+    batch = options.get("batch_frames")
+    if batch is not None and batch != "" and not 1 <= int(batch) <= 100_000:
+        raise UsageError(f"--batch-frames must be from 1 to 100000, got {batch}")
     return flags
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address to bind) reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

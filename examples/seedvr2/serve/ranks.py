@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,11 @@ from typing import Callable, Optional, Sequence
 
 from ..cli import launcher
 
-__all__ = ["RankPool", "Outcome", "StartError"]
+__all__ = ["RankPool", "Outcome", "StartError", "remove_stale_workdirs", "WORKDIR_PREFIX"]
+
+#: the ranks' temporary folder: ``<tmp>/seedvr2-serve-ranks-<server pid>-<random>`` (removed when the pool stops,
+#: and by the next server when the one that made it is gone)
+WORKDIR_PREFIX = "seedvr2-serve-ranks-"
 
 #: seconds the ranks get to leave after SIGTERM before SIGKILL
 KILL_S = 5.0
@@ -75,6 +80,26 @@ def job_outcome(ordered: Sequence[dict], restarted: bool = False) -> Outcome:
     return Outcome("failed", errors[0] if errors else "the restore failed (no message)", restarted=restarted)
 
 
+def remove_stale_workdirs(log=None) -> list[str]:
+    """Remove the ranks' temporary folders that servers no longer running left (one killed with SIGKILL cannot
+    remove its own); returns what was removed."""
+    removed = []
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(WORKDIR_PREFIX):
+            continue
+        pid = name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue  # its server runs (or the name is not one this code makes)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed and log is not None:
+        log(f"removed {len(removed)} temporary folder(s) of servers that are gone: {', '.join(removed)}")
+    return removed
+
+
 def _death(rank: int, code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name
@@ -98,7 +123,7 @@ class RankPool:
         self.peaks: dict[int, float] = {}
         self.restarts = 0
         self.restarting = False
-        self._workdir = tempfile.mkdtemp(prefix="seedvr2-serve-ranks-")
+        self._workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
 
     # ---- start and stop --------------------------------------------------------------------------------------
 
@@ -153,6 +178,11 @@ class RankPool:
             except OSError:
                 pass
         self._end(grace=KILL_S)
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Remove the ranks' temporary folder (their partial outputs' records and markers)."""
+        shutil.rmtree(self._workdir, ignore_errors=True)
 
     def announce_drain(self) -> None:
         """Nothing to say: the pool's ranks get no signal of their own (it stops them)."""

@@ -1,31 +1,28 @@
-"""``python -m examples.seedvr2 serve``: the HTTP process. It starts the ranks (:mod:`.ranks`), checks each job before
-accepting it (``restore``'s own checks and memory estimate), queues it (:mod:`.jobs`) and hands the jobs to the
-ranks one at a time from a dispatcher thread; the API is :mod:`.app`'s. SIGTERM drains: no new jobs, the running one
-finishes or is cancelled after ``--drain-timeout`` (and queued again in the state folder), then the process exits 0.
+"""The server: it checks each job before accepting it (``restore``'s own checks and memory estimate), queues it
+(:mod:`.jobs`) and hands the jobs to the ranks (:mod:`.ranks`) one at a time from a dispatcher thread. The HTTP API
+is :mod:`.app`'s, the process around them :mod:`.process`'s. A dead rank is restarted even while idle; a job whose
+files cannot be written fails alone, and the dispatcher goes on.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import shutil
-import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
-from .jobs import Job, JobStore
-from .options import UsageError, check_restore_flags, job_flags, parse_serve, restore_args
+from .jobs import Job, JobStore, RecordError
+from .options import UsageError, job_flags, restore_args
 from .ranks import RankPool, StartError
 
-__all__ = ["Server", "Refused", "main"]
+__all__ = ["Server", "Refused", "log", "DECODES"]
 
-PROG = "python -m examples.seedvr2 serve"
 #: seconds between attempts to start the ranks again when a restart failed
 RETRY_S = 10.0
+#: job checks (each decodes its input once) that run at once; more wait their turn
+DECODES = 2
 
 
 class Refused(Exception):
@@ -45,7 +42,9 @@ class Server:
 
     def __init__(self, config, state_dir: str, pool: RankPool) -> None:
         self.config, self.pool = config, pool
-        self.store = JobStore(state_dir, config.max_queue, config.max_results, int(config.max_results_mb * 2**20))
+        self.store = JobStore(state_dir, config.max_queue, config.max_results, int(config.max_results_mb * 2**20),
+                              log=log)
+        self.decodes = threading.BoundedSemaphore(DECODES)
         self.health = "ok"
         self.draining = False
         self.current: Optional[Job] = None
@@ -61,7 +60,8 @@ class Server:
         """The job for ``input_path`` with ``options`` after restore's checks of the file and the options and the
         memory estimate against the ranks' memory; :class:`Refused` otherwise. Runs ``restore``'s own code."""
         try:
-            return self._check(job_id, input_path, name, options, upload)
+            with self.decodes:
+                return self._check(job_id, input_path, name, options, upload)
         except Refused as exc:  # the client's name for its file, never where the server keeps it
             raise Refused(exc.status, _public(exc.message, input_path, name, self.store.folder(job_id))) from None
 
@@ -109,9 +109,14 @@ class Server:
     def submit(self, job: Job) -> None:
         if self.draining:
             raise Refused(503, "the server is shutting down and takes no new jobs")
-        if not self.store.add(job):
+        try:
+            added = self.store.add(job)
+        except RecordError as exc:
+            raise Refused(507, str(exc)) from None
+        if not added:
             raise Refused(429, f"the queue is full ({self.config.max_queue} jobs waiting, --max-queue); try again "
                                f"later")
+        log(f"job {job.id} queued: {job.name!r}, {job.frames} frame(s), options {job.options}")
 
     # ---- running them ----------------------------------------------------------------------------------------
 
@@ -120,54 +125,80 @@ class Server:
             log(f"{self.store.requeued} unfinished job(s) from {self.store.root} queued again")
         self._thread.start()
 
+    def dispatcher_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _dispatch(self) -> None:
         while not self.draining:
-            if not self.pool.can_restart and not self.pool.alive():  # under torchrun, a world that went down idle
-                log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
-                os._exit(1)
-            if self.health == "down":
-                self._start_again()
-                continue
-            job = self.store.next(timeout=0.2)
-            if job is None:
-                continue
-            if self.draining:
-                self.store.requeue(job)
-                break
-            self.current = job
-            started = time.perf_counter()
+            job = self.current
             try:
-                outcome = self.pool.run(job.id, job.input, job.output, job.flags,
-                                        os.path.join(self.store.folder(job.id), "cancel"),
-                                        functools.partial(self.store.progress, job))
-            except StartError as exc:  # the ranks died and did not come back
-                if not self.pool.can_restart:
-                    self.store.requeue(job)
-                    log(f"error: {exc}; exiting (exit code 1)")
-                    os._exit(1)
-                self.health = "down"
-                log(f"error: the ranks could not be started again: {exc}")
-                self.store.finish(job, "failed", f"the ranks failed and could not be started again: {exc}")
+                self._dispatch_one()
+            except Exception as exc:  # noqa: BLE001 - a bug or a failed write: that job fails, the queue goes on
+                job = self.current or job
+                log(f"error: the dispatcher met {type(exc).__name__}: {exc}")
+                if job is not None and job.state not in ("done", "failed", "cancelled"):
+                    try:
+                        self.store.finish(job, "failed", f"internal error: {type(exc).__name__}: {exc}")
+                    except Exception:  # noqa: BLE001 - said in memory at least; the queue goes on
+                        job.state, job.error = "failed", f"internal error: {type(exc).__name__}: {exc}"
                 self.current = None
-                continue
-            if not self.pool.can_restart and not self.pool.alive():  # under torchrun: torchrun restarts the world
-                error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
-                                                                    self.store.folder(job.id))
-                self.store.finish(job, "failed", error)
-                log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
+
+    def _dispatch_one(self) -> None:
+        """One turn of the dispatcher: restart dead ranks, or run the next job (or wait a moment for one)."""
+        if not self.pool.can_restart and not self.pool.alive():  # under torchrun, a world that went down idle
+            log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
+            os._exit(1)
+        if self.health == "down":
+            self._start_again()
+            return
+        job = self.store.next(timeout=0.2)
+        if job is None:
+            if self.pool.can_restart and not self.pool.alive() and not self.draining:
+                log("error: a rank died while idle; starting the ranks again")
+                self.health = "down"
+            return
+        if self.draining:
+            self.store.requeue(job)
+            return
+        self.current = job
+        log(f"job {job.id} started")
+        started = time.perf_counter()
+        try:
+            outcome = self.pool.run(job.id, job.input, job.output, job.flags,
+                                    os.path.join(self.store.folder(job.id), "cancel"),
+                                    functools.partial(self.store.progress, job))
+        except StartError as exc:  # the ranks died and did not come back
+            if not self.pool.can_restart:
+                self.store.requeue(job)
+                log(f"error: {exc}; exiting (exit code 1)")
                 os._exit(1)
-            seconds = time.perf_counter() - started
-            if outcome.state == "cancelled" and self.interrupting and not job.cancel_requested:
-                self.store.requeue(job)  # stopped by the drain: the next server on this state folder runs it
-            else:
-                error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
-                                                                    self.store.folder(job.id))
-                self.store.finish(job, outcome.state, error)
-            if outcome.state == "done":
-                self.frames_restored += job.frames
-                self.restore_seconds += seconds
-                self.last_fps = job.frames / seconds if seconds > 0 else 0.0
+            self.health = "down"
+            log(f"error: the ranks could not be started again: {exc}")
+            self.store.finish(job, "failed", f"the ranks failed and could not be started again: {exc}")
+            log(f"job {job.id} failed: {job.error}")
             self.current = None
+            return
+        if not self.pool.can_restart and not self.pool.alive():  # under torchrun: torchrun restarts the world
+            error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
+                                                                self.store.folder(job.id))
+            self.store.finish(job, "failed", error)
+            log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
+            os._exit(1)
+        seconds = time.perf_counter() - started
+        if outcome.state == "cancelled" and self.interrupting and not job.cancel_requested:
+            self.store.requeue(job)  # stopped by the drain: the next server on this state folder runs it
+        else:
+            error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
+                                                                self.store.folder(job.id))
+            self.store.finish(job, outcome.state, error)
+            said = {"done": f"done: {job.frames} frame(s) in {time.perf_counter() - started:.1f}s",
+                    "cancelled": "cancelled", "failed": f"failed: {job.error}"}
+            log(f"job {job.id} {said.get(job.state, job.state)}")
+        if outcome.state == "done" and job.state == "done":
+            self.frames_restored += job.frames
+            self.restore_seconds += seconds
+            self.last_fps = job.frames / seconds if seconds > 0 else 0.0
+        self.current = None
 
     def _start_again(self) -> None:
         try:
@@ -182,6 +213,7 @@ class Server:
 
     def cancel(self, job: Job) -> None:
         self.store.cancel(job)
+        log(f"job {job.id} cancel asked ({'at once' if job.state == 'cancelled' else 'at its next batch'})")
 
     def drain(self, on_drained) -> None:
         """Stop taking jobs; let the running one finish for ``--drain-timeout`` seconds, then cancel it; stop the
@@ -203,14 +235,6 @@ class Server:
         on_drained()
 
 
-def _import_the_checks() -> None:
-    """Import what accepting a job runs (restore's checks and memory estimate) now, not on the first upload."""
-    from ..cli import restore  # noqa: F401
-    from ..media import reading  # noqa: F401
-    from ..memory import fit, limits  # noqa: F401
-    from ..restore import pipeline  # noqa: F401
-
-
 def _public(message: str, input_path: str, name: str, folder: str) -> str:
     """``message`` with the server's paths of a job replaced by the client's file name and 'the result'."""
     message = message.replace(input_path, name)
@@ -219,110 +243,3 @@ def _public(message: str, input_path: str, name: str, folder: str) -> str:
     return message.replace(folder + os.sep, "")
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(False)
-    return sock
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``serve``; returns the exit code (0 after a drain, 2 for a mistake or ranks that fail)."""
-    argv = list(sys.argv[2:] if argv is None else argv)
-    from ..cli.launcher import LAUNCHED_ENV, LaunchError, check_ranks, gpu_count
-
-    world = int(os.environ.get("WORLD_SIZE") or 1)
-    torchrun = world > 1 and not os.environ.get(LAUNCHED_ENV)
-    rank = int(os.environ.get("RANK") or 0) if torchrun else 0
-    try:
-        import uvicorn
-
-        from .app import create_app
-    except ImportError as exc:
-        print(f"{PROG}: error: serve needs the serve extra ({exc.name} is missing): pip install -e \".[serve]\"",
-              file=sys.stderr)
-        return 2
-    try:
-        config = parse_serve(argv, check_restore=False)  # restore's own flags: while the ranks start (torch)
-        if torchrun:
-            if config.ranks not in (1, world):
-                raise UsageError(f"--ranks {config.ranks} under torchrun's {world} ranks: leave --ranks out")
-            config.ranks = world
-            if rank != 0:
-                from .world import follow
-
-                return follow(config.restore_flags, config.drain_timeout)
-        else:
-            check_ranks(str(config.ranks), gpu_count(), os.cpu_count() or 1)
-        sock = _bind(config.host, config.port)
-    except (UsageError, LaunchError) as exc:
-        if rank == 0:
-            print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    temporary = config.state_dir is None
-    state_dir = tempfile.mkdtemp(prefix="seedvr2-serve-") if temporary else config.state_dir
-    os.makedirs(state_dir, exist_ok=True)
-    if torchrun:
-        from .world import WorldPool
-
-        pool = WorldPool(config.restore_flags, log)
-    else:
-        pool = RankPool(config.ranks, config.restore_flags, log=log)
-    try:
-        pool.launch()
-        try:
-            check_restore_flags(config.restore_flags)
-            _import_the_checks()
-        except UsageError as exc:
-            pool.stop()
-            print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
-            return 2
-        log(f"started {config.ranks} rank(s); loading the weights")
-        try:
-            pool.wait_ready()
-        except StartError as exc:
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
-            return 2
-        server = Server(config, state_dir, pool)
-        http = _http_server(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5),
-                            server)
-        server.start()
-        host, port = sock.getsockname()[:2]
-        log(f"listening on http://{host}:{port} ({config.ranks} rank(s) ready, state in {state_dir})")
-        http.run(sockets=[sock])
-        if not server.draining:  # uvicorn stopped for another reason: stop the ranks all the same
-            server.draining = True
-            pool.stop()
-        log("stopped")
-        return 0
-    finally:
-        if pool.alive():  # only on the way out of an unexpected error: no rank outlives the server
-            pool._end(grace=0.0)
-        sock.close()
-        if temporary:
-            shutil.rmtree(state_dir, ignore_errors=True)
-
-
-def _http_server(config, server: Server):
-    """uvicorn's server, whose first SIGTERM / SIGINT drains (see :meth:`Server.drain`) instead of stopping at once;
-    a second SIGINT stops at once."""
-    import uvicorn
-
-    class Draining(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            if server.draining:
-                if sig == signal.SIGINT:
-                    self.force_exit = self.should_exit = True
-                return
-            threading.Thread(target=server.drain, args=(self._drained,), daemon=True).start()
-
-        def _drained(self) -> None:
-            self.should_exit = True
-
-    return Draining(config)

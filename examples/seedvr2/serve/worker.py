@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -33,6 +34,10 @@ STOPPED_PREFIX = "python -m examples.seedvr2: "
 #: (``RLIMIT_AS``) to what they map plus the CLI's reserve plus ``MIB`` MiB; so a job the server's real check accepted
 #: meets the real allocator's failure mid-run. Never set it outside a test.
 TEST_MEMORY_ENV = "SEEDVR2_SERVE_TEST_RANK_MEMORY_MIB"
+#: test-only, a path: while that file exists, every rank waits before each temporal batch of a job (until the file
+#: is removed or the job's cancel file appears), so that a test holds a job running for exactly as long as it needs,
+#: whatever the machine's speed. Never set it outside a test.
+TEST_GATE_ENV = "SEEDVR2_SERVE_TEST_GATE"
 
 
 def warm_side(world_size: int) -> int:
@@ -110,7 +115,9 @@ class Rank:
 
     def __init__(self, base: Sequence[str], channel: Channel) -> None:
         from .. import cli
+        from ..media.untrusted import install
 
+        install()  # every input opened as data (the server checked its size; a job's file is the server's copy)
         self.cli, self.base, self.channel = cli, list(base), channel
         self.launch = cli.Launch.from_env()
         self.models = None
@@ -155,7 +162,11 @@ class Rank:
         world = self.launch.world_size
         groups = world // (args.sp_size or world) if world > 1 else 1
 
+        gate = os.environ.get(TEST_GATE_ENV)
+
         def before(index: int) -> None:
+            while gate and os.path.exists(gate) and not os.path.exists(path):
+                time.sleep(0.02)
             if index % max(groups, 1):
                 return
             asked = 1.0 if os.path.exists(path) else 0.0

@@ -26,7 +26,7 @@ from torch import Tensor
 from winsp.attention.backends.flex import _import, _kernel, apply_mods
 from winsp.attention.score_mods import ScoreMods
 from winsp.geometry.neighborhood import Neighborhood, axis_neighbours
-from winsp.planning.halo import HaloTensors
+from winsp.planning.halo import HaloTensors, query_tile_length
 
 __all__ = ["FlexNeighborhood", "build_flex_neighborhood", "flex_video_queries", "FLEX_BLOCK"]
 
@@ -64,8 +64,8 @@ def _axis_windows(grids, geometry: Neighborhood, coords: np.ndarray, sample: np.
     hi = np.zeros_like(coords)
     for s, grid in enumerate(grids):
         rows = np.nonzero(sample == s)[0]
-        for a, (n, k, d, c) in enumerate(zip(grid, geometry.kernel, geometry.dilation, geometry.causal, strict=True)):
-            keys, valid = axis_neighbours(int(n), int(k), int(d), bool(c))
+        for a, axis in enumerate(geometry.axes(grid)):
+            keys, valid = axis_neighbours(*axis)
             pos = coords[rows, a]
             lo[rows, a] = np.where(valid[pos], keys[pos], np.iinfo(np.int64).max).min(axis=1)
             hi[rows, a] = keys[pos].max(axis=1)  # invalid causal slots hold the query itself, the window's top
@@ -73,8 +73,9 @@ def _axis_windows(grids, geometry: Neighborhood, coords: np.ndarray, sample: np.
 
 
 def _key_order(coords: np.ndarray, sample: np.ndarray, geometry: Neighborhood) -> np.ndarray:
-    """Key rows sorted tile-major (sample, then tiles of ``kernel * dilation`` per axis, then row-major)."""
-    tile = np.asarray([k * d for k, d in zip(geometry.kernel, geometry.dilation, strict=True)])
+    """Key rows sorted tile-major (sample, then the query tiles' lengths per axis, then row-major)."""
+    tile = np.asarray([query_tile_length(k, d, s) for k, d, s in
+                       zip(geometry.kernel, geometry.dilation, geometry.stride, strict=True)])
     t = coords // tile
     return np.lexsort((coords[:, 2], coords[:, 1], coords[:, 0], t[:, 2], t[:, 1], t[:, 0], sample))
 

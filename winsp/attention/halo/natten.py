@@ -5,11 +5,14 @@ Where that run is contiguous, the block plus halo is a box of the grid, the *ext
 has; ``natten.na1d/na2d/na3d`` over the box then gives the block's queries their output, **if** NATTEN's rules inside
 the box give each of them the neighbourhood it has in the whole grid. That holds where the box's border is the grid's
 border, or far enough from every block query that clamping never reaches it; and where the box's dilation groups give
-every block query the same group members as the grid's. :func:`box_is_exact` checks exactly that, per axis, from the
-per-axis tables of :mod:`winsp.geometry.neighborhood` (global against box-local, every block position, causal slots
-included); :func:`natten_plan_reason` names the rank and axis where it fails (a ragged dilated halo), the same answer on
-every rank; ``"auto"`` then takes another backend. A causal axis shorter than NATTEN's ``kernel * dilation`` is padded
-after the block (no block query attends there).
+every block query the same group members as the grid's, and on a strided axis the same stride groups (NATTEN's
+stride groups count from the box's start, so a box starting inside one is widened to begin at the stride group's start:
+``stride * dilation`` positions from 0). :func:`box_is_exact` checks exactly that, per axis, from the per-axis tables
+of :mod:`winsp.geometry.neighborhood` (global against box-local, every block position, causal slots included);
+:func:`natten_plan_reason` names the rank and axis where it fails (a ragged dilated halo), the same answer on every
+rank; ``"auto"`` then takes another backend. Positions a box holds that no block query attends (a causal axis shorter
+than NATTEN's ``kernel * dilation`` padded after the block, a stride group's head before the halo) are *padding*: the
+rank need not have those rows, and NATTEN reads any row there.
 
 Axes of kernel 1 become batch (a query reaches only its own position there); samples with the same box and text
 length run as one batch, text rows as NATTEN's ``additional_keys`` / ``additional_values``. A ``score_mod`` /
@@ -34,13 +37,14 @@ __all__ = ["box_is_exact", "extended_run", "extended_box", "natten_plan_reason",
            "natten_video_queries"]
 
 
-def box_is_exact(n: int, k: int, d: int, causal: bool, lo: int, hi: int, a: int, b: int) -> bool:
-    """Whether NATTEN over positions ``[a, b)`` of an axis of ``n`` gives each query in ``[lo, hi)`` its neighbourhood
-    in the whole axis (same keys, same causal validity). A causal box may end past the axis (padding)."""
+def box_is_exact(n: int, k: int, d: int, causal: bool, lo: int, hi: int, a: int, b: int, s: int = 1) -> bool:
+    """Whether NATTEN over positions ``[a, b)`` of an axis of ``n`` (stride ``s``) gives each query in ``[lo, hi)``
+    its neighbourhood in the whole axis (same keys, same causal validity). A causal box may end past the axis
+    (padding)."""
     if not (0 <= a <= lo < hi <= b and (b <= n or causal)) or b - a < k * d:
         return False
-    g_keys, g_valid = axis_neighbours(int(n), int(k), int(d), bool(causal))
-    l_keys, l_valid = axis_neighbours(int(b - a), int(k), int(d), bool(causal))
+    g_keys, g_valid = axis_neighbours(int(n), int(k), int(d), bool(causal), int(s))
+    l_keys, l_valid = axis_neighbours(int(b - a), int(k), int(d), bool(causal), int(s))
     i = np.arange(lo, hi)
     valid = g_valid[i]
     return bool(np.array_equal(valid, l_valid[i - a])
@@ -58,23 +62,41 @@ def extended_run(reach: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
     return a, b
 
 
-def extended_box(grid, geometry: Neighborhood, block) -> tuple[list, None] | tuple[None, str]:
-    """The extended box ``[(a, b, b_pad)] * 3`` of a block ``[(lo, hi)] * 3`` of ``grid``, or ``(None, why it is not
-    exact)``.
+def _box_candidates(n: int, k: int, d: int, c: bool, s: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """NATTEN boxes ``[a, b)`` around the run ``[start, stop)`` to try, least padding first: the run itself, its
+    start moved back to a stride group's start, its end moved on to one (inside the axis), and a causal axis padded
+    to ``kernel * dilation``."""
+    step = s * d
+    starts = [start] + ([start - start % step] if start % step else [])
+    ends = [stop] + ([min(n, -(-stop // step) * step)] if stop % step and stop < n else [])
+    out = []
+    for a in starts:
+        for b in ends:
+            out.append((a, max(b, a + k * d) if c else b))
+    return sorted(set(out), key=lambda ab: (ab[1] - ab[0], -ab[0]))
 
-    ``[a, b)`` are rows this rank has. A causal axis shorter than NATTEN's ``kernel * dilation`` is padded to
-    ``b_pad``: positions after every block query are never attended by them, so the padding may hold any row.
+
+def extended_box(grid, geometry: Neighborhood, block) -> tuple[list, None] | tuple[None, str]:
+    """The extended box ``[(a_pad, a, b, b_pad)] * 3`` of a block ``[(lo, hi)] * 3`` of ``grid``, or ``(None, why it
+    is not exact)``.
+
+    ``[a, b)`` are rows this rank has; NATTEN runs on ``[a_pad, b_pad)``, whose other positions no block query
+    attends (padding: any row may stand there). A causal axis shorter than NATTEN's ``kernel * dilation`` is padded
+    after the block; on a strided axis the box may start at its first stride group's start.
     """
     box = []
-    axes = zip(grid, geometry.kernel, geometry.dilation, geometry.causal, block, strict=True)
-    for a, (n, k, d, c, (lo, hi)) in enumerate(axes):
-        start, stop = extended_run(axis_reach(n, k, d, c, lo, hi), lo, hi)
-        pad = max(stop, start + k * d) if c else stop
-        if not box_is_exact(n, k, d, c, lo, hi, start, pad):
+    for a, ((n, k, d, c, s), (lo, hi)) in enumerate(zip(geometry.axes(grid), block, strict=True)):
+        reach = axis_reach(n, k, d, c, lo, hi, s)
+        start, stop = extended_run(reach, lo, hi)
+        fit = None
+        if reach[0] >= start and reach[-1] < stop:  # every key a block query reaches is a row this rank has
+            fit = next(((a0, b0) for a0, b0 in _box_candidates(n, k, d, c, s, start, stop)
+                        if box_is_exact(n, k, d, c, lo, hi, a0, b0, s)), None)
+        if fit is None:
             return None, (f"axis {'thw'[a]}: the block [{lo}, {hi}) with its halo spans [{start}, {stop}), where "
-                          f"NATTEN's neighbourhoods differ from the whole grid's (kernel {k}, dilation {d}, causal "
-                          f"{c}, axis of {n})")
-        box.append((start, stop, pad))
+                          f"NATTEN's neighbourhoods differ from the whole grid's (kernel {k}, stride {s}, dilation "
+                          f"{d}, causal {c}, axis of {n})")
+        box.append((fit[0], start, stop, fit[1]))
     return box, None
 
 
@@ -109,6 +131,7 @@ class NattenBoxes:
     dilation: tuple[int, ...]
     causal: tuple[bool, ...]
     na_axes: tuple[int, ...]
+    stride: tuple[int, ...] = ()
 
 
 def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
@@ -130,10 +153,10 @@ def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
         box, why = extended_box(grid, geometry, block)
         if box is None:
             return None, f"sample {s}, {why}"
-        shape = tuple(pad - a for a, _, pad in box)
-        sets = [np.arange(a, pad) for a, _, pad in box]
-        real = ((sets[0] < box[0][1])[:, None, None] & (sets[1] < box[1][1])[None, :, None]
-                & (sets[2] < box[2][1])[None, None, :]).reshape(-1)
+        shape = tuple(pad - a for a, _, _, pad in box)
+        sets = [np.arange(a, pad) for a, _, _, pad in box]
+        inside = [(x >= start) & (x < stop) for x, (_, start, stop, _) in zip(sets, box, strict=True)]
+        real = (inside[0][:, None, None] & inside[1][None, :, None] & inside[2][None, None, :]).reshape(-1)
         ids = ((sets[0][:, None, None] * grid[1] + sets[1][None, :, None]) * grid[2] + sets[2][None, None, :])
         ids = ids.reshape(-1)[real]
         k_ids = (k_coords[keys, 0] * grid[1] + k_coords[keys, 1]) * grid[2] + k_coords[keys, 2]
@@ -141,9 +164,9 @@ def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
         where = np.searchsorted(k_ids[order], ids)
         if where.max() >= k_ids.size or not np.array_equal(k_ids[order][where], ids):
             raise AssertionError("an extended box holds a row this rank does not have")  # a winsp bug
-        box_keys = np.zeros(real.size, np.int64)  # padding (causal axes) reads row 0: never attended
+        box_keys = np.zeros(real.size, np.int64)  # padding reads row 0: never attended by a block query
         box_keys[real] = keys[order][where]
-        rel = q_coords[own] - np.asarray([a for a, _, _ in box])
+        rel = q_coords[own] - np.asarray([a for a, _, _, _ in box])
         in_box = (rel[:, 0] * shape[1] + rel[:, 1]) * shape[2] + rel[:, 2]
         by_key.setdefault((shape, int(text_lengths[s])), []).append((box_keys, own, in_box,
                                                                     np.arange(txt_starts[s], txt_starts[s + 1])))
@@ -161,7 +184,7 @@ def natten_boxes(halo: HaloTensors, geometry: Neighborhood, grids, text_lengths,
                        torch.from_numpy(own_pos).to(device)))
     pick = lambda values: tuple(values[a] for a in na_axes)  # noqa: E731
     return NattenBoxes(tuple(groups), torch.from_numpy(row_slot).to(device), pick(geometry.kernel),
-                       pick(geometry.dilation), pick(geometry.causal), na_axes), None
+                       pick(geometry.dilation), pick(geometry.causal), na_axes, pick(geometry.stride)), None
 
 
 def _to_natten(x: Tensor, index: Tensor, *, boxes: int, shape: tuple, na_shape: tuple, heads: int,
@@ -201,7 +224,8 @@ def natten_video_queries(boxes: NattenBoxes, q: Tensor, k_all: Tensor, v_all: Te
                       for x in (txt[0], txt[1]))
             kwargs = dict(additional_keys=kt.contiguous(), additional_values=vt.contiguous())
         out = fn(to_natten(q, query), to_natten(k_all, key), to_natten(v_all, key), kernel_size=boxes.kernel,
-                 dilation=boxes.dilation, is_causal=boxes.causal, scale=scale, backend=natten_backend, **kwargs)
+                 stride=boxes.stride or 1, dilation=boxes.dilation, is_causal=boxes.causal, scale=scale,
+                 backend=natten_backend, **kwargs)
         out = out.reshape(b, *(shape[a] for a in batch_axes + boxes.na_axes), heads, -1).permute(inverse)
         outs.append(out.reshape(-1, heads, out.shape[-1]).index_select(0, own))
     return torch.cat(outs).index_select(0, boxes.row_slot)
