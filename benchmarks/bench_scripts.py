@@ -30,6 +30,7 @@ QUICK = {
     "bench_whole_command.py": ["--quick"],  # one 96x64x9 clip, one round: P1 against torchrun (or --ranks) 2
     "bench_whole_command.py --vae-channels": ["--quick", "--vae-channels", "32,32,64,64", "--one-thread-baseline"],
     "bench_restore_profile.py": ["--quick"],
+    "bench_resume_store.py": ["--quick"],  # one 96x64x9 clip, one round, with and without the batch store
     "bench_serve.py": ["--quick"],  # 3 clips of 48x32x5 through serve, 3 restores and one folder run
     "bench_vae.py": ["--threads", "1"],
     "bench_neighborhood.py": ["--repeats", "1"],  # the bytes table, one cold planning, the speed-up (1 forward a rank)

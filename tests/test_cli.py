@@ -88,7 +88,7 @@ def test_restore_mp4_single_process(tmp_path):
     assert "DEMO" in result.stderr and "WARNING" in result.stderr  # says loudly that it is the demo
     summary = result.stderr.strip().splitlines()[-1]
     assert f"wrote {out}: 48x32, 5 frames, 23.976 fps |" in summary and "1 rank" in summary and "| 1 batch |" in summary
-    assert "frames/s" in summary and "peak" in summary and len(summary) - len(str(out)) < 200
+    assert "frames/s" in summary and "peak" in summary and len(summary) - len(str(out)) < 260
     assert leftovers(tmp_path, {"in.mp4", "out.mp4"}) == []
 
 
@@ -413,8 +413,10 @@ def test_failed_write_leaves_no_file(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(media.MediaWriter, "write", explode)
     src = make_mp4(tmp_path / "in.mp4")
+    # no partial output; the finished batch is kept beside it (the same command resumes after it, see test_resume)
     _expect_error(capsys, ["restore", src, "-o", tmp_path / "o.mp4", "--quiet"], "disk full", tmp_path,
-                  keep={"in.mp4"})
+                  keep={"in.mp4", "o.mp4.seedvr2-batches"})
+    assert os.path.isfile(tmp_path / "o.mp4.seedvr2-batches" / "frames-000000.bin")
 
 
 # ---- the CLI never loses data -------------------------------------------------------------------------------------

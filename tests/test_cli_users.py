@@ -8,6 +8,7 @@ import pty
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -65,10 +66,12 @@ def test_progress_moves_within_batches_on_a_terminal(clip, tmp_path):
     assert states, drawn
     assert {total for _, total, _, _, _ in states} == {"9"}  # the clip's 9 frames, the shared one counted once
     done = [int(n) for n, _, _, _, _ in states]
-    assert set(done) <= {0, 5, 9} and done == sorted(done)  # whole frames finished: no fractions like 1.1/9
+    assert done == sorted(done)  # whole frames' worth of work: no fractions like 1.1/9
     percent = [int(p) for _, _, p, _, _ in states]
     assert set(percent) - {0, 56, 100}, percent  # it moved inside a batch (per VAE chunk / DiT step)
     assert percent == sorted(percent)
+    for n, p in zip(done, percent, strict=True):  # the count and the percentage agree (never 0/9 frames 50%)
+        assert abs(n - p * 9 / 100) < 1.05, (n, p, states)
     for line in drawn.split("\n"):  # the stage bar and the restore bar never draw over each other on one line
         kinds = ["bar" if "%|" in part else "stage" if re.search(r"\] \d/3 ", part) else "blank"
                  for part in line.split("\r") if part]
@@ -100,9 +103,33 @@ def test_a_single_long_batch_prints_progress_lines_when_piped(clip, tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.startswith("restore: batch 1/1")]
     within = [line for line in lines if "% done" in line]
     assert len(within) >= 3 and lines[-1].startswith("restore: batch 1/1, 9/9 frames"), done.stderr
-    assert all(", 0/9 frames," in line for line in within)  # whole frames only: none finished before the end
     shares = [int(re.search(r"(\d+)% done", line).group(1)) for line in within]
+    counts = [int(re.search(r", (\d+)/9 frames,", line).group(1)) for line in within]
+    for count, share in zip(counts, shares, strict=True):  # one batch: its share is the clip's; they agree
+        assert abs(count - share * 9 / 100) < 1.05, (count, share, within)
     assert shares == sorted(shares) and 0 < shares[0] and shares[-1] < 100
+
+
+def test_the_closing_line_gives_the_whole_commands_time_with_its_stages(clip, tmp_path):
+    started = time.time()
+    done = _run(clip, "-o", tmp_path / "o.mp4", "--quiet", *BATCHES)
+    wall = time.time() - started
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"\| ([\d.]+)s \(start-up ([\d.]+), read ([\d.]+), load ([\d.]+), restore ([\d.]+)\), ",
+                      done.stderr.strip().splitlines()[-1])
+    assert found, done.stderr
+    total, *stages = map(float, found.groups())
+    assert abs(total - sum(stages)) <= 0.25  # the stages add up to the total (each rounded to 0.1 s)
+    assert 0.5 * wall <= total <= wall + 0.1  # the command's own time, start-up included (not the 3 stages alone)
+
+
+def test_the_wavefront_is_said_in_a_users_words():
+    from examples.seedvr2.models.vae.wavefront import VAESplit, splits_in_words
+
+    assert splits_in_words(VAESplit(2, 1), VAESplit(2, 1)) == "2 ranks pass chunks of frames along in time"
+    assert splits_in_words(VAESplit(1, 2), VAESplit(1, 2)) == "each frame's rows split over 2 ranks"
+    assert splits_in_words(VAESplit(1, 2), VAESplit(2, 1)) == (
+        "encode: each frame's rows split over 2 ranks; decode: 2 ranks pass chunks of frames along in time")
 
 
 def test_summary_line_is_short_and_states_the_written_size(tmp_path):
@@ -113,16 +140,18 @@ def test_summary_line_is_short_and_states_the_written_size(tmp_path):
     summary = done.stderr.strip().splitlines()[-1]
     assert summary.startswith(f"{PROG}: wrote {out}: 50x34 (model at 48x32) |"), summary  # the size as encoded
     assert probe(out)[1:3] == (34, 50)
-    assert len(summary) - len(str(out)) < 200
+    assert len(summary) - len(str(out)) < 260  # with the whole command's time and its stages
     assert summary.count("SP") <= 1
 
 
 def test_summary_line_formats():
     line = summary_line(PROG, "o.mp4", (242, 322), 45, "24 fps", weights="SeedVR2 3B", dtype="bf16", device="cuda",
                         world=4, sp=2, vae="height", batches=3, batch_frames=21, overlap=5, seconds=90.0,
-                        peak_gib=20.5)
+                        peak_gib=20.5, stages={"start-up": 11.7, "read": 0.3, "load": 1.1, "restore": 76.9})
     assert "322x242, 45 frames, 24 fps" in line and "4 ranks, SP 2" in line
-    assert "batches 3x21, overlap 5" in line and "0.50 frames/s" in line and len(line) - len("o.mp4") < 200
+    # the whole command's wall time, then the stages in it
+    assert "| 90.0s (start-up 11.7, read 0.3, load 1.1, restore 76.9), 0.50 frames/s" in line, line
+    assert "batches 3x21, overlap 5" in line and "0.50 frames/s" in line and len(line) - len("o.mp4") < 260
     assert "(model at" not in line  # said only when the model ran at another size
     assert "(model at 320x240)" in summary_line(PROG, "o.png", (242, 322), 1, None, weights="DEMO 3B", dtype="fp32",
                                                 device="cpu", world=1, sp=1, vae="replicated", batches=1,

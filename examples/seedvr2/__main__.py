@@ -15,6 +15,10 @@ The process ends from the signal handler itself (``os._exit``), never by an exce
 import os
 import signal
 import sys
+import time
+
+# the command's start, for the closing line's wall time (kept when set: the ranks --ranks starts inherit the launcher's)
+os.environ.setdefault("SEEDVR2_COMMAND_STARTED", repr(time.time()))
 
 STOPPED_LINE = "python -m examples.seedvr2: stopped by {name} during start-up: nothing was written"
 _STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",

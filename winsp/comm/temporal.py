@@ -111,7 +111,7 @@ def build_temporal_mesh(sp_size: Optional[int] = None) -> TemporalMesh:
 
 def ordered_results(
     mesh: TemporalMesh, num_batches: int, compute: Callable[[int], torch.Tensor],
-    before: Optional[Callable[[int], None]] = None,
+    before: Optional[Callable[[int], None]] = None, first: int = 0,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Run batches ``0 .. num_batches - 1`` over the mesh; on the writer, yield ``(index, result)`` in index order.
 
@@ -121,8 +121,12 @@ def ordered_results(
     consume each result before asking for the next (it is sent, or computed, only then), which bounds memory.
     ``before(index)``, when given, is called on every rank before batch ``index`` (whichever group owns it), so a
     collective in it lines up over the world; an exception it raises ends the run there, on every rank that raises.
+    ``first``: the batches before it are skipped on every rank (their results are kept from an earlier run); every
+    rank must pass the same value.
     """
-    for index in range(num_batches):
+    if not 0 <= first <= num_batches:
+        raise ValueError(f"first must be in [0, num_batches] = [0, {num_batches}], got {first}")
+    for index in range(first, num_batches):
         if before is not None:
             before(index)
         group = mesh.group_of_batch(index)

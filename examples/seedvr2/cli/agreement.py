@@ -75,6 +75,10 @@ class RunState:
     # there, on every rank alike), and on the writer with (frames written, frames) as batches are written
     before_batch: Optional[Callable[[int], None]] = None
     on_frames: Optional[Callable[[int, int], None]] = None
+    # the command's start (time.time()) for the closing line's wall time: a single file's run from main() only
+    command_started: Optional[float] = None
+    # resume hook (issue 48): keep finished batches beside the output (set by the restore command; `serve` does not)
+    keep_batches: bool = False
 
 
 def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: RunState):
@@ -119,6 +123,43 @@ def agree_loaded(error: Optional[Exception], launch: Launch, state: RunState) ->
     if failed:
         state.reporter = failed[0]
         raise error if error is not None else PeerFailed(f"rank {failed[0]} failed")
+
+
+def _open_kept_batches(args, launch: Launch, progress, state: RunState, output: str, settings, plan, geometry,
+                       info, dtype: torch.dtype, color_fix: str, sp_size: int, demo: bool):
+    """Resume hook (issue 48): the finished batches kept beside the output (see
+    :mod:`examples.seedvr2.restore.kept_batches`), read on rank 0 against this run's settings and agreed by every rank
+    in one meeting. A refusal (a changed setting, another version, a disk too small) is an :class:`InputError`
+    reported by rank 0; every rank stops."""
+    from ..restore.kept_batches import PeerRefused, open_kept_batches
+    from ..restore.resume import ResumeRefused, run_settings
+    from .parser import PROG
+
+    if demo:
+        from ..models.demo import demo_vae_config
+
+        weights = f"demo weights, VAE widths {demo_vae_config()['block_out_channels']}"
+    else:
+        from ..restore.resume import file_identity
+
+        weights = (f"DiT {file_identity(args.dit_checkpoint)}; VAE {file_identity(args.vae_checkpoint)}; --weights "
+                   f"{getattr(args, 'weights', 'stored')}")
+    enabled = state.keep_batches and bool(getattr(args, "resume_store", True)) and not info.is_image
+    run = run_settings(
+        input_path=args.input, model=args.model or "3b", weights=weights, text_embeds=args.text_embeds,
+        output_size=geometry.output, work_size=geometry.work, frames=info.num_frames, seed=args.seed,
+        batch_frames=settings.batch_frames, overlap=settings.overlap, dtype=str(dtype).replace("torch.", ""),
+        vae_parallel=settings.vae_parallel, vae_tile=settings.vae_tile, color_fix=color_fix, sp_size=sp_size)
+    rows = None if launch.world_size == 1 else (lambda row: _per_rank_figures(row, launch.device))
+    try:
+        return open_kept_batches(
+            output=output, settings=run, plan=plan,
+            frame_hw=geometry.output, overlap=settings.overlap, writer=launch.rank == 0, enabled=enabled,
+            restart=bool(getattr(args, "restart", False)), gather_rows=rows,
+            say=(lambda line: progress.note(f"{PROG}: {line}")) if launch.rank == 0 else (lambda line: None))
+    except (ResumeRefused, PeerRefused) as exc:
+        state.reporter = 0
+        raise InputError(str(exc)) from None
 
 
 def is_peer_failure(exc: BaseException) -> bool:

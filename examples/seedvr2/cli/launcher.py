@@ -118,7 +118,7 @@ VALUE_OPTIONS = frozenset({"-o", "--output", "--resolution", "--scale", "--model
                            "--vae-tile", "--batch-frames", "--overlap", "--sp-size", "--color-fix", "--crf",
                            "--ranks"})
 FLAG_OPTIONS = frozenset({"-h", "--help", "--overwrite", "--allow-partial-input", "--allow-large-output", "--demo",
-                          "--shard-weights", "--quiet", "--untrusted-input"})
+                          "--shard-weights", "--quiet", "--restart", "--no-resume-store", "--untrusted-input"})
 
 
 def restore_inputs(argv: Sequence[str]) -> Optional[list[str]]:

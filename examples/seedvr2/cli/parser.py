@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crf", type=_crf, default=DEFAULT_CRF,
                    help=f"H.264 quality of a video output, 0 (lossless) to 51 (default {DEFAULT_CRF})")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
+    # ---- resume hook (issue 48): see examples.seedvr2.restore.kept_batches
+    p.add_argument("--restart", action="store_true",
+                   help="start from the first frame, removing the finished batches a stopped run kept beside the "
+                        "output (by default the same command resumes after the last of them)")
+    p.add_argument("--no-resume-store", dest="resume_store", action="store_false",
+                   help="keep no finished batches beside the output while it runs (saves the disk they take: about "
+                        "the output's frames uncompressed; a fault then loses the whole clip)")
     p.add_argument("--ranks", type=int, metavar="N",
                    help="start N ranks on this machine (one per GPU on a GPU machine; gloo on the CPU): the same "
                         "results as torchrun --nproc-per-node N, a failure is one line (exit 2) and every rank stops "

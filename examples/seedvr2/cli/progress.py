@@ -5,8 +5,9 @@ to the clip (its own, less those shared with the previous batch), so the total i
 temporal batch the work done advances as it is done: forward hooks on the VAE's encoder and decoder (called once per
 causal chunk, per band or tile) and on the DiT (once per sampling step) move it by the batch's frames times the share
 of the batch that step stands for (a quarter for encoding, a quarter for the DiT, half for decoding, split evenly
-over the expected calls); the batch's end sets it exactly. The percentage, the speed and the ETA follow the work
-done; the frame count shows whole frames finished only.
+over the expected calls); the batch's end sets it exactly. The percentage, the speed, the ETA and the frame count
+all follow the work done (the count in whole frames' worth, rounded down), so the count and the percentage agree:
+``restore 4/9 frames 50%``, never ``0/9 frames 50%``.
 
 On a terminal (and not ``--quiet``) the bar is drawn in place on stderr; when stderr is a file or a pipe, one plain
 line is printed per finished batch, and within a batch one every :data:`LINE_INTERVAL_S` seconds (the
@@ -111,7 +112,8 @@ class RestoreProgress:
         return cls(total, batches, "off" if not enabled else "bar" if tty else "lines", stream)
 
     def _frames_done(self) -> str:
-        return f"{self.done_frames:.0f}/{self.total} frames"
+        """The frames' worth of work done, in whole frames (rounded down, so 100 % only at the end)."""
+        return f"{math.floor(max(self.work, self.done_frames) + 1e-9)}/{self.total} frames"
 
     def attach(self, vae, dit) -> "RestoreProgress":
         """Count the VAE encoder's / decoder's and the DiT's calls (forward hooks; removed by :meth:`close`)."""
@@ -137,6 +139,7 @@ class RestoreProgress:
         self.work = max(self.work, self._batch_base + self._batch_frames * min(share, 0.999))
         if self.bar is not None:
             if self.work > self.bar.n:
+                self.bar.set_description_str(f"restore {self._frames_done()}", refresh=False)
                 self.bar.update(self.work - self.bar.n)
         elif time.perf_counter() - self._last_line >= self.line_interval:
             self._line(f"batch {self.done_batches + 1}/{self.batches} {min(share, 0.99):.0%} done")
@@ -192,10 +195,11 @@ class RestoreProgress:
 def summary_line(prog: str, output: str, size: tuple[int, int], frames: int, fps: Optional[str], *, weights: str,
                  dtype: str, device: str, world: int, sp: int, vae: str, batches: int, batch_frames: int,
                  overlap: int, seconds: float, peak_gib: float, color_fix: str = "none",
-                 work: Optional[tuple[int, int]] = None) -> str:
+                 work: Optional[tuple[int, int]] = None, stages: Optional[dict] = None) -> str:
     """The one line a finished restore prints: what was written (its true size, ``size`` = (height, width) as
-    encoded; ``work``, the size the model ran at, when it differs), how it ran and how long it took; about 170
-    characters plus the path."""
+    encoded; ``work``, the size the model ran at, when it differs), how it ran and how long it took: ``seconds``, the
+    whole command's wall time, then ``stages`` (name: seconds, in order) when given; about 240 characters plus the
+    path."""
     what = f"{size[1]}x{size[0]}" + (f" (model at {work[1]}x{work[0]})" if work is not None and work != size else "")
     what += f", {frames} frames, {fps}" if fps is not None else ""
     ranks = "1 rank" if world == 1 else f"{world} ranks, SP {sp}"
@@ -203,7 +207,14 @@ def summary_line(prog: str, output: str, size: tuple[int, int], frames: int, fps
     peak = f"peak {peak_gib:.1f} GiB" + ("/rank" if world > 1 else "")
     return (f"{prog}: wrote {output}: {what} | {weights} {dtype} {device}, {ranks}, VAE {vae}, colour "
             f"{color_fix} | {run} | "
-            f"{seconds:.1f}s, {frames / max(seconds, 1e-9):.2f} frames/s, {peak}")
+            f"{seconds:.1f}s{_stage_times(stages)}, {frames / max(seconds, 1e-9):.2f} frames/s, {peak}")
+
+
+def _stage_times(stages: Optional[dict]) -> str:
+    """`` (start-up 1.2, read 0.1, load 0.3, restore 2.6)``: the stages' seconds after the total, or nothing."""
+    if not stages:
+        return ""
+    return " (" + ", ".join(f"{name} {value:.1f}" for name, value in stages.items()) + ")"
 
 
 STAGES = ("read", "load", "restore")

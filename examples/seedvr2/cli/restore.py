@@ -39,7 +39,7 @@ def run_restore(args: argparse.Namespace, launch: Launch, progress: StageProgres
     models, mesh, pipe = load_stage(args, launch, progress, state, read)
     run = restore_stage(args, launch, progress, state, read, models, mesh, pipe)
     write_stage(args, state, read, mesh, run.results)
-    return finish(args, launch, progress, read, models, mesh, pipe, run)
+    return finish(args, launch, progress, state, read, models, mesh, pipe, run)
 
 
 def describe_batches(plan) -> str:
@@ -72,6 +72,11 @@ def _stop_message(rank: int):
 
         what = (f"removed the partial output {', '.join(os.path.basename(p) for p in removed)}" if removed
                 else "no partial output left")
+        from ..restore.kept_batches import kept_folder  # resume hook (issue 48)
+
+        kept = kept_folder()
+        if kept is not None:
+            what += f"; kept the finished batches in {os.path.basename(kept)} (the same command resumes after them)"
         return printable(f"{PROG}: stopped by {signal.Signals(signum).name}: {what}")
     return message
 
@@ -87,6 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     from ..restore import stage_clock
 
+    global _MAIN_ENTERED
+    _MAIN_ENTERED = time.time()
     if os.environ.get(stage_clock.PROFILE_ENV):
         stage_clock.enable(comm=True).mark("main entered")
     try:
@@ -142,7 +149,8 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         if not job.batch:
             args.input, args.output = job.pairs[0]
-            code, failed, _ = _restore_file(args, launch, RunState())
+            code, failed, _ = _restore_file(args, launch, RunState(command_started=_command_started(),
+                                                                   keep_batches=True))
             return code
         code, failed = _restore_batch(args, launch, job)
         return code
@@ -151,6 +159,22 @@ def _main(args: argparse.Namespace) -> int:
         raise
     finally:
         launch.close(failed=failed)
+
+
+#: set by ``python -m examples.seedvr2`` as it starts (inherited by the ranks ``--ranks`` starts): the command's start
+COMMAND_STARTED_ENV = "SEEDVR2_COMMAND_STARTED"
+
+
+def _command_started() -> float:
+    """When the command started: ``$SEEDVR2_COMMAND_STARTED`` (set by ``python -m examples.seedvr2``), else when
+    :func:`main` was entered."""
+    try:
+        return float(os.environ[COMMAND_STARTED_ENV])
+    except (KeyError, ValueError):
+        return _MAIN_ENTERED
+
+
+_MAIN_ENTERED = time.time()
 
 
 def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, bool]:
@@ -177,7 +201,7 @@ def _restore_batch(args: argparse.Namespace, launch: Launch, job) -> tuple[int, 
     models, failures, done, broken = None, [], 0, False
     for index, (path, output) in enumerate(job.pairs):
         args.input, args.output = path, output
-        state = RunState(models=models)
+        state = RunState(models=models, keep_batches=True)
         code, broken, _ = _restore_file(args, launch, state)
         models = state.models
         if code == 0:

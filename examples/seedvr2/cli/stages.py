@@ -25,7 +25,7 @@ from ..media.geometry import Geometry, check_scale, frames_to_model, model_to_fr
 from ..media.reading import MediaError
 from ..media.writing import check_output_directory, h264_frame_size, output_kind
 from ..weights.discovery import WeightsError, how_to_get_weights, resolve_cli_weights
-from .agreement import Launch, RunState, agree_loaded, agree_to_start
+from .agreement import Launch, RunState, _open_kept_batches, agree_loaded, agree_to_start
 from .checks import (
     LARGE_OUTPUT_PIXELS,
     _check_checkpoint_files,
@@ -249,6 +249,7 @@ class ReadStage:
     memory: MemoryPlan
     plan: list  # the temporal batches
     is_video_out: bool
+    kept: Any  # resume hook (issue 48): the kept batches (a restore.kept_batches.KeptBatches), agreed by every rank
 
     @property
     def settings(self):
@@ -297,7 +298,10 @@ def read_stage(args: argparse.Namespace, launch: Launch, progress: StageProgress
                 f"players accept) needs even sides, so it is written as {coded[1]}x{coded[0]} with the edge "
                 f"repeated (use --resolution with even sides to avoid this)"
             )
-    return ReadStage(output, demo, dtype, color_fix, info, geometry, sp_size, memory, plan, is_video_out)
+    # ---- resume hook (issue 48): the kept batches decide where this run starts; every rank agrees before the load
+    kept = _open_kept_batches(args, launch, progress, state, output, settings, plan, geometry, info, dtype, color_fix,
+                              sp_size, demo)
+    return ReadStage(output, demo, dtype, color_fix, info, geometry, sp_size, memory, plan, is_video_out, kept)
 
 
 def load_stage(args: argparse.Namespace, launch: Launch, progress: StageProgress, state: RunState, read: ReadStage):
@@ -364,6 +368,7 @@ def restore_stage(args: argparse.Namespace, launch: Launch, progress: StageProgr
     from .progress import RestoreProgress, expected_calls, format_seconds
 
     info, geometry, settings, plan, color_fix = read.info, read.geometry, read.settings, read.plan, read.color_fix
+    kept = read.kept
     is_rank0 = launch.rank == 0
     tile = settings.vae_tile if settings.vae_tile is not None else 256
     progress.start("restore")
@@ -372,7 +377,7 @@ def restore_stage(args: argparse.Namespace, launch: Launch, progress: StageProgr
         stage_clock.active().mark("restore started")
     needed = np.zeros(info.num_frames, dtype=bool)  # frames of the batches this rank's group restores
     for batch in plan:
-        if mesh.owns(batch.index):
+        if mesh.owns(batch.index) and batch.index >= kept.first:  # resume hook: kept batches are not read again
             needed[batch.start:batch.stop] = True
     model_frames = (
         None if frame is None else frames_to_model(frame[None], geometry)[:, 0]
@@ -382,7 +387,7 @@ def restore_stage(args: argparse.Namespace, launch: Launch, progress: StageProgr
     batches = iter(prefetch(temporal_batches(timed_iter(model_frames, "read"), settings.batch_frames,
                                              settings.overlap)))
     computed = []
-    owned = [batch for batch in plan if mesh.owns(batch.index)]
+    owned = [batch for batch in plan if mesh.owns(batch.index) and batch.index >= kept.first]
     progress.break_line()  # the stage bar keeps its line; the restore bar below it (on a terminal)
     # each frame counted once: a batch adds its frames less those it shares with the previous batch
     live = RestoreProgress.for_stream(sum(b.num_frames - b.blend for b in owned), len(owned),
@@ -415,7 +420,7 @@ def restore_stage(args: argparse.Namespace, launch: Launch, progress: StageProgr
                        f"output")
         return frames
 
-    results = ordered_results(mesh, len(plan), compute, before=state.before_batch)
+    results = ordered_results(mesh, len(plan), compute, before=state.before_batch, first=kept.first)
     return RestoreRun(results, live, computed, started)
 
 
@@ -425,21 +430,29 @@ def write_stage(args: argparse.Namespace, state: RunState, read: ReadStage, mesh
     from ..media.writing import MediaWriter
     from ..restore import stage_clock
     from ..restore.overlap import background_worker
-    from ..restore.temporal import TemporalBlender
 
     output, info, geometry, settings, plan = read.output, read.info, read.geometry, read.settings, read.plan
-    is_video_out = read.is_video_out
+    is_video_out, kept = read.is_video_out, read.kept
     if mesh.is_writer:
         use_pts = is_video_out and len(info.frame_pts) == info.num_frames
         with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
                          audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf,
                          overwrite=args.overwrite) as writer:
-            blender = TemporalBlender()
+            kept.note_partial(getattr(writer, "partial_path", None))  # resume hook: a resumed run removes it
+            blender = kept.blender()  # resume hook: the kept blend state, and the kept frames encoded first
+            with stage_clock.stage("write"):
+                for frame in kept.replay():
+                    writer.write(frame, info.frame_pts[writer.frames_written] if use_pts else None)
 
             def write_batch(item: tuple[int, torch.Tensor]) -> None:
                 index, frames = item
                 with stage_clock.stage("write"):
-                    for frame in blender.push(plan[index], frames.cpu(), settings.overlap):
+                    try:
+                        final = list(blender.push(plan[index], frames.cpu(), settings.overlap))
+                        kept.keep(plan[index], final, blender)  # resume hook: kept as soon as final
+                    finally:
+                        kept.mark_handled(index)
+                    for frame in final:
                         writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
                 if state.on_frames is not None:
                     state.on_frames(writer.frames_written, info.num_frames)
@@ -450,6 +463,7 @@ def write_stage(args: argparse.Namespace, state: RunState, read: ReadStage, mesh
                 for item in results:
                     with stage_clock.stage("writer wait"):
                         write.submit(item)
+                        kept.wait(item[0], lambda: write.failed)  # resume hook: kept before the next batch starts
             except BaseException:
                 write.abandon()  # the thread must not write on while the partial output is removed
                 raise
@@ -459,12 +473,13 @@ def write_stage(args: argparse.Namespace, state: RunState, read: ReadStage, mesh
                 writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
             if writer.frames_written != info.num_frames:  # a bug, never a silently short file
                 raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
+        kept.complete()  # resume hook: the output is published; its kept batches go
     else:
         for _ in results:
             pass
 
 
-def finish(args: argparse.Namespace, launch: Launch, progress: StageProgress, read: ReadStage,
+def finish(args: argparse.Namespace, launch: Launch, progress: StageProgress, state: RunState, read: ReadStage,
            models: LoadedModels, mesh, pipe, run: RestoreRun) -> str:
     """The stages' end: the restore's figures gathered from every rank, and the summary line."""
     from ..restore import stage_clock
@@ -481,14 +496,15 @@ def finish(args: argparse.Namespace, launch: Launch, progress: StageProgress, re
     figures = _per_rank_figures([peak, float(sum(computed)), seconds_restore], launch.device)
     progress.done()
 
+    seconds, stages = _command_time(progress, state)
     written = h264_frame_size(*geometry.output) if is_video_out else geometry.output
     vae = f"tiled {settings.vae_tile}px" if settings.vae_parallel == "tiled" else settings.vae_parallel
     if sp_size == 1 and settings.vae_parallel in ("height", "wavefront"):
         vae = "replicated"  # what one rank runs (see SeedVR2Pipeline)
     if settings.vae_parallel == "wavefront" and sp_size > 1 and pipe.vae_splits:  # what the cost model chose
-        from ..models.vae.wavefront import describe_splits
+        from ..models.vae.wavefront import splits_in_words
 
-        vae += f" ({'; '.join(sorted({describe_splits(*splits) for splits in pipe.vae_splits}))})"
+        vae += f" ({'; '.join(sorted({splits_in_words(*splits) for splits in pipe.vae_splits}))})"
     if pipe.weight_shards is not None:
         vae += f"; DiT blocks sharded x{mesh.sp_size}"
     return summary_line(
@@ -496,5 +512,16 @@ def finish(args: argparse.Namespace, launch: Launch, progress: StageProgress, re
         weights=f"{'DEMO' if models.demo else 'SeedVR2'} {(args.model or '3b').upper()}",
         dtype="bf16" if dtype == torch.bfloat16 else "fp32", device=launch.device.type, world=launch.world_size,
         sp=mesh.sp_size, vae=vae, batches=len(plan), batch_frames=settings.batch_frames, overlap=settings.overlap,
-        seconds=sum(progress.seconds.values()), peak_gib=max(row[0] for row in figures) / 2**30,
+        seconds=seconds, stages=stages, peak_gib=max(row[0] for row in figures) / 2**30,
         color_fix=color_fix, work=geometry.work if geometry.work != geometry.output else None)
+
+
+def _command_time(progress: StageProgress, state: RunState) -> tuple[float, dict]:
+    """The closing line's time: the whole command's wall time and the stages in it (``start-up`` first: the
+    interpreter, imports, ranks and process group before the input is read), or, for a file of several (or a caller
+    that gives no start), the file's own stages."""
+    stages = dict(progress.seconds)
+    if state.command_started is None:
+        return sum(stages.values()), stages
+    wall = time.time() - state.command_started
+    return wall, {"start-up": max(0.0, wall - sum(stages.values())), **stages}

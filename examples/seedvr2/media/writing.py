@@ -251,6 +251,7 @@ class MediaWriter:
 
     def __enter__(self) -> "MediaWriter":
         tmp = self._stack.enter_context(atomic_output(self.path, overwrite=self.overwrite))
+        self.partial_path = tmp  # resume hook (issue 48): the kept batches name it, so a resumed run removes it
         try:
             with self._write_errors():
                 if self.kind == "video":

@@ -1,1 +1,1 @@
-"""The restore: the pipeline (encode, denoise, decode), temporal batches, overlapping I/O and the stage clock."""
+"""The restore: the pipeline, temporal batches, overlapping I/O, the stage clock, finished batches kept to resume."""

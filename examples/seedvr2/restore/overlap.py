@@ -118,6 +118,11 @@ class BackgroundWorker(Generic[T]):
                 except BaseException as exc:  # noqa: BLE001 - raised in the caller
                     self._error = exc
 
+    @property
+    def failed(self) -> bool:
+        """Whether an item failed (or the worker was abandoned): the items after it are skipped."""
+        return self._error is not None
+
     def submit(self, item: T) -> None:
         if self._error is not None:
             raise self._error
@@ -149,6 +154,8 @@ class BackgroundWorker(Generic[T]):
 
 class InlineWorker(Generic[T]):
     """:class:`BackgroundWorker`'s interface, calling ``fn`` at once in the caller's thread."""
+
+    failed = False
 
     def __init__(self, fn: Callable[[T], None]) -> None:
         self._fn = fn

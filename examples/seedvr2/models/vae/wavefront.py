@@ -387,6 +387,20 @@ def split_for_clip(world: int, frames: int, latent_rows: int, *, temporal_chunk:
     return min(splits, key=lambda s: s.height)
 
 
+def splits_in_words(encode: VAESplit, decode: VAESplit) -> str:
+    """What the splits mean, for a user: ``2 ranks pass chunks of frames along in time``, ``each frame's rows split
+    over 2 ranks``, ``encode: ..., decode: ...``."""
+    def words(split: VAESplit) -> str:
+        if split.time == 1:
+            return f"each frame's rows split over {split.height} ranks"
+        chained = f"{split.time} ranks pass chunks of frames along in time"
+        return chained if split.height == 1 else f"{chained}, each chunk's rows split over {split.height}"
+
+    if encode == decode:
+        return words(encode)
+    return f"encode: {words(encode)}; decode: {words(decode)}"
+
+
 def describe_splits(encode: VAESplit, decode: VAESplit) -> str:
     """``height bands x2`` / ``time x2`` / ``encode 1x2 (height), decode 2x1 (time)``, for a summary line."""
     def name(split: VAESplit) -> str:
