@@ -44,9 +44,10 @@ def token_order(tokens: Any) -> Union[str, Literal[False], None]:
     """The axis order in which a region's ``TokenIO`` holds each sample's tokens (``"thw"``: row-major), False for one
     that does not hold them as rows of a ``[B, L, C]`` / ``[B, T, H, W, C]`` tensor, None where it does not say."""
     from winsp.adoption.parallelize import ChannelsLast
+    from winsp.adoption.region import ChannelsFirst
     from winsp.adoption.token_io import FlatTokens, Patches
 
-    if isinstance(tokens, ChannelsLast):
+    if isinstance(tokens, (ChannelsLast, ChannelsFirst)):
         return "thw"
     if isinstance(tokens, FlatTokens):
         return tokens.order
@@ -58,7 +59,7 @@ def token_order(tokens: Any) -> Union[str, Literal[False], None]:
 
 def _swapped_above(model: nn.Module, applied: Any, path: str) -> Optional[str]:
     """The innermost module at or above ``path`` that the plan swapped (its forward is the adapter's), if any."""
-    swaps = {id(parent._modules[name]) for parent, name, _ in applied.swapped if name in parent._modules}
+    swaps = {id(parent._modules[name]) for parent, name, *_ in applied.swapped if name in parent._modules}
     parts = path.split(".") if path and path != "<root>" else []
     for n in range(len(parts), 0, -1):
         prefix = ".".join(parts[:n])
