@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import winsp
 from examples.swin_seg3d.adapter import seg_plan
@@ -32,7 +33,7 @@ class DroppingStage(SwinStage3d):
     flat = ""  # "first" / "last": drop out a flattened [B, C, D*H*W] / [B, D*H*W, C] (refused in parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.dropout(x, P, self.training)  # [B, C, D, H, W], as it came in
+        x = self.drop(x) if hasattr(self, "drop") else F.dropout(x, P, self.training)  # [B, C, D, H, W], as it came in
         if self.flat == "first":
             x = F.dropout(x.flatten(2), P, self.training).reshape(x.shape)
         x = x.permute(0, 2, 3, 4, 1)
@@ -45,11 +46,14 @@ class DroppingStage(SwinStage3d):
         return self.merge(x).permute(0, 4, 1, 2, 3)
 
 
-def make_model(flat: str = "") -> SegNet3d:
+def make_model(flat: str = "", module: bool = False) -> SegNet3d:
+    """``module``: the stages' input dropout is an ``nn.Dropout`` module."""
     model = SegNet3d().double()
     for stage in model.encoder.stages:
         stage.__class__ = DroppingStage  # the same modules and weights, the forward above
         stage.flat = flat
+        if module:
+            stage.drop = nn.Dropout(P)
     return model
 
 
@@ -82,18 +86,24 @@ def _train_step(model, x) -> tuple[torch.Tensor, list]:
     return out.detach(), [p.grad for _, p in sorted(model.named_parameters())]
 
 
-def test_one_rank_draws_them_too_and_its_masks_are_not_the_local_ones():
+@pytest.mark.parametrize("module", [False, True], ids=["functional", "nn.Dropout"])
+def test_one_rank_draws_them_too_and_its_masks_are_not_the_local_ones(module):
     torch.manual_seed(0)
-    original = make_model()
+    original = make_model(module=module)
     parallel = make_parallel(copy.deepcopy(original), 1)
     x = inputs()
     (want, want_grads), (got, got_grads) = _train_step(original, x), _train_step(parallel, x)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    # the same model with the dropouts left to run on this rank's rows draws other masks (one rank, window order)
+    # the same model with the dropouts left to run on this rank's rows draws other masks (one rank, window order);
+    # dropout modules are refused even so
     unwatched = make_parallel(copy.deepcopy(original), 1, dropout="unchecked")
-    assert (_train_step(unwatched, x)[0] - want).abs().max() > 1e-3
+    if module:
+        with pytest.raises(ValueError, match=r"'encoder.stages.0.drop' \(Dropout, p=0.3\)"):
+            _train_step(unwatched, x)
+    else:
+        assert (_train_step(unwatched, x)[0] - want).abs().max() > 1e-3
 
 
 def test_by_default_it_is_refused_naming_the_stage_and_the_exact_fix():
@@ -104,6 +114,12 @@ def test_by_default_it_is_refused_naming_the_stage_and_the_exact_fix():
     said = str(refused.value)
     assert "'encoder.stages.0'" in said and "torch.nn.functional.dropout(p=0.3" in said
     assert "channels-first sample [1, 8, 512, 1, 1]" in said and "dropout='rows'" in said
+    module = make_parallel(make_model(module=True), 1, dropout="refuse").train()
+    with pytest.raises(ValueError) as refused:
+        module(inputs())
+    said = str(refused.value)
+    assert "'encoder.stages.0.drop' (Dropout, p=0.3)" in said and "set ParallelPlan(..., dropout='rows')" in said
+    assert "[B, C, T, H, W]" in said and "RowDropout" not in said
 
 
 @pytest.mark.parametrize("flat, shape", [("last", r"\[1, 512, 8\]"), ("first", r"\[1, 8, 512\]")],

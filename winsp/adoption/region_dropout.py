@@ -4,14 +4,17 @@ A block may call ``F.dropout(x, p, self.training)`` (or ``torch.dropout``) itsel
 ``nn.Dropout``: no module to swap, and on local rows ``[L, ...]`` its mask would be drawn over this rank's rows only,
 not over the original's whole tensor, so the parallel model would silently draw other numbers. While a region runs a
 training forward, :class:`RegionDropout` (a ``TorchFunctionMode``) sees every dropout call on a tensor of local rows
-(dim 0 is this rank's row count) and, as ``ParallelPlan.dropout`` says:
+(dim 0 is this rank's row count; under :class:`~winsp.adoption.ChannelsFirst`, also the one sample it presents them
+as, ``[1, C, L, 1, 1]``, or ``[1, L, 1, 1, C]`` after the model's permute) and, as ``ParallelPlan.dropout`` says:
 
 - ``"refuse"`` (the default): raises, naming the innermost region module whose forward made the call, the function,
   ``p`` and a fix that is exact for the model, or saying that winsp cannot know (:mod:`winsp.adoption.dropout_advice`);
 - ``"rows"``: draws the original's mask over the region's token tensor as it came in, then this rank's rows
   (:func:`winsp.runtime.row_dropout`): channels-last, the tokens in the ``TokenIO``'s order (row-major for
   ``ChannelsLast``), with the replicated tokens the region holds at their place (a tensor of rows beside them is drawn
-  so too); refused where winsp knows no row-wise draw is the original's (:mod:`winsp.adoption.dropout_advice`);
+  so too); under ``ChannelsFirst`` over the original's ``[B, C, T, H, W]`` in the memory order the tensor has there
+  (:func:`winsp.runtime.drop_path.presented_dropout`; any other batch of one holding the rows is refused by name);
+  refused where winsp knows no row-wise draw is the original's (:mod:`winsp.adoption.dropout_advice`);
 - ``"unchecked"``: no mode is pushed (a mode costs about 2 us a torch call in a training forward); for a model known
   to call no functional dropout on local rows. ``nn.Dropout`` modules are still refused by their hooks.
 
@@ -34,7 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 import winsp.runtime.drop_path as drop_path
-from winsp.adoption.dropout_advice import CHECK, OFF, advice
+from winsp.adoption.dropout_advice import CHECK, OFF, advice, presented_dims
 from winsp.adoption.region import ChannelsFirst, TokenIO
 from winsp.runtime.context import current_request_or_none
 from winsp.runtime.drop_path import presented_dropout, row_dropout
@@ -117,10 +120,9 @@ class RegionDropout(TorchFunctionMode):
             return func(*args, **kwargs)
         rows = request._now.num_rows
         tokens = self.tokens if self.tokens is not None else _tokens_of(self.model)
-        if isinstance(tokens, ChannelsFirst):
-            dims = _presented_dims(x, rows, tokens.spatial_dims)
-            if dims is not None:
-                return self._presented(name, elementwise, refused, x, p, inplace, request, dims)
+        dims = presented_dims(x, rows, tokens)
+        if dims is not None:
+            return self._presented(name, elementwise, refused, x, p, inplace, request, dims)
         lead = x.shape[1] if x.shape[0] == 1 and x.dim() > 1 else x.shape[0]
         held = bool(request.num_text_rows) and x.shape[0] == rows + request.num_text_rows
         where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on local rows "
@@ -180,19 +182,6 @@ def _tokens_of(model) -> Optional[TokenIO]:
     """The ``TokenIO`` of ``model``'s plan, if it is a parallelized model."""
     applied = getattr(model, "_winsp_parallel", None) if model is not None else None
     return applied.plan.region.tokens if applied is not None else None
-
-
-def _presented_dims(x: object, rows: int, spatial_dims: int) -> Optional[tuple[int, int]]:
-    """``(rows dim, channels dim)`` of ``x`` if it holds this rank's ``rows`` as :class:`ChannelsFirst` presents them,
-    one sample ``[1, C, L, 1, 1]``, or as the model's permute to channels-last makes them, ``[1, L, 1, 1, C]``
-    (``[1, C, L, 1]`` / ``[1, L, 1, C]`` for ``spatial_dims=2``); None for any other tensor."""
-    if not isinstance(x, Tensor) or x.dim() != spatial_dims + 2 or x.shape[0] != 1:
-        return None
-    if x.shape[2] == rows and all(n == 1 for n in x.shape[3:]):
-        return 2, 1
-    if x.shape[1] == rows and all(n == 1 for n in x.shape[2:-1]):
-        return 1, x.dim() - 1
-    return None
 
 
 def enter(policy: str, start: str) -> RegionDropout:

@@ -124,7 +124,8 @@ def presented_dropout(x: Tensor, p: float, request, *, rows_dim: int, channels_d
     other dim of size 1, with the original's draws: ``F.dropout`` of ones shaped as the original's ``[B, C, T, H, W]``
     in the memory order ``x`` has (the original's draw follows its memory order: channels-first unless ``x``'s
     channels are its innermost dim), this rank's rows of it multiplied in; padding rows get zero. The samples must
-    share one grid. Every rank draws the whole mask, as in :func:`row_dropout`."""
+    share one grid. Every rank draws the whole mask, as in :func:`row_dropout`. The memory order is read from the
+    strides of the rows' and the channels' dims; where they are equal (a rank holding one row), channels-first."""
     stage = request.stage_model_grids[request.stage]
     grids, rows, channels = sorted(set(stage)), x.shape[rows_dim], x.shape[channels_dim]
     if len(grids) != 1:
