@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import winsp
+from winsp.adoption import ChannelsFirst
 from examples.swin_seg3d.adapter import seg_plan
 from examples.swin_seg3d.model import SegNet3d, SwinStage3d
 from winsp.testing import check_parallel
@@ -130,3 +131,68 @@ def test_rows_laid_out_otherwise_in_a_batch_of_one_are_refused_by_name(flat, sha
     with pytest.raises(ValueError, match=r"'encoder.stages.0' calls torch.nn.functional.dropout\(p=0.3, training=True"
                                          rf"\) on local rows {shape}.*presented as a batch of one"):
         model(inputs())
+
+
+# ---- two spatial dims: [B, C, H, W] -----------------------------------------------------------------------------------
+
+class Block2d(nn.Module):
+    """2 x 2 window attention (test_functional_dropout's) and a dropped-out linear, on ``[B, H, W, C]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.test_functional_dropout import DIM, Attention
+
+        self.attn, self.fc = Attention(), nn.Linear(DIM, DIM)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        y = y + self.attn(y)
+        return F.dropout(self.fc(y), P, self.training)
+
+
+class Body2d(nn.Module):
+    """Channels-first in and out: a dropout on the input, then the block on the channels-last view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block2d()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(F.dropout(x, P, self.training).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class Net2d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.test_functional_dropout import DIM
+
+        self.embed, self.body, self.head = nn.Conv2d(3, DIM, 1), Body2d(), nn.Conv2d(DIM, 3, 1)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(image)))
+
+
+def attend2d(m, x):  # this rank's rows as one sample [1, L, 1, C]
+    from tests.test_functional_dropout import HEADS
+
+    q, k, v = m.qkv(x.flatten(0, -2)).unflatten(-1, (3, HEADS, -1)).unbind(-3)
+    return m.proj(winsp.current_request().attention(q, k, v, layer=m.index)[0].flatten(1)).reshape(x.shape)
+
+
+def make_parallel_2d(model, world_size: int):
+    plan = winsp.ParallelPlan(region=winsp.Region("body", "body", ChannelsFirst(spatial_dims=2)),
+                              stages=[winsp.Stage([winsp.FixedWindows((1, 2, 2))])], attention="body.block.attn",
+                              make_attention=winsp.swapped(attend2d), dropout="rows")
+    return winsp.parallelize(model, plan, winsp.DiffusionParallelConfig(ulysses_degree=world_size))
+
+
+def make_model_2d() -> Net2d:
+    return Net2d().double()
+
+
+def inputs_2d():
+    return torch.randn(2, 3, 4, 6, dtype=torch.float64).requires_grad_()
+
+
+def test_two_spatial_dims_draw_the_originals_masks_too():
+    report = check_parallel(make_model_2d, make_parallel_2d, inputs_2d, world_sizes=(2,), train=True, timeout=120)
+    assert report.ok and report.max_error("output") <= 1e-12
