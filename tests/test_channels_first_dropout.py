@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import winsp
-from winsp.adoption import ChannelsFirst
 from examples.swin_seg3d.adapter import seg_plan
 from examples.swin_seg3d.model import SegNet3d, SwinStage3d
+from winsp.adoption import ChannelsFirst
 from winsp.testing import check_parallel
 
 P = 0.3
