@@ -133,7 +133,7 @@ def test_rows_laid_out_otherwise_in_a_batch_of_one_are_refused_by_name(flat, sha
         model(inputs())
 
 
-# ---- two spatial dims: [B, C, H, W] -----------------------------------------------------------------------------------
+# ---- two spatial dims: [B, C, H, W] --------------------------------------------------------------------------------
 
 class Block2d(nn.Module):
     """2 x 2 window attention (test_functional_dropout's) and a dropped-out linear, on ``[B, H, W, C]``."""
