@@ -291,6 +291,28 @@ def test_7_a_rank_killed_while_idle_is_restarted_and_health_says_so(media, tmp_p
         served.stop()
 
 
+def test_6_health_answers_503_with_the_reason_once_the_dispatcher_is_dead(tmp_path):
+    kill = str(tmp_path / "kill-dispatcher")  # test-only (serve/server.py): the dispatcher dies once this exists
+    served = Served(str(tmp_path), token=False, env={"SEEDVR2_SERVE_TEST_KILL_DISPATCHER": kill})
+    try:
+        alive = served.client.get("/v1/health")
+        assert alive.status_code == 200 and alive.json()["status"] == "ok", alive.text
+        open(kill, "w").close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            answer = served.client.get("/v1/health")
+            if answer.status_code != 200:
+                break
+            time.sleep(0.1)
+        assert answer.status_code == 503, (answer.text, served.text())
+        body = answer.json()
+        assert body["status"] == "down" and "dispatcher stopped" in body["reason"], body
+        assert "the dispatcher is killed" in served.text()
+        assert served.client.get("/v1/health").status_code == 503  # and stays so: nothing restarts it
+    finally:
+        served.stop()
+
+
 # ---- 9: every error is one JSON line with its status ---------------------------------------------------------------
 
 

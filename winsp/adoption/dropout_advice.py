@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Advice", "advice", "token_order"]
+__all__ = ["Advice", "advice", "token_order", "presented_dims"]
 
 CHECK = ("check with winsp.testing.check_parallel(..., train=True) against the untouched model before training with "
          "it")
@@ -44,9 +44,10 @@ def token_order(tokens: Any) -> Union[str, Literal[False], None]:
     """The axis order in which a region's ``TokenIO`` holds each sample's tokens (``"thw"``: row-major), False for one
     that does not hold them as rows of a ``[B, L, C]`` / ``[B, T, H, W, C]`` tensor, None where it does not say."""
     from winsp.adoption.parallelize import ChannelsLast
+    from winsp.adoption.region import ChannelsFirst
     from winsp.adoption.token_io import FlatTokens, Patches
 
-    if isinstance(tokens, ChannelsLast):
+    if isinstance(tokens, (ChannelsLast, ChannelsFirst)):
         return "thw"
     if isinstance(tokens, FlatTokens):
         return tokens.order
@@ -54,6 +55,23 @@ def token_order(tokens: Any) -> Union[str, Literal[False], None]:
         return False
     said = getattr(tokens, "row_major", None)
     return "thw" if said is True else False if said is False else None
+
+
+def presented_dims(x: Any, rows: int, tokens: Any) -> Optional[tuple[int, int]]:
+    """``(rows dim, channels dim)`` of ``x`` if it holds this rank's ``rows`` as a ``ChannelsFirst`` region
+    (``tokens``) presents them, one sample ``[1, C, L, 1, 1]``, or as the model's permute to channels-last makes them,
+    ``[1, L, 1, 1, C]`` (``[1, C, L, 1]`` / ``[1, L, 1, C]`` for ``spatial_dims=2``); None for any other tensor or
+    region."""
+    from winsp.adoption.region import ChannelsFirst
+
+    if not isinstance(tokens, ChannelsFirst) or not isinstance(x, Tensor) or x.dim() != tokens.spatial_dims + 2 \
+            or x.shape[0] != 1:
+        return None
+    if x.shape[2] == rows and all(n == 1 for n in x.shape[3:]):
+        return 2, 1
+    if x.shape[1] == rows and all(n == 1 for n in x.shape[2:-1]):
+        return 1, x.dim() - 1
+    return None
 
 
 def _swapped_above(model: nn.Module, applied: Any, path: str) -> Optional[str]:

@@ -91,10 +91,15 @@ class ParallelPlan:
             model that cannot run on meta tensors is checked step by step as it runs (no extra forward). Either way a
             module that runs out of order in a later forward is refused before its rows move.
         dropout: element-wise dropout on local rows in a training forward: ``"refuse"`` (an ``nn.Dropout`` module or
-            an ``F.dropout`` / ``torch.dropout`` call is refused, naming the module) or ``"rows"`` (both draw exactly
-            the original's mask, as :class:`winsp.RowDropout` does, for an original whose tensor there is
-            channels-last with the tokens row-major: winsp cannot see that, so it is the plan's to say). Channel-wise
-            and alpha dropouts on local rows are refused either way; dropout on other tensors runs unchanged.
+            an ``F.dropout`` / ``torch.dropout`` call is refused, naming the module, and suggesting ``"rows"`` only
+            where that draw is the original's) or ``"rows"`` (both draw the original's mask over the region's token
+            tensor *as it came in*, then keep this rank's rows: the tokens in the ``TokenIO``'s axis order (row-major
+            for ``ChannelsLast``, frames fastest for ``FlatTokens(order="hwt")``), the replicated tokens the region
+            holds at their place, ``ChannelsFirst``'s ``[B, C, T, H, W]`` in the memory order the rows have there;
+            exact where the original's tensor at that dropout is that tensor, which winsp cannot always see: a
+            dropout inside a forward the plan swapped is refused with a pointer to ``check_parallel``, and one where
+            no such draw is the original's is refused). Channel-wise and alpha dropouts on local rows are refused
+            either way; dropout on other tensors runs unchanged.
             ``"unchecked"``: functional dropout is not watched (it costs about 2 us a torch call in a training
             forward), for a model known to call none on local rows; ``nn.Dropout`` modules are still refused.
         replicated: tokens every rank holds whole (text, a CLS token, registers): where the region's input has them
@@ -579,7 +584,17 @@ def _to_layer(request, x: Tensor, layer: int, replicated: Optional[Replicated]) 
         y = replicated.join(request.to_layer(local, layer), tokens)
     else:
         y = request.to_layer(y, layer)
-    return y[None] if one else y
+    return _in_memory_order(y[None], x) if one else y
+
+
+def _in_memory_order(y: Tensor, x: Tensor) -> Tensor:
+    """``y`` laid out in memory in ``x``'s dim order (a batch of one whose memory is channels-first stays so, as the
+    original's tensor is: its dropout draws follow that order)."""
+    if x.is_contiguous() or y.dim() != x.dim():
+        return y
+    order = sorted(range(x.dim()), key=lambda d: -int(x.stride()[d]))  # outermost first; ties keep the dims' order
+    out = y.new_empty([y.shape[d] for d in order]).permute([order.index(d) for d in range(y.dim())])
+    return out.copy_(y)
 
 
 def _block_return(applied: _Applied):
@@ -626,6 +641,8 @@ def _region_start(applied: _Applied):
             new_args = (replicated.join(new_args[0], held),) + tuple(new_args[1:])
         watched = module.training and plan.dropout != "unchecked"
         dropout = region_dropout.enter(plan.dropout, plan.region.start) if watched else None
+        if dropout is not None:
+            dropout.tokens = io
         applied.tokens.append(context._enter(request))  # nothing can fail from here to the return
         applied.dropouts.append(dropout)
         applied.wholes.append(False)

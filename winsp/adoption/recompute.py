@@ -69,8 +69,7 @@ def _before(path: str, notes: OrderedDict, restored: list, modes: list):
         key = _key(args)
         if request is not None:
             if key is not None and request._now is not None:
-                policy = modes[-1].policy if modes and modes[-1] is not None else None
-                notes[key] = (request, _state(request), policy)
+                notes[key] = (request, _state(request), modes[-1] if modes else None)
                 notes.move_to_end(key)
                 while len(notes) > NOTES_PER_MODULE:
                     notes.popitem(last=False)
@@ -80,13 +79,22 @@ def _before(path: str, notes: OrderedDict, restored: list, modes: list):
         if note is None:
             restored.append(None)
             return None
-        noted, state, policy = note
-        restored.append((noted, _state(noted), context._enter(noted),
-                         None if policy is None else region_dropout.enter(policy, path)))
+        noted, state, mode = note
+        restored.append((noted, _state(noted), context._enter(noted), _again(mode, path)))
         _set_state(noted, state)
         return None
 
     return hook
+
+
+def _again(mode: Optional[region_dropout.RegionDropout], path: str) -> Optional[region_dropout.RegionDropout]:
+    """A dropout mode for a recomputation, as the forward's ``mode`` was (None: the forward pushed none)."""
+    if mode is None:
+        return None
+    again = region_dropout.enter(mode.policy, path)
+    if again is not None:
+        again.model, again.tokens = mode.model, mode.tokens
+    return again
 
 
 def _after(restored: list):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 from torch import Tensor
 
 from winsp.geometry.windows import Grid
@@ -122,8 +123,9 @@ class ChannelsFirst(TokenIO):
     CNN's layout, such as a Swin encoder on volumes whose stages take and return channels-first tensors.
 
     Inside the region this rank's rows ``[L, C]`` reach the model as one sample on an ``(L, 1, 1)`` grid,
-    ``[1, C, L, 1, 1]``, so the model's own permutes to channels-last (``[1, L, 1, 1, C]``) and back keep them in
-    order, and winsp's layer entries take either. The region's output (a tensor, or the first item of a tuple or
+    ``[1, C, L, 1, 1]`` in the input's memory order (channels-first unless it is ``channels_last_3d``, which the
+    original's dropout draws follow), so the model's own permutes to channels-last (``[1, L, 1, 1, C]``) and back keep
+    them in order, and winsp's layer entries take either. The region's output (a tensor, or the first item of a tuple or
     ``ModelOutput``) comes back as ``[B, C', T', H', W']`` on the last stage's grid.
     """
 
@@ -144,7 +146,11 @@ class ChannelsFirst(TokenIO):
 
     def with_rows(self, args, kwargs, rows):
         presented = rows.t().reshape((1, rows.shape[1], rows.shape[0]) + (1,) * (self.spatial_dims - 1))
-        return (presented,) + tuple(args[1:]), kwargs
+        # in the input's memory order (what the original's ops and dropout draws follow), with canonical strides
+        last = torch.channels_last_3d if self.spatial_dims == 3 else torch.channels_last
+        x = args[0]
+        layout = last if not x.is_contiguous() and x.is_contiguous(memory_format=last) else torch.contiguous_format
+        return (presented.clone(memory_format=layout),) + tuple(args[1:]), kwargs
 
     def output_rows(self, output):
         x = self.first_item(output)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from winsp.adoption.dropout_advice import CHECK, OFF, advice
+from winsp.adoption.dropout_advice import CHECK, OFF, advice, presented_dims
 from winsp.runtime.context import current_request_or_none
 from winsp.runtime.drop_path import RowDropout
 
@@ -146,9 +146,18 @@ def _dropout_refusal(model: nn.Module, path: str, module: nn.Module, x: Any, req
              f"rank's local rows only, not as the original draws it over its whole tensor")
     if type(module) is not nn.Dropout:
         return f"{where}; it drops whole channels or scales otherwise, which has no row-wise equivalent: {OFF}"
-    said = advice(model, path, x, request, held=_held(x, request))
-    fix = (f"ParallelPlan.swaps=[({path!r}, winsp.RowDropout.like)], or for every nn.Dropout of the region "
-           f"ParallelPlan(..., dropout='rows')") if said.at is None else "ParallelPlan(..., dropout='rows')"
+    applied = getattr(model, "_winsp_parallel", None)
+    dims = presented_dims(x, request._current_layout().num_rows, applied.plan.region.tokens if applied else None)
+    if dims is not None:  # ChannelsFirst's one sample: dropout='rows' draws over [B, C, T, H, W], RowDropout cannot
+        said = advice(model, path, x.new_empty(()).expand(x.shape[dims[0]], x.shape[dims[1]]), request, held=False)
+        fix = "ParallelPlan(..., dropout='rows')"
+        if said.exact:
+            return (f"{where}; set {fix}, which draws the original's mask over the region's [B, C, T, H, W] in the "
+                    f"memory order this tensor has (or run the model in eval mode)")
+    else:
+        said = advice(model, path, x, request, held=_held(x, request))
+        fix = (f"ParallelPlan.swaps=[({path!r}, winsp.RowDropout.like)], or for every nn.Dropout of the region "
+               f"ParallelPlan(..., dropout='rows')") if said.at is None else "ParallelPlan(..., dropout='rows')"
     if said.exact and said.at is None:
         return f"{where}; swap it: {fix} (or run the model in eval mode)"
     if said.exact:

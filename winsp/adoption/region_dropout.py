@@ -4,14 +4,17 @@ A block may call ``F.dropout(x, p, self.training)`` (or ``torch.dropout``) itsel
 ``nn.Dropout``: no module to swap, and on local rows ``[L, ...]`` its mask would be drawn over this rank's rows only,
 not over the original's whole tensor, so the parallel model would silently draw other numbers. While a region runs a
 training forward, :class:`RegionDropout` (a ``TorchFunctionMode``) sees every dropout call on a tensor of local rows
-(dim 0 is this rank's row count) and, as ``ParallelPlan.dropout`` says:
+(dim 0 is this rank's row count; under :class:`~winsp.adoption.ChannelsFirst`, also the one sample it presents them
+as, ``[1, C, L, 1, 1]``, or ``[1, L, 1, 1, C]`` after the model's permute) and, as ``ParallelPlan.dropout`` says:
 
 - ``"refuse"`` (the default): raises, naming the innermost region module whose forward made the call, the function,
   ``p`` and a fix that is exact for the model, or saying that winsp cannot know (:mod:`winsp.adoption.dropout_advice`);
 - ``"rows"``: draws the original's mask over the region's token tensor as it came in, then this rank's rows
   (:func:`winsp.runtime.row_dropout`): channels-last, the tokens in the ``TokenIO``'s order (row-major for
   ``ChannelsLast``), with the replicated tokens the region holds at their place (a tensor of rows beside them is drawn
-  so too); refused where winsp knows no row-wise draw is the original's (:mod:`winsp.adoption.dropout_advice`);
+  so too); under ``ChannelsFirst`` over the original's ``[B, C, T, H, W]`` in the memory order the tensor has there
+  (:func:`winsp.runtime.drop_path.presented_dropout`; any other batch of one holding the rows is refused by name);
+  refused where winsp knows no row-wise draw is the original's (:mod:`winsp.adoption.dropout_advice`);
 - ``"unchecked"``: no mode is pushed (a mode costs about 2 us a torch call in a training forward); for a model known
   to call no functional dropout on local rows. ``nn.Dropout`` modules are still refused by their hooks.
 
@@ -34,9 +37,10 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 import winsp.runtime.drop_path as drop_path
-from winsp.adoption.dropout_advice import CHECK, OFF, advice
+from winsp.adoption.dropout_advice import CHECK, OFF, advice, presented_dims
+from winsp.adoption.region import ChannelsFirst, TokenIO
 from winsp.runtime.context import current_request_or_none
-from winsp.runtime.drop_path import row_dropout
+from winsp.runtime.drop_path import presented_dropout, row_dropout
 from winsp.utils.compile import planning
 
 __all__ = ["DROPOUT_POLICIES", "RegionDropout"]
@@ -79,6 +83,7 @@ class RegionDropout(TorchFunctionMode):
         self.policy = policy
         self.paths: list[str] = [start or "<root>"]
         self.model = None  # the parallelized model, noted by the region's row checks (for the refusals' advice)
+        self.tokens: Optional[TokenIO] = None  # the region's TokenIO, noted by the region's start
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -114,12 +119,18 @@ class RegionDropout(TorchFunctionMode):
                 or x.dim() == 0):
             return func(*args, **kwargs)
         rows = request._now.num_rows
+        tokens = self.tokens if self.tokens is not None else _tokens_of(self.model)
+        dims = presented_dims(x, rows, tokens)
+        if dims is not None:
+            return self._presented(name, elementwise, refused, x, p, inplace, request, dims)
         lead = x.shape[1] if x.shape[0] == 1 and x.dim() > 1 else x.shape[0]
         held = bool(request.num_text_rows) and x.shape[0] == rows + request.num_text_rows
         where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on local rows "
                  f"{list(x.shape)} (rank {request.group.rank})")
         if x.shape[0] != rows and not held:  # (local rows with held replicated tokens beside them are drawn too)
-            if lead in (rows, rows + request.num_text_rows):  # rows as a batch of one
+            if lead in (rows, rows + request.num_text_rows) or (
+                    isinstance(tokens, ChannelsFirst) and x.shape[0] == 1 and x.dim() > 2 and rows > 1
+                    and any(n in (rows, rows + request.num_text_rows) for n in x.shape[2:])):  # rows as a batch of one
                 raise ValueError(f"{where}, presented as a batch of one: its mask cannot be drawn as the original "
                                  f"draws it; train with it off or end the region before it")
             return func(*args, **kwargs)
@@ -127,22 +138,50 @@ class RegionDropout(TorchFunctionMode):
             raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
                              f"in the parallel model, end the region before it, or train with it off")
         said = advice(self.model, self.paths[-1], x, request, held=held)
+        refusal = self._refusal(where, said, held)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return row_dropout(x, p, request, inplace=inplace, at=said.at)
+
+    def _presented(self, name: str, elementwise, refused, x: Tensor, p: float, inplace: bool, request,
+                   dims: tuple[int, int]) -> Tensor:
+        """Dropout on this rank's rows as a :class:`ChannelsFirst` region presents them (one sample, ``dims``: the
+        rows' dim and the channels'): drawn as the original draws over its ``[B, C, T, H, W]``, or refused."""
+        rows_dim, channels_dim = dims
+        where = (f"winsp.parallelize: {self.paths[-1]!r} calls {name}(p={p}, training=True) on this rank's rows as "
+                 f"one channels-{'first' if rows_dim > channels_dim else 'last'} sample {list(x.shape)} (rank "
+                 f"{request.group.rank})")
+        if elementwise is None:
+            raise ValueError(f"{where}: {refused[1]} (its draws cannot be reproduced on this rank's rows); drop it "
+                             f"in the parallel model, end the region before it, or train with it off")
+        stand_in = x.new_empty(()).expand(x.shape[rows_dim], x.shape[channels_dim])  # [L, C]: what advice reads
+        refusal = self._refusal(where, advice(self.model, self.paths[-1], stand_in, request, held=False), False)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return presented_dropout(x, p, request, rows_dim=rows_dim, channels_dim=channels_dim, inplace=inplace)
+
+    def _refusal(self, where: str, said, held: bool) -> Optional[str]:
+        """The refusal of a dropout on local rows under this policy and ``said`` advice; None: draw it."""
         if self.policy == "refuse":
             mask = (f"{where}: its mask would be drawn over this rank's rows only, not as the original draws it over "
                     f"the whole tensor")
             if said.exact:
-                raise ValueError(f"{mask}. Set ParallelPlan(..., dropout='rows') to draw exactly the original's mask "
-                                 f"(over the region's tokens as they came in), or {OFF}")
+                return (f"{mask}. Set ParallelPlan(..., dropout='rows') to draw exactly the original's mask (over the "
+                        f"region's tokens as they came in), or {OFF}")
             if said.exact is False:
-                raise ValueError(f"{mask}, and no row-wise draw reproduces it here: {said.why}. "
-                                 f"{OFF[0].upper() + OFF[1:]}")
-            raise ValueError(f"{mask}; {said.why}. ParallelPlan(..., dropout='rows') draws the original's mask only "
-                             f"where the original's tensor there is the region's tokens as they came in: {CHECK}, or "
-                             f"{OFF}")
+                return f"{mask}, and no row-wise draw reproduces it here: {said.why}. {OFF[0].upper() + OFF[1:]}"
+            return (f"{mask}; {said.why}. ParallelPlan(..., dropout='rows') draws the original's mask only where the "
+                    f"original's tensor there is the region's tokens as they came in: {CHECK}, or {OFF}")
         if said.exact is False or (held and said.at is None):
-            raise ValueError(f"{where}: ParallelPlan(dropout='rows') cannot draw the original's mask here: {said.why}. "
-                             f"{OFF[0].upper() + OFF[1:]}")
-        return row_dropout(x, p, request, inplace=inplace, at=said.at)
+            return (f"{where}: ParallelPlan(dropout='rows') cannot draw the original's mask here: {said.why}. "
+                    f"{OFF[0].upper() + OFF[1:]}")
+        return None
+
+
+def _tokens_of(model) -> Optional[TokenIO]:
+    """The ``TokenIO`` of ``model``'s plan, if it is a parallelized model."""
+    applied = getattr(model, "_winsp_parallel", None) if model is not None else None
+    return applied.plan.region.tokens if applied is not None else None
 
 
 def enter(policy: str, start: str) -> RegionDropout:

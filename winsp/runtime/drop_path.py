@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from winsp.runtime.context import current_request
 from winsp.utils.compile import planning
 
-__all__ = ["SampleDropPath", "RowDropout", "row_dropout"]
+__all__ = ["SampleDropPath", "RowDropout", "row_dropout", "presented_dropout"]
 
 _DRAWS = ("bernoulli", "rand")
 _DRAWING = threading.local()  # .active: this thread runs _full_mask's F.dropout, which RegionDropout lets through
@@ -115,6 +115,32 @@ def row_dropout(x: Tensor, p: float, request, *, inplace: bool = False,
     keep = _full_mask((total,) + tuple(x.shape[1:]), p, x.dtype, x.device)
     keep = torch.cat([keep, keep.new_zeros((1,) + tuple(x.shape[1:]))]).index_select(0, index)
     return x.mul_(keep) if inplace else x * keep
+
+
+def presented_dropout(x: Tensor, p: float, request, *, rows_dim: int, channels_dim: int,
+                      inplace: bool = False) -> Tensor:
+    """Element-wise dropout (training) of this rank's rows presented as one sample ``x`` (``[1, C, L, 1, 1]`` as
+    :class:`winsp.adoption.ChannelsFirst` hands them in, or ``[1, L, 1, 1, C]`` after the model's permute), every
+    other dim of size 1, with the original's draws: ``F.dropout`` of ones shaped as the original's ``[B, C, T, H, W]``
+    in the memory order ``x`` has (the original's draw follows its memory order: channels-first unless ``x``'s
+    channels are its innermost dim), this rank's rows of it multiplied in; padding rows get zero. The samples must
+    share one grid. Every rank draws the whole mask, as in :func:`row_dropout`. The memory order is read from the
+    strides of the rows' and the channels' dims; where they are equal (a rank holding one row), channels-first."""
+    stage = request.stage_model_grids[request.stage]
+    grids, rows, channels = sorted(set(stage)), x.shape[rows_dim], x.shape[channels_dim]
+    if len(grids) != 1:
+        raise ValueError(f"dropout on rows presented as one sample {list(x.shape)}: the samples are on different "
+                         f"grids {grids}, so the original's tensor has no one layout to draw over")
+    grid, total = grids[0][3 - (x.dim() - 2):], request.num_model_rows
+    if x.stride(channels_dim) < x.stride(rows_dim):  # channels innermost: the original's memory is channels-last
+        full = _full_mask((len(stage),) + grid + (channels,), p, x.dtype, x.device).reshape(total, channels)
+    else:
+        full = _full_mask((len(stage), channels) + grid, p, x.dtype, x.device).movedim(1, -1).reshape(total, channels)
+    keep = torch.cat([full, full.new_zeros((1, channels))]).index_select(0, request.model_rows)
+    shape = [1] * x.dim()
+    shape[rows_dim], shape[channels_dim] = rows, channels
+    keep = torch.empty_like(x).copy_((keep if rows_dim < channels_dim else keep.t()).reshape(shape))
+    return x.mul_(keep) if inplace else x * keep  # ``keep`` in ``x``'s strides: the product's are F.dropout's
 
 
 @planning  # eager under torch.compile: a traced draw would meet a RegionDropout mode again when its graph runs

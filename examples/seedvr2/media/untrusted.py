@@ -7,7 +7,8 @@ write) is therefore opened only as one of the container formats the command line
 (:func:`sniff`), with that demuxer forced (:func:`open_container`); any other content, and every referencing demuxer,
 is refused by name. Special files (FIFOs, devices) are refused before they are opened for reading, so a read never
 blocks on them. Image sizes are read from the file's header and checked (:data:`max_pixels`) before anything is
-decoded, and a video's frame size as soon as its container header is read.
+decoded, and a video's frame sizes from its container's headers (:mod:`.video_header`) before FFmpeg opens it (whose
+open already decodes a frame of an mp4 or mkv), then again as FFmpeg reads them.
 
 :func:`install` makes :mod:`.reading` (and the audio source :mod:`.writing` copies) open every input this way
 (the server and its ranks call it at start-up; so does ``restore --untrusted-input``);
@@ -22,6 +23,8 @@ import stat
 import struct
 from dataclasses import dataclass
 from typing import Optional
+
+from .video_header import frame_sizes
 
 __all__ = ["Kind", "sniff", "sniff_file", "check_file", "open_container", "install", "open_allowed", "UntrustedMedia",
            "REFUSED_DEMUXERS", "header_size", "max_pixels"]
@@ -162,7 +165,8 @@ def sniff_file(path: str, name: Optional[str] = None) -> tuple[Kind, bytes]:
 
 def check_file(path: str, name: Optional[str] = None) -> Kind:
     """The :class:`Kind` of ``path`` (called ``name`` in messages) after the checks that need no decoding: a regular
-    file, a known container by its bytes, an image's size from its header within :data:`max_pixels`;
+    file, a known container by its bytes, an image's size from its header, a video's frame sizes from its container's
+    headers, within :data:`max_pixels`;
     :class:`UntrustedMedia` otherwise."""
     name = name or path
     kind, head = sniff_file(path, name)
@@ -171,6 +175,17 @@ def check_file(path: str, name: Optional[str] = None) -> Kind:
         if size is None:
             raise UntrustedMedia(f"{name}: its image header does not say its size", status=422)
         _check_pixels(*size, name)
+    elif max_pixels is not None:
+        fd = _regular_fd(path)
+        try:
+            sizes = frame_sizes(fd, kind.demuxer)
+        finally:
+            os.close(fd)
+        if sizes is None:
+            raise UntrustedMedia(f"{name}: its container's headers do not say its frame size where the format puts "
+                                 f"them (cut short, or not a {kind.extension[1:]} file)", status=422)
+        for width, height in sizes:
+            _check_pixels(width, height, name)
     return kind
 
 

@@ -23,6 +23,10 @@ __all__ = ["Server", "Refused", "log", "DECODES"]
 RETRY_S = 10.0
 #: job checks (each decodes its input once) that run at once; more wait their turn
 DECODES = 2
+#: test-only, a path: when that file exists the dispatcher thread dies at its next turn, from an error its loop does
+#: not catch (as a bug in the loop itself would kill it), so that a test sees what ``/v1/health`` says then. Never set
+#: it outside a test.
+TEST_KILL_DISPATCHER_ENV = "SEEDVR2_SERVE_TEST_KILL_DISPATCHER"
 
 
 class Refused(Exception):
@@ -35,6 +39,11 @@ class Refused(Exception):
 
 def log(line: str) -> None:
     print(f"serve: {line}", file=sys.stderr, flush=True)
+
+
+class _KilledForATest(BaseException):
+    """What kills the dispatcher under :data:`TEST_KILL_DISPATCHER_ENV` (a BaseException: its loop catches Exception
+    only)."""
 
 
 class Server:
@@ -129,7 +138,11 @@ class Server:
         return self._thread.is_alive()
 
     def _dispatch(self) -> None:
+        kill = os.environ.get(TEST_KILL_DISPATCHER_ENV)
         while not self.draining:
+            if kill and os.path.exists(kill):
+                log("error: the dispatcher is killed (test-only SEEDVR2_SERVE_TEST_KILL_DISPATCHER)")
+                raise _KilledForATest(kill)
             job = self.current
             try:
                 self._dispatch_one()
