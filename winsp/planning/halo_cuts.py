@@ -145,15 +145,16 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
             per += (t[axis][1][lo:hi + 1] - t[axis][1][lo]) * others
         unit = units[axis]
         aligned = np.arange(-(-(lo + 1) // unit) * unit, hi, unit) - lo if unit > 1 else np.empty(0, np.int64)
-        out = []
-        for r1 in range(1, r):
-            i = int(np.searchsorted(per, w * r1 / r))
-            at = np.unique(np.concatenate([aligned, [i - 1, i]]))
-            at = at[(at > 0) & (at < hi - lo)]
-            w1 = per[at]
-            ok = (w1 >= r1 * lower) & (w1 <= r1 * upper) & (w - w1 >= (r - r1) * lower) & (w - w1 <= (r - r1) * upper)
-            out += [(lo + int(x), r1) for x in at[ok]]
-        return out
+        r1 = np.arange(1, r)
+        i = np.searchsorted(per, w * r1 / r)
+        near = np.stack([i - 1, i], axis=1)  # [r - 1, 2]: the positions nearest each share
+        at = np.unique(np.concatenate([aligned, near.reshape(-1)]))
+        at = at[(at > 0) & (at < hi - lo)]
+        w1, k = per[at][None, :], r1[:, None]
+        ok = (w1 >= k * lower) & (w1 <= k * upper) & (w - w1 >= (r - k) * lower) & (w - w1 <= (r - k) * upper)
+        ok &= np.isin(at, aligned)[None, :] | (at[None, :, None] == near[:, None, :]).any(axis=2)
+        ks, xs = np.nonzero(ok)
+        return [(lo + int(at[x]), int(r1[j])) for j, x in zip(ks, xs, strict=True)]
 
     memo: dict[tuple[Box, int], tuple[float, int, tuple | None]] = {}
     inf = (math.inf, 0, None)
