@@ -101,7 +101,7 @@ def _blocks(grid: Grid, blocks: Grid | NeighborhoodBlocks | NestedBlocks) -> lis
     """(rank, box) of every non-empty block of ``grid``; block ``(it, ih, iw)`` of a product cut belongs to rank
     ``(it * ph + ih) * pw + iw``, box ``r`` of a nested cut to rank ``r``."""
     if isinstance(blocks, NestedBlocks):
-        return [(r, tuple(slice(lo, hi) for lo, hi in box)) for r, box in enumerate(blocks.rank_boxes(grid))
+        return [(r, (slice(*box[0]), slice(*box[1]), slice(*box[2]))) for r, box in enumerate(blocks.rank_boxes(grid))
                 if all(hi > lo for lo, hi in box)]
     if not isinstance(blocks, NeighborhoodBlocks):
         blocks = NeighborhoodBlocks(check_grid(blocks, "splits"))

@@ -157,7 +157,7 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
         return [(lo + int(at[x]), int(r1[j])) for j, x in zip(ks, xs, strict=True)]
 
     memo: dict[tuple[Box, int], tuple[float, int, tuple | None]] = {}
-    inf = (math.inf, 0, None)
+    inf: tuple[float, int, tuple | None] = (math.inf, 0, None)
 
     def best(box: Box, r: int) -> tuple[float, int, tuple | None]:
         """(slowest box's time, halo rows, tree) of ``box`` on ``r`` ranks."""
