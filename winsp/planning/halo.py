@@ -2,7 +2,8 @@
 
 A neighborhood layer keeps its rows where they are: rank ``r`` owns block ``r`` of every sample (a box of the grid,
 from cutting t, h and w into ``splits`` runs of balanced attention work, at whole stride groups of a strided layer
-where that stays balanced) and needs only the key rows its queries can reach that other ranks own, its *halo*.
+where that stays balanced, or from a nested cut, :mod:`winsp.planning.halo_cuts`) and needs only the key rows its
+queries can reach that other ranks own, its *halo*.
 Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches are exactly the product
 of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per axis, never per token.
 

@@ -5,13 +5,14 @@ A product cut gives every run of an axis the same length, so on a strided layer 
 groups (unbalanced when the groups do not share out evenly) and balanced runs that cut groups in two (a cut group is
 reached whole from both sides: wider halos). A nested cut first splits the grid in two along one axis with ``r1`` and
 ``r2`` ranks, then each part on its own: the parts can end at different positions, so most boxes get whole stride
-groups and balanced work at once. HunyuanVideo 1.5's 720p sliding tile layer at 8 ranks: halos of 0.76x Ulysses'
-bytes at 1.03x the mean work (PCIe costs), where the best product cut moves 1.01x and the chosen one 1.14x.
+groups and balanced work at once. HunyuanVideo 1.5's 720p sliding tile layer at 8 ranks, planned for PCIe links:
+halos of 0.79x Ulysses' bytes at 1.045x the mean work, where the best balanced product cut moves 1.01x.
 
 :func:`nested_blocks` finds, per grid, the tree whose slowest box (rows, attention work and halo bytes, weighed by
-:mod:`winsp.planning.costs`) is fastest and, among those, moves the fewest halo rows, with every box at most
-``1 + limit`` of the mean attention work; a dynamic program over sub-boxes, exact among trees whose cuts keep both
-parts balanceable. Its state count is bounded (``MAX_STATES``): past it the grid gets no nested candidate.
+:mod:`winsp.planning.costs`) is fastest and, among those, moves the fewest halo rows (ties broken part by part), with
+every box within ``limit`` of the mean attention work. A dynamic program over sub-boxes; the cuts it tries along an
+axis are the stride-group edges and, for each split of the ranks, the two positions nearest that split's share of the
+work. Its state count is bounded (``MAX_STATES``): past it the grid gets no nested candidate.
 """
 
 from __future__ import annotations
