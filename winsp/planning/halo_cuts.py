@@ -17,6 +17,7 @@ work. Its state count is bounded (``MAX_STATES``): past it the grid gets no nest
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -76,12 +77,12 @@ def _reach_table(n: int, k: int, d: int, causal: bool, s: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=64)
-def _axis_tables(geometry: Neighborhood, grid: Grid) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+def _axis_tables(geometry: Neighborhood, grid: Grid) -> tuple[tuple[list[list[int]], list[int]], ...]:
     """Per axis: the reach table and the prefix sums of attention work (keys per position)."""
     out = []
     for axis in geometry.axes(grid):
         work = np.concatenate([[0], np.cumsum(axis_work(*axis), dtype=np.int64)])
-        out.append((_reach_table(*axis), work))
+        out.append((_reach_table(*axis).tolist(), work.tolist()))  # Python ints: the search indexes them one by one
     return tuple(out)
 
 
@@ -111,7 +112,7 @@ def _nested_blocks(grids: tuple[Grid, ...], geometries: tuple[Neighborhood, ...]
 def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs: CostConstants,
                 limit: float) -> tuple[Box, ...] | None:
     tables = [_axis_tables(g, grid) for g in geometries]
-    total = sum(math.prod(int(w[-1]) for _, w in t) for t in tables)
+    total = sum(math.prod(w[-1] for _, w in t) for t in tables)
     if total == 0:
         return None
     upper = (1 + limit) * total / p * (1 + 1e-12)  # a box's most work
@@ -119,14 +120,14 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
     halo_s = 2 * costs.row_bytes * costs.byte_s
 
     def work(box: Box) -> int:
-        return sum(math.prod(int(w[hi] - w[lo]) for (_, w), (lo, hi) in zip(t, box, strict=True)) for t in tables)
+        return sum(math.prod(w[hi] - w[lo] for (_, w), (lo, hi) in zip(t, box, strict=True)) for t in tables)
 
     def leaf(box: Box) -> tuple[float, int]:
         own = math.prod(hi - lo for lo, hi in box)
         time, halo = 0.0, 0
         for t in tables:
-            reach = math.prod(int(r[lo, hi]) for (r, _), (lo, hi) in zip(t, box, strict=True))
-            pairs = math.prod(int(w[hi] - w[lo]) for (_, w), (lo, hi) in zip(t, box, strict=True))
+            reach = math.prod(r[lo][hi] for (r, _), (lo, hi) in zip(t, box, strict=True))
+            pairs = math.prod(w[hi] - w[lo] for (_, w), (lo, hi) in zip(t, box, strict=True))
             time += own * costs.row_s + pairs * costs.pair_s + (reach - own) * halo_s
             halo += reach - own
         return time, halo
@@ -140,22 +141,22 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
         lo, hi = box[axis]
         if hi - lo < 2:
             return []
-        per = np.zeros(hi - lo + 1)
-        for t in tables:
-            others = math.prod(int(t[a][1][box[a][1]] - t[a][1][box[a][0]]) for a in range(3) if a != axis)
-            per += (t[axis][1][lo:hi + 1] - t[axis][1][lo]) * others
+        weights = [(math.prod(t[a][1][box[a][1]] - t[a][1][box[a][0]] for a in range(3) if a != axis), t[axis][1])
+                   for t in tables]
+        per = [sum(c * (pre[x] - pre[lo]) for c, pre in weights) for x in range(lo, hi + 1)]  # first part's work
         unit = units[axis]
-        aligned = np.arange(-(-(lo + 1) // unit) * unit, hi, unit) - lo if unit > 1 else np.empty(0, np.int64)
-        r1 = np.arange(1, r)
-        i = np.searchsorted(per, w * r1 / r)
-        near = np.stack([i - 1, i], axis=1)  # [r - 1, 2]: the positions nearest each share
-        at = np.unique(np.concatenate([aligned, near.reshape(-1)]))
-        at = at[(at > 0) & (at < hi - lo)]
-        w1, k = per[at][None, :], r1[:, None]
-        ok = (w1 >= k * lower) & (w1 <= k * upper) & (w - w1 >= (r - k) * lower) & (w - w1 <= (r - k) * upper)
-        ok &= np.isin(at, aligned)[None, :] | (at[None, :, None] == near[:, None, :]).any(axis=2)
-        ks, xs = np.nonzero(ok)
-        return [(lo + int(at[x]), int(r1[j])) for j, x in zip(ks, xs, strict=True)]
+        out = []
+        for r1 in range(1, r):
+            least, most = max(r1 * lower, w - (r - r1) * upper), min(r1 * upper, w - (r - r1) * lower)
+            if least > most:
+                continue
+            i = bisect.bisect_left(per, w * r1 / r)
+            tries = {i - 1, i}
+            if unit > 1:
+                first, last = bisect.bisect_left(per, least), bisect.bisect_right(per, most)
+                tries.update(x - lo for x in range(-(-(lo + first) // unit) * unit, lo + last, unit))
+            out += [(lo + x, r1) for x in sorted(tries) if 0 < x < hi - lo and least <= per[x] <= most]
+        return out
 
     memo: dict[tuple[Box, int], tuple[float, int, tuple | None]] = {}
     inf: tuple[float, int, tuple | None] = (math.inf, 0, None)
