@@ -12,7 +12,9 @@ speedup``; the speed-up takes minutes, one thread a rank; ``--tiny`` smoke-runs 
    frames latent, ``GRID`` = (31, 45, 80): (121 - 1) / 4 + 1 = 31 frames of a 4x temporal VAE, 720 / 16 = 45 and
    1280 / 16 = 80 of a 16x spatial one, patch 1. The sliding tile layer is ``Neighborhood.sliding_tile(TILE, TILES)``:
    FastVideo's STA tile for HunyuanVideo, (6, 8, 8), with a window of 3 tiles per axis (kernel (18, 24, 24)); the
-   table also lists a (4, 4, 4) tile.
+   table also lists a (4, 4, 4) tile. Each P is planned twice: with the default costs (an NVLink node, where a halo
+   row weighs 3 % of a row's work and the planner buys balance before bytes) and with ``PCIE_COSTS`` (links 18x
+   slower). The cut is a product of per-axis runs ``(pt, ph, pw) at unit`` or a nested one (boxes in rank order).
 2. **Speed-up.** A stack of 4 attention blocks (C = 256, 4 heads x 64, MLP 4x, float32) of sliding tile attention
    ``Neighborhood.sliding_tile((2, 4, 4), (1, 3, 3))`` (kernel (2, 12, 12), stride (2, 4, 4)) on four latent frames
    of 720p, (4, 45, 80) (``--tiny``: (2, 12, 16)), SP = 1 and SP = 2 on gloo, one thread a rank, interleaved;
@@ -36,7 +38,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 import winsp  # noqa: E402
-from winsp.planning.halo import block_halo_rows, block_work, choose_blocks  # noqa: E402
+from winsp.planning.costs import DEFAULT_COSTS, PCIE_COSTS  # noqa: E402
+from winsp.planning.halo import NeighborhoodBlocks, block_halo_rows, block_work, choose_blocks  # noqa: E402
 
 #: HunyuanVideo 1.5 at 720p x 121 frames, latent (t, h, w) (see the module docstring)
 GRID = (31, 45, 80)
@@ -50,28 +53,41 @@ def sta_layer(tile=TILE, tiles=TILES) -> winsp.Neighborhood:
     return winsp.Neighborhood.sliding_tile(tile, tiles)
 
 
-def layer_figures(grid, geometry: winsp.Neighborhood, p: int) -> dict:
-    """The real plan's cut at ``p`` ranks: halo rows, halo / Ulysses bytes, heaviest rank's work / mean."""
-    blocks = choose_blocks([grid], [geometry], p)
+#: the planner's cost constants the table plans with: NVLink (the default) and PCIe 4.0 x16
+COSTS = {"NVLink": DEFAULT_COSTS, "PCIe": PCIE_COSTS}
+
+
+def cut_label(grid, blocks) -> str:
+    """A product cut's ``(pt, ph, pw)`` and unit, or a nested cut's boxes (``t0-t1 x h0-h1 x w0-w1``)."""
+    if isinstance(blocks, NeighborhoodBlocks):
+        return f"{blocks.splits} at {blocks.unit}"
+    return "nested: " + ", ".join(" x ".join(f"{lo}-{hi}" for lo, hi in box) for box in blocks.rank_boxes(grid))
+
+
+def layer_figures(grid, geometry: winsp.Neighborhood, p: int, costs=DEFAULT_COSTS) -> dict:
+    """The real plan's cut at ``p`` ranks (weighed with ``costs``): halo rows, halo / Ulysses bytes, heaviest rank's
+    work / mean."""
+    blocks = choose_blocks([grid], [geometry], p, costs)
     rows = block_halo_rows(grid, blocks, geometry)
     work = np.asarray(block_work(grid, blocks, geometry), np.float64)
     halo = sum(h for _, h in rows)
     n = math.prod(grid)
-    return {"splits": blocks.splits, "unit": blocks.unit, "halo": halo,
+    return {"cut": cut_label(grid, blocks), "halo": halo,
             "ratio": (2 * halo) / (4 * n * (p - 1) / p),  # k and v rows received vs four all-to-alls of [N, C]
             "largest": max(h / max(o, 1) for o, h in rows), "work": float(work.max() / work.mean())}
 
 
 def table(tiles=((TILE, TILES), ((4, 4, 4), TILES))) -> tuple[str, dict]:
-    lines = ["| tile x tiles (kernel) | P | cut (pt, ph, pw) | cut unit | halo rows (all ranks) | largest halo / own "
+    lines = ["| tile x tiles (kernel) | P | costs | cut (t x h x w) | halo rows (all ranks) | largest halo / own "
              "| halo / Ulysses bytes | heaviest / mean work |", "|---|---|---|---|---|---|---|---|"]
     figures = {}
     for tile, k in tiles:
         geom = sta_layer(tile, k)
         for p in DEGREES:
-            f = figures[(tile, p)] = layer_figures(GRID, geom, p)
-            lines.append(f"| {tile} x {k} ({geom.kernel}) | {p} | {f['splits']} | {f['unit']} | {f['halo']} "
-                         f"| {f['largest']:.3f} | {f['ratio']:.3f} | {f['work']:.4f} |")
+            for name, costs in COSTS.items():
+                f = figures[(tile, p, name)] = layer_figures(GRID, geom, p, costs)
+                lines.append(f"| {tile} x {k} ({geom.kernel}) | {p} | {name} | {f['cut']} | {f['halo']} "
+                             f"| {f['largest']:.3f} | {f['ratio']:.3f} | {f['work']:.4f} |")
     return "\n".join(lines), figures
 
 

@@ -202,10 +202,16 @@ def test_the_guide_shows_the_whole_adapter():
     assert shown == adapter[adapter.index("from diffusers"):]
 
 
-@pytest.mark.parametrize("p", [2, 4])
-def test_the_720p_sta_layer_moves_less_than_ulysses_with_balanced_work(p):
+@pytest.mark.parametrize("p, links", [(2, "NVLink"), (4, "NVLink"), (8, "PCIe")])
+def test_the_720p_sta_layer_moves_less_than_ulysses_with_balanced_work(p, links):
+    """At P = 8 the default (NVLink) costs buy balance first and move 1.04x Ulysses' bytes
+    (tests/test_neighborhood_nested.py); planned for PCIe links, the nested cut moves less."""
     from examples.hunyuanvideo15.figures import sta_layer_figures
+    from winsp.planning.costs import DEFAULT_COSTS, PCIE_COSTS
 
-    figures = sta_layer_figures(p)  # the released layer: grid (31, 45, 80), kernel (18, 24, 24), stride (6, 8, 8)
+    costs = {"NVLink": DEFAULT_COSTS, "PCIe": PCIE_COSTS}[links]
+    # the released layer: grid (31, 45, 80), kernel (18, 24, 24), stride (6, 8, 8)
+    figures = sta_layer_figures(p, costs=costs)
+    assert figures["ratio"] < 1
     assert figures["ratio_with_text"] < 1 and figures["heaviest_over_mean"] <= 1.05
     assert sum(figures["own_rows"]) == 31 * 45 * 80

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CostConstants", "DEFAULT_COSTS", "GLOO_CPU_COSTS", "PEAK_BF16_FLOPS", "GEMM_EFFICIENCY",
-           "ATTENTION_EFFICIENCY", "ELEMENTWISE_PER_GEMM", "NVLINK_BYTES_PER_S", "NVLINK_LATENCY_S"]
+__all__ = ["CostConstants", "DEFAULT_COSTS", "PCIE_COSTS", "GLOO_CPU_COSTS", "PEAK_BF16_FLOPS", "GEMM_EFFICIENCY",
+           "ATTENTION_EFFICIENCY", "ELEMENTWISE_PER_GEMM", "NVLINK_BYTES_PER_S", "NVLINK_LATENCY_S", "PCIE_BYTES_PER_S"]
 
 #: Published dense bf16 peak of an H100/H200 SXM (FLOP/s).
 PEAK_BF16_FLOPS = 989e12
@@ -25,6 +25,8 @@ ATTENTION_EFFICIENCY = 0.4
 ELEMENTWISE_PER_GEMM = 53 / 45
 #: NVLink 4, per GPU and direction (bytes/s), published.
 NVLINK_BYTES_PER_S = 450e9
+#: PCIe 4.0 x16 per direction: 32 GB/s published, 25 GB/s assumed reached by collectives.
+PCIE_BYTES_PER_S = 25e9
 #: One NCCL collective inside a node (seconds), order of magnitude of published figures.
 NVLINK_LATENCY_S = 20e-6
 
@@ -66,6 +68,12 @@ DEFAULT_COSTS = CostConstants(
     latency_s=NVLINK_LATENCY_S,
     row_bytes=2 * _3B_DIM,
 )
+
+
+#: :data:`DEFAULT_COSTS`' GPU with its ranks on PCIe 4.0 x16 instead of NVLink (cards without NVLink: a move costs
+#: 18x more against the same work), for ``WindowRuntime(costs=...)`` / ``DiffusionParallelConfig(costs=...)``.
+PCIE_COSTS = CostConstants(row_s=DEFAULT_COSTS.row_s, pair_s=DEFAULT_COSTS.pair_s, byte_s=1.0 / PCIE_BYTES_PER_S,
+                           latency_s=NVLINK_LATENCY_S, row_bytes=DEFAULT_COSTS.row_bytes)
 
 
 #: SeedVR2 3B width (float32) on gloo CPU ranks, one thread each, *measured*: ``benchmarks/cost_model.py --fit-wall``

@@ -2,7 +2,8 @@
 
 A neighborhood layer keeps its rows where they are: rank ``r`` owns block ``r`` of every sample (a box of the grid,
 from cutting t, h and w into ``splits`` runs of balanced attention work, at whole stride groups of a strided layer
-where that stays balanced) and needs only the key rows its queries can reach that other ranks own, its *halo*.
+where that stays balanced, or from a nested cut, :mod:`winsp.planning.halo_cuts`) and needs only the key rows its
+queries can reach that other ranks own, its *halo*.
 Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches are exactly the product
 of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per axis, never per token.
 
@@ -30,13 +31,14 @@ from winsp.geometry.layout import build_layout
 from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, axis_reach, axis_work
 from winsp.geometry.windows import Grid, WindowGeometry, WindowSlices, check_grid
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
+from winsp.planning.halo_cuts import NestedBlocks, nested_blocks
 from winsp.planning.plan import Plan
 
 __all__ = ["NeighborhoodBlocks", "axis_cuts", "choose_splits", "choose_blocks", "block_halo_rows", "block_work",
            "neighborhood_plan", "query_tile_length", "BALANCE_LIMIT",
            "HaloExchange", "HaloTensors", "NEIGHBORHOOD_PLANNER_VERSION"]
 
-NEIGHBORHOOD_PLANNER_VERSION = 2
+NEIGHBORHOOD_PLANNER_VERSION = 3
 
 #: A cut whose heaviest rank carries more than (1 + BALANCE_LIMIT) x the mean attention work is chosen only when no cut
 #: is balanced that well.
@@ -89,9 +91,19 @@ def _axis_weights(grid: Grid, geometries: Sequence[Neighborhood], axis: int) -> 
     return out if geometries else np.ones(grid[axis])
 
 
-def _blocks(grid: Grid, blocks: "Grid | NeighborhoodBlocks") -> list[tuple[int, WindowSlices]]:
-    """(rank, box) of every non-empty block of ``grid``; block ``(it, ih, iw)`` belongs to rank
-    ``(it * ph + ih) * pw + iw``."""
+def _world(blocks: Grid | NeighborhoodBlocks | NestedBlocks) -> int:
+    """How many ranks ``blocks`` cut a grid for."""
+    if isinstance(blocks, NestedBlocks):
+        return blocks.world_size
+    return math.prod(blocks.splits if isinstance(blocks, NeighborhoodBlocks) else blocks)
+
+
+def _blocks(grid: Grid, blocks: Grid | NeighborhoodBlocks | NestedBlocks) -> list[tuple[int, WindowSlices]]:
+    """(rank, box) of every non-empty block of ``grid``; block ``(it, ih, iw)`` of a product cut belongs to rank
+    ``(it * ph + ih) * pw + iw``, box ``r`` of a nested cut to rank ``r``."""
+    if isinstance(blocks, NestedBlocks):
+        return [(r, (slice(*box[0]), slice(*box[1]), slice(*box[2]))) for r, box in enumerate(blocks.rank_boxes(grid))
+                if all(hi > lo for lo, hi in box)]
     if not isinstance(blocks, NeighborhoodBlocks):
         blocks = NeighborhoodBlocks(check_grid(blocks, "splits"))
     splits = blocks.splits
@@ -144,10 +156,11 @@ def _factorisations(p: int) -> list[Grid]:
             for b in range(1, p // a + 1) if (p // a) % b == 0]
 
 
-def block_halo_rows(grid: Grid, splits: "Grid | NeighborhoodBlocks", geometry: Neighborhood) -> list[tuple[int, int]]:
+def block_halo_rows(grid: Grid, splits: Grid | NeighborhoodBlocks | NestedBlocks,
+                    geometry: Neighborhood) -> list[tuple[int, int]]:
     """(own rows, halo rows) of each rank for one sample: the halo is what its block's queries reach outside it."""
     grid = check_grid(grid)
-    out = [(0, 0)] * math.prod(splits.splits if isinstance(splits, NeighborhoodBlocks) else splits)
+    out = [(0, 0)] * _world(splits)
     for rank, box in _blocks(grid, splits):
         reach = [axis_reach(n, k, d, c, sl.start, sl.stop, s).size
                  for (n, k, d, c, s), sl in zip(geometry.axes(grid), box, strict=True)]
@@ -156,10 +169,10 @@ def block_halo_rows(grid: Grid, splits: "Grid | NeighborhoodBlocks", geometry: N
     return out
 
 
-def block_work(grid: Grid, blocks: "Grid | NeighborhoodBlocks", geometry: Neighborhood) -> list[int]:
+def block_work(grid: Grid, blocks: Grid | NeighborhoodBlocks | NestedBlocks, geometry: Neighborhood) -> list[int]:
     """Attention work (query x key pairs of the neighbourhoods) of each rank's block of one sample."""
     grid = check_grid(grid)
-    out = [0] * math.prod(blocks.splits if isinstance(blocks, NeighborhoodBlocks) else blocks)
+    out = [0] * _world(blocks)
     per_axis = [axis_work(*a) for a in geometry.axes(grid)]
     for rank, box in _blocks(grid, blocks):
         out[rank] = math.prod(int(w[sl].sum()) for w, sl in zip(per_axis, box, strict=True))
@@ -173,7 +186,7 @@ def _stride_unit(geometries: Sequence[Neighborhood]) -> Grid:
 
 
 def choose_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,
-                  costs: CostConstants = DEFAULT_COSTS) -> NeighborhoodBlocks:
+                  costs: CostConstants = DEFAULT_COSTS) -> NeighborhoodBlocks | NestedBlocks:
     """The cut of every sample's grid into ``world_size`` blocks for these neighborhood layers.
 
     Candidates: each ``(pt, ph, pw)`` with ``pt * ph * pw = world_size``, and per strided axis cuts at whole stride
@@ -182,42 +195,67 @@ def choose_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], wor
     key pairs) and the bytes of its halo (k and v, received), plus one collective a layer. Only candidates whose
     heaviest rank carries at most ``1 + BALANCE_LIMIT`` of the mean attention work compete, when there are any.
     Ties go to the first candidate (splits in (pt, ph, pw) order, aligned cuts first).
+
+    A strided schedule also has a nested candidate (:func:`winsp.planning.halo_cuts.nested_blocks`: two-way cuts in
+    a tree, so that boxes keep whole stride groups and balanced work at once). It is scored the same way and wins when
+    it is faster, or as fast (to 1e-9) with fewer halo rows in all.
     """
     geometries = tuple(geometries)
     stride_unit = _stride_unit(geometries)
-    scored: list[tuple[bool, float, int, NeighborhoodBlocks]] = []
+    scored: list[tuple[bool, float, int, NeighborhoodBlocks | NestedBlocks]] = []
+
+    def score(blocks: NeighborhoodBlocks | NestedBlocks) -> tuple[bool, float, float]:
+        """(unbalanced, predicted time of the slowest rank, halo rows of all ranks)."""
+        rank_time, work, halo_rows = np.zeros(world_size), np.zeros(world_size), 0.0
+        for geom in geometries:
+            for grid in grids:
+                pairs = np.asarray(block_work(grid, blocks, geom), np.float64)
+                own, halo = np.asarray(block_halo_rows(grid, blocks, geom), np.float64).T
+                work += pairs
+                halo_rows += float(halo.sum())
+                rank_time += own * costs.row_s + pairs * costs.pair_s + 2 * halo * costs.row_bytes * costs.byte_s
+        cost = float(rank_time.max()) + (costs.latency_s if world_size > 1 else 0.0) * len(geometries)
+        balanced = work.sum() == 0 or work.max() <= (1 + BALANCE_LIMIT) * work.mean() * (1 + 1e-12)
+        return not balanced, cost, halo_rows
+
     for splits in _factorisations(world_size):
         # aligned cuts first; an axis that is not cut has one run whatever its unit
         units = sorted({tuple(stride_unit[a] if aligned[a] and splits[a] > 1 else 1 for a in range(3))
                         for aligned in np.ndindex(2, 2, 2)}, key=lambda u: (-sum(x > 1 for x in u), u))
         for unit in units:
             blocks = NeighborhoodBlocks(splits, unit, geometries)  # type: ignore[arg-type]
-            rank_time, work = np.zeros(world_size), np.zeros(world_size)
-            for geom in geometries:
-                for grid in grids:
-                    pairs = np.asarray(block_work(grid, blocks, geom), np.float64)
-                    own, halo = np.asarray(block_halo_rows(grid, blocks, geom), np.float64).T
-                    work += pairs
-                    rank_time += own * costs.row_s + pairs * costs.pair_s + 2 * halo * costs.row_bytes * costs.byte_s
-            cost = float(rank_time.max()) + (costs.latency_s if world_size > 1 else 0.0) * len(geometries)
-            balanced = work.sum() == 0 or work.max() <= (1 + BALANCE_LIMIT) * work.mean() * (1 + 1e-12)
-            scored.append((not balanced, cost, len(scored), blocks))
+            unbalanced, cost, _ = score(blocks)
+            scored.append((unbalanced, cost, len(scored), blocks))
     best = min(scored, key=lambda x: (x[0], x[1], x[2]))
+    if world_size > 1 and stride_unit != (1, 1, 1):
+        nested = nested_blocks(tuple(check_grid(g) for g in grids), geometries, world_size, costs, BALANCE_LIMIT)
+        if nested is not None:
+            unbalanced, cost, halo_rows = score(nested)
+            if unbalanced < best[0]:
+                return nested
+            if unbalanced == best[0]:
+                if abs(cost - best[1]) <= 1e-9 * best[1]:  # as fast: the fewer halo rows
+                    return nested if halo_rows < score(best[3])[2] else best[3]
+                if cost < best[1]:
+                    return nested
     return best[3]
 
 
 def choose_splits(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,
                   costs: CostConstants = DEFAULT_COSTS) -> Grid:
-    """The ``(pt, ph, pw)`` of :func:`choose_blocks`."""
-    return choose_blocks(grids, geometries, world_size, costs).splits
+    """The ``(pt, ph, pw)`` of :func:`choose_blocks` (``(0, 0, 0)`` for a nested cut, which is no product)."""
+    blocks = choose_blocks(grids, geometries, world_size, costs)
+    return blocks.splits if isinstance(blocks, NeighborhoodBlocks) else (0, 0, 0)
 
 
-def neighborhood_plan(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int) -> Plan:
-    """The plan every neighborhood layer of a schedule shares: block ``r`` of each sample on rank ``r``."""
+def neighborhood_plan(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,
+                      costs: CostConstants = DEFAULT_COSTS) -> Plan:
+    """The plan every neighborhood layer of a schedule shares: block ``r`` of each sample on rank ``r`` (the cut of
+    :func:`choose_blocks`, weighed with ``costs``)."""
     for geom in geometries:
         for i, grid in enumerate(grids):
             geom.check_fits(grid, f"grids[{i}]")
-    blocks = choose_blocks(grids, geometries, world_size)
+    blocks = choose_blocks(grids, geometries, world_size, costs)
     layout = build_layout(grids, blocks)
     rank_windows: list[list[int]] = [[] for _ in range(world_size)]
     window = 0

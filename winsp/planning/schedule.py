@@ -94,7 +94,7 @@ def plan_schedule(
     costs = _check_costs(costs)
     if any(is_neighborhood(g) for g in schedule):  # neighborhood layers: one shared block plan (winsp.planning.halo)
         return plan_with_neighborhoods(grids, schedule, world_size, planner, split_windows,
-                                       functools.partial(plan_schedule, costs=costs))
+                                       functools.partial(plan_schedule, costs=costs), costs)
     if planner in SPLITTING_PLANNERS and not split_windows:
         raise ValueError(f'planner "{planner}" splits windows, but these windows are kept whole (split_windows=False: '
                          'a runtime built so, a request with score_mods=True, or a Stage(split_windows=False)): use '
@@ -128,14 +128,14 @@ def plan_schedule(
 
 
 def plan_with_neighborhoods(grids, schedule, world_size: int, planner: str, split_windows: bool,
-                            plan_windows) -> list[Plan]:
+                            plan_windows, costs: CostConstants = DEFAULT_COSTS) -> list[Plan]:
     """Plans of a schedule with :class:`~winsp.Neighborhood` layers: they share one block plan
-    (:func:`winsp.planning.halo.neighborhood_plan`); the window layers are planned by ``plan_windows`` as a schedule
-    alone."""
+    (:func:`winsp.planning.halo.neighborhood_plan`, its cut weighed with ``costs``); the window layers are planned by
+    ``plan_windows`` as a schedule alone."""
     from winsp.planning.halo import neighborhood_plan
 
     neighborhoods = list({g.fingerprint: g for g in schedule if is_neighborhood(g)}.values())
-    shared = neighborhood_plan(grids, neighborhoods, world_size)
+    shared = neighborhood_plan(grids, neighborhoods, world_size, costs)
     windows = [g for g in schedule if not is_neighborhood(g)]
     window_plans = iter(plan_windows(grids, windows, world_size, planner, split_windows=split_windows)
                         if windows else [])
