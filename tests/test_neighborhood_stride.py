@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import winsp
+from tests.na_checks import natten_whole_grid
 from tests.na_oracle import _axis_keys, oracle_attention, oracle_mask
 from winsp.attention.halo.flex import build_flex_neighborhood, flex_video_queries
 from winsp.attention.halo.layer import _text_index, _video_queries, halo_tensors, neighborhood_rpb_score_mod
@@ -58,30 +59,8 @@ def _inputs(name, dtype=torch.float32, seed=0):
 
 def _natten(name, inputs, text=True):
     """natten over each sample's whole grid (its dims: the axes of kernel > 1, the others folded into the batch)."""
-    natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
-                                                  "pip install -e '.[natten]'")
     grids, text_lengths, geom = CASES[name]
-    axes = [a for a in range(3) if geom.kernel[a] > 1]
-    fn = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[len(axes)]
-    outs, start, tstart = [], 0, 0
-    for grid, tl in zip(grids, text_lengths, strict=True):
-        n = math.prod(grid)
-        batch = [a for a in range(3) if a not in axes]
-        perm = [1 + a for a in batch + axes]
-        x = [t[start:start + n].reshape(1, *grid, HEADS, DIM).permute(0, *perm, 4, 5) for t in inputs[:3]]
-        folded = math.prod(grid[a] for a in batch)
-        x = [t.reshape(folded, *(grid[a] for a in axes), HEADS, DIM).contiguous() for t in x]
-        kwargs = {}
-        if text:
-            kt, vt = (t[tstart:tstart + tl].unsqueeze(0).expand(folded, -1, -1, -1).contiguous() for t in inputs[4:])
-            kwargs = dict(additional_keys=kt, additional_values=vt)
-        pick = lambda values: tuple(values[a] for a in axes)  # noqa: E731
-        out = fn(*x, kernel_size=pick(geom.kernel), stride=pick(geom.stride), dilation=pick(geom.dilation),
-                 is_causal=pick(geom.causal), **kwargs)
-        out = out.reshape(1, *(grid[a] for a in batch + axes), HEADS, DIM).permute(0, *np.argsort(perm) + 1, 4, 5)
-        outs.append(out.reshape(n, HEADS, DIM))
-        start, tstart = start + n, tstart + tl
-    return torch.cat(outs)
+    return natten_whole_grid(inputs, grids, text_lengths, geom, text)
 
 
 # ---- the rules ----------------------------------------------------------------------------------------------------
