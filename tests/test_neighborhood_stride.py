@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import winsp
-from tests.na_checks import natten_whole_grid
+from tests.na_checks import check_rpb_against_oracle, natten_whole_grid
 from tests.na_oracle import _axis_keys, oracle_attention, oracle_mask
 from winsp.attention.halo.flex import build_flex_neighborhood, flex_video_queries
-from winsp.attention.halo.layer import _text_index, _video_queries, halo_tensors, neighborhood_rpb_score_mod
+from winsp.attention.halo.layer import _text_index, _video_queries
 from winsp.attention.halo.natten import extended_box, natten_boxes, natten_plan_reason, natten_video_queries
 from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, axis_reach
 from winsp.planning.halo import (
@@ -162,19 +162,7 @@ def test_layer_and_oracle_equal_natten_in_float32(name):
 def test_one_rank_equals_the_oracle_in_float64_with_gradients(name):
     grids, text_lengths, geom = CASES[name]
     inputs = [x.requires_grad_(True) for x in _inputs(name, torch.float64, seed=3)]
-    table = torch.randn(HEADS, *(2 * k - 1 for k in geom.kernel), dtype=torch.float64, requires_grad=True)
-    req = winsp.WindowRuntime([geom]).request(grids, text_lengths)
-    mod = neighborhood_rpb_score_mod(table, halo_tensors(req, 0), geom)
-    out, txt = req.attention(*(req.scatter(x) for x in inputs[:3]), *inputs[3:], layer=0, score_mod=mod)
-    out = req.gather(out)
-    ref, ref_txt = oracle_attention(*inputs[:3], grids, geom, *inputs[3:], text_lengths, table=table)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(txt, ref_txt, rtol=1e-12, atol=1e-12)
-    weights = torch.randn_like(out), torch.randn_like(txt)
-    grads = torch.autograd.grad((out * weights[0]).sum() + (txt * weights[1]).sum(), inputs + [table])
-    ref_grads = torch.autograd.grad((ref * weights[0]).sum() + (ref_txt * weights[1]).sum(), inputs + [table])
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+    check_rpb_against_oracle(inputs, grids, text_lengths, geom)
 
 
 # ---- SP = 1..4: every rank's share on every backend, no process group ----------------------------------------------
