@@ -95,38 +95,15 @@ def table(tiles=((TILE, TILES), ((4, 4, 4), TILES))) -> tuple[str, dict]:
 
 SPEED_GRID, TINY_GRID = (4, 45, 80), (2, 12, 16)
 SPEED_LAYER = dict(tile=(2, 4, 4), tiles=(1, 3, 3))
-DIM, HEADS, LAYERS = 256, 4, 4
-
-
-def _stack(group, grid):
-    import torch
-
-    torch.manual_seed(0)
-    blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
-        "norm": torch.nn.LayerNorm(DIM), "qkv": torch.nn.Linear(DIM, 3 * DIM), "proj": torch.nn.Linear(DIM, DIM),
-        "mlp": torch.nn.Sequential(torch.nn.LayerNorm(DIM), torch.nn.Linear(DIM, 4 * DIM), torch.nn.GELU(),
-                                   torch.nn.Linear(4 * DIM, DIM))}) for _ in range(LAYERS))
-    runtime = winsp.WindowRuntime([sta_layer(**SPEED_LAYER)] * LAYERS, group=group)
-
-    def forward(x):
-        req = runtime.request([grid], dtype=x.dtype)
-        h = req.scatter(x)
-        for i, b in enumerate(blocks):
-            h = req.to_layer(h, i)
-            q, k, v = b["qkv"](b["norm"](h)).view(-1, 3, HEADS, DIM // HEADS).unbind(1)
-            out, _ = req.attention(q, k, v, layer=i)
-            h = h + b["proj"](out.reshape(h.shape))
-            h = h + b["mlp"](h)
-        return req.gather(h)
-
-    return forward
+# the block stack and its width are bench_neighborhood.py's speed-up stack (C = 256, 4 heads, 4 blocks)
+from benchmarks.bench_neighborhood import DIM, LAYERS, _stack  # noqa: E402
 
 
 def _time_rank(rank, world_size, repeats, grid):
     import torch
 
     torch.set_num_threads(1)
-    forward = _stack(winsp.comm.SPGroup.world(), grid)
+    forward = _stack([sta_layer(**SPEED_LAYER)] * LAYERS, winsp.comm.SPGroup.world(), grid)
     x = torch.randn(math.prod(grid), DIM, generator=torch.Generator().manual_seed(1))
     wall, cpu = [], []
     with torch.no_grad():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import winsp
+from tests.na_checks import check_rpb_against_oracle
 from tests.na_oracle import _axis_keys, oracle_attention
 from winsp.attention.halo.layer import halo_tensors, neighborhood_rpb_score_mod
 from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, neighbourhood_ids
@@ -124,20 +125,7 @@ def test_one_rank_equals_the_oracle_in_float64_with_gradients(name):
     grids, text_lengths, geom = ORACLE_CASES[name]
     n, lt = sum(math.prod(g) for g in grids), sum(text_lengths)
     inputs = [x.requires_grad_(True) for x in _qkv(n, seed=3, dtype=torch.float64, txt=lt)]
-    table = torch.randn(HEADS, *(2 * k - 1 for k in geom.kernel), dtype=torch.float64, requires_grad=True)
-    req = winsp.WindowRuntime([geom]).request(grids, text_lengths)
-    q, k, v = (req.scatter(x) for x in inputs[:3])
-    mod = neighborhood_rpb_score_mod(table, halo_tensors(req, 0), geom)
-    out, txt = req.attention(q, k, v, *inputs[3:], layer=0, score_mod=mod)
-    out = req.gather(out)
-    ref, ref_txt = oracle_attention(*inputs[:3], grids, geom, *inputs[3:], text_lengths, table=table)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(txt, ref_txt, rtol=1e-12, atol=1e-12)
-    weights = torch.randn_like(out), torch.randn_like(txt)
-    grads = torch.autograd.grad((out * weights[0]).sum() + (txt * weights[1]).sum(), inputs + [table])
-    ref_grads = torch.autograd.grad((ref * weights[0]).sum() + (ref_txt * weights[1]).sum(), inputs + [table])
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+    check_rpb_against_oracle(inputs, grids, text_lengths, geom)
 
 
 # ---- plans and halos ------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import winsp
+from tests.na_checks import natten_whole_grid
 from tests.na_oracle import _axis_keys
 from winsp.attention.halo.backends import explain_neighborhood_backend, neighborhood_backend
 from winsp.attention.halo.flex import build_flex_neighborhood
@@ -71,23 +72,7 @@ def _layer(runtime, name, inputs, rpb=False):
 def _natten_global(name, inputs):
     """natten over each sample's whole grid, text as additional keys: the oracle of every backend here."""
     grids, text_lengths, geom = CASES[name]
-    axes = [a for a in range(3) if geom.kernel[a] > 1]
-    fn = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[len(axes)]
-    outs, start, tstart = [], 0, 0
-    for grid, tl in zip(grids, text_lengths):
-        n = math.prod(grid)
-        batch = [a for a in range(3) if a not in axes]
-        perm = [1 + a for a in batch + axes]
-        x = [t[start:start + n].reshape(1, *grid, HEADS, DIM).permute(0, *perm, 4, 5) for t in inputs[:3]]
-        folded = math.prod(grid[a] for a in batch)
-        x = [t.reshape(folded, *(grid[a] for a in axes), HEADS, DIM).contiguous() for t in x]
-        kt, vt = (t[tstart:tstart + tl].unsqueeze(0).expand(folded, -1, -1, -1).contiguous() for t in inputs[4:])
-        out = fn(*x, kernel_size=tuple(geom.kernel[a] for a in axes), dilation=tuple(geom.dilation[a] for a in axes),
-                 is_causal=tuple(geom.causal[a] for a in axes), additional_keys=kt, additional_values=vt)
-        out = out.reshape(1, *(grid[a] for a in batch + axes), HEADS, DIM).permute(0, *np.argsort(perm) + 1, 4, 5)
-        outs.append(out.reshape(n, HEADS, DIM))
-        start, tstart = start + n, tstart + tl
-    return torch.cat(outs)
+    return natten_whole_grid(inputs, grids, text_lengths, geom)
 
 
 # ---- one rank ---------------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import winsp
+from tests.na_checks import check_rpb_against_oracle, natten_whole_grid
 from tests.na_oracle import _axis_keys, oracle_attention, oracle_mask
 from winsp.attention.halo.flex import build_flex_neighborhood, flex_video_queries
-from winsp.attention.halo.layer import _text_index, _video_queries, halo_tensors, neighborhood_rpb_score_mod
+from winsp.attention.halo.layer import _text_index, _video_queries
 from winsp.attention.halo.natten import extended_box, natten_boxes, natten_plan_reason, natten_video_queries
 from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, axis_reach
 from winsp.planning.halo import (
@@ -58,30 +59,8 @@ def _inputs(name, dtype=torch.float32, seed=0):
 
 def _natten(name, inputs, text=True):
     """natten over each sample's whole grid (its dims: the axes of kernel > 1, the others folded into the batch)."""
-    natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
-                                                  "pip install -e '.[natten]'")
     grids, text_lengths, geom = CASES[name]
-    axes = [a for a in range(3) if geom.kernel[a] > 1]
-    fn = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[len(axes)]
-    outs, start, tstart = [], 0, 0
-    for grid, tl in zip(grids, text_lengths, strict=True):
-        n = math.prod(grid)
-        batch = [a for a in range(3) if a not in axes]
-        perm = [1 + a for a in batch + axes]
-        x = [t[start:start + n].reshape(1, *grid, HEADS, DIM).permute(0, *perm, 4, 5) for t in inputs[:3]]
-        folded = math.prod(grid[a] for a in batch)
-        x = [t.reshape(folded, *(grid[a] for a in axes), HEADS, DIM).contiguous() for t in x]
-        kwargs = {}
-        if text:
-            kt, vt = (t[tstart:tstart + tl].unsqueeze(0).expand(folded, -1, -1, -1).contiguous() for t in inputs[4:])
-            kwargs = dict(additional_keys=kt, additional_values=vt)
-        pick = lambda values: tuple(values[a] for a in axes)  # noqa: E731
-        out = fn(*x, kernel_size=pick(geom.kernel), stride=pick(geom.stride), dilation=pick(geom.dilation),
-                 is_causal=pick(geom.causal), **kwargs)
-        out = out.reshape(1, *(grid[a] for a in batch + axes), HEADS, DIM).permute(0, *np.argsort(perm) + 1, 4, 5)
-        outs.append(out.reshape(n, HEADS, DIM))
-        start, tstart = start + n, tstart + tl
-    return torch.cat(outs)
+    return natten_whole_grid(inputs, grids, text_lengths, geom, text)
 
 
 # ---- the rules ----------------------------------------------------------------------------------------------------
@@ -183,19 +162,7 @@ def test_layer_and_oracle_equal_natten_in_float32(name):
 def test_one_rank_equals_the_oracle_in_float64_with_gradients(name):
     grids, text_lengths, geom = CASES[name]
     inputs = [x.requires_grad_(True) for x in _inputs(name, torch.float64, seed=3)]
-    table = torch.randn(HEADS, *(2 * k - 1 for k in geom.kernel), dtype=torch.float64, requires_grad=True)
-    req = winsp.WindowRuntime([geom]).request(grids, text_lengths)
-    mod = neighborhood_rpb_score_mod(table, halo_tensors(req, 0), geom)
-    out, txt = req.attention(*(req.scatter(x) for x in inputs[:3]), *inputs[3:], layer=0, score_mod=mod)
-    out = req.gather(out)
-    ref, ref_txt = oracle_attention(*inputs[:3], grids, geom, *inputs[3:], text_lengths, table=table)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(txt, ref_txt, rtol=1e-12, atol=1e-12)
-    weights = torch.randn_like(out), torch.randn_like(txt)
-    grads = torch.autograd.grad((out * weights[0]).sum() + (txt * weights[1]).sum(), inputs + [table])
-    ref_grads = torch.autograd.grad((ref * weights[0]).sum() + (ref_txt * weights[1]).sum(), inputs + [table])
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+    check_rpb_against_oracle(inputs, grids, text_lengths, geom)
 
 
 # ---- SP = 1..4: every rank's share on every backend, no process group ----------------------------------------------

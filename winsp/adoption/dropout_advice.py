@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Advice", "advice", "token_order", "presented_dims"]
+__all__ = ["Advice", "advice", "token_order", "presented_dims", "not_exact_refusal"]
 
 CHECK = ("check with winsp.testing.check_parallel(..., train=True) against the untouched model before training with "
          "it")
@@ -38,6 +38,15 @@ class Advice:
     exact: Optional[bool]
     why: str = ""
     at: Optional[tuple[Tensor, int]] = None
+
+
+def not_exact_refusal(where: str, said: Advice, only_where: str) -> str:
+    """The refusal's text where ``said`` is not exact: after ``where`` (what would be drawn over local rows), why no
+    row-wise draw is the original's and the ways out (False), or why winsp cannot know, ``only_where`` (the sentence
+    that says where the suggested draw would be the original's) and the check to run (None)."""
+    if said.exact is False:
+        return f"{where}, and no row-wise draw reproduces it here: {said.why}. {OFF[0].upper() + OFF[1:]}"
+    return f"{where}; {said.why}. {only_where}: {CHECK}, or {OFF}"
 
 
 def token_order(tokens: Any) -> Union[str, Literal[False], None]:

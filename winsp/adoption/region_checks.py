@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from winsp.adoption.dropout_advice import CHECK, OFF, advice, presented_dims
+from winsp.adoption.dropout_advice import OFF, advice, not_exact_refusal, presented_dims
 from winsp.runtime.context import current_request_or_none
 from winsp.runtime.drop_path import RowDropout
 
@@ -163,10 +163,8 @@ def _dropout_refusal(model: nn.Module, path: str, module: nn.Module, x: Any, req
     if said.exact:
         return (f"{where}; set ParallelPlan(..., dropout='rows'), which draws the original's mask over the region's "
                 f"tokens in their order with the replicated tokens at their place (or run the model in eval mode)")
-    if said.exact is False:
-        return f"{where}, and no row-wise draw reproduces it here: {said.why}. {OFF[0].upper() + OFF[1:]}"
-    return (f"{where}; {said.why}. A row-wise draw ({fix}) is the original's only where that tensor is the region's "
-            f"tokens as they came in: {CHECK}, or {OFF}")
+    return not_exact_refusal(where, said, f"A row-wise draw ({fix}) is the original's only where that tensor is the "
+                                          f"region's tokens as they came in")
 
 
 def _before(path: str, state: list, dropout: str, modes: list, model: nn.Module):

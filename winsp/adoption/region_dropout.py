@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 import winsp.runtime.drop_path as drop_path
-from winsp.adoption.dropout_advice import CHECK, OFF, advice, presented_dims
+from winsp.adoption.dropout_advice import OFF, advice, not_exact_refusal, presented_dims
 from winsp.adoption.region import ChannelsFirst, TokenIO
 from winsp.runtime.context import current_request_or_none
 from winsp.runtime.drop_path import presented_dropout, row_dropout
@@ -168,10 +168,9 @@ class RegionDropout(TorchFunctionMode):
             if said.exact:
                 return (f"{mask}. Set ParallelPlan(..., dropout='rows') to draw exactly the original's mask (over the "
                         f"region's tokens as they came in), or {OFF}")
-            if said.exact is False:
-                return f"{mask}, and no row-wise draw reproduces it here: {said.why}. {OFF[0].upper() + OFF[1:]}"
-            return (f"{mask}; {said.why}. ParallelPlan(..., dropout='rows') draws the original's mask only where the "
-                    f"original's tensor there is the region's tokens as they came in: {CHECK}, or {OFF}")
+            return not_exact_refusal(mask, said, "ParallelPlan(..., dropout='rows') draws the original's mask only "
+                                                 "where the original's tensor there is the region's tokens as they "
+                                                 "came in")
         if said.exact is False or (held and said.at is None):
             return (f"{where}: ParallelPlan(dropout='rows') cannot draw the original's mask here: {said.why}. "
                     f"{OFF[0].upper() + OFF[1:]}")
