@@ -34,6 +34,7 @@ QUICK = {
     "bench_serve.py": ["--quick"],  # 3 clips of 48x32x5 through serve, 3 restores and one folder run
     "bench_vae.py": ["--threads", "1"],
     "bench_neighborhood.py": ["--repeats", "1"],  # the bytes table, one cold planning, the speed-up (1 forward a rank)
+    "bench_strided.py": ["--tiny", "--repeats", "1"],  # the bytes and work table, the speed-up on a tiny grid
     "gpu_check.py --dry-run": ["--dry-run", "--out", ".benchmarks/gpu_check_dry_run"],  # .benchmarks/ is ignored
 }
 
