@@ -119,6 +119,7 @@ def test_a_killed_rank_costs_its_job_one_batch_at_most(served):
     assert _metric(served, "seedvr2_frames_reused_total") == reused_before + done["progress"]["frames_reused"]
 
 
+@pytest.mark.slow
 def test_a_job_whose_rank_dies_twice_without_finishing_a_batch_fails(served):
     """The job itself is then the likely cause (say, it makes the kernel's OOM killer end its rank): it fails with
     one line instead of running forever, its kept batches go, and the ranks serve the next job."""

@@ -178,8 +178,20 @@ class JobStore:
                 self.log(str(exc))
 
     def _drop_kept(self, job: Job) -> None:
-        """Remove the job's kept batches (its folder's own store: a link there is removed, never followed)."""
+        """Remove the job's kept batches (its folder's own store: a link there is removed, never followed) and the
+        partial results a killed rank left."""
         BatchStore(store_path(job.output)).remove()
+        self.clear_partials(job)
+
+    def clear_partials(self, job: Job) -> None:
+        """Remove the partial results a killed rank left in the job's folder (called while no rank runs it)."""
+        folder = self.folder(job.id)
+        for leftover in os.listdir(folder) if os.path.isdir(folder) else ():
+            if leftover.startswith(".") and ".partial" in leftover:
+                try:
+                    os.unlink(os.path.join(folder, leftover))
+                except OSError:
+                    pass
 
     def finish(self, job: Job, state: str, error: Optional[str] = None) -> None:
         with self.lock:
@@ -189,6 +201,8 @@ class JobStore:
             elif os.path.lexists(job.output):
                 os.remove(job.output)
             self._drop_kept(job)
+            if os.path.lexists(os.path.join(self.folder(job.id), "cancel")):  # its ranks have seen it
+                os.unlink(os.path.join(self.folder(job.id), "cancel"))
             try:
                 self._save(job)
             except RecordError as exc:

@@ -216,6 +216,7 @@ class Server:
         :data:`DEATHS_WITHOUT_PROGRESS` times in a row without finishing a batch."""
         strikes = 0
         while True:
+            self.store.clear_partials(job)  # a killed rank's (its kept batches stay)
             outcome = self.pool.run(job.id, job.input, job.output, job.flags,
                                     os.path.join(self.store.folder(job.id), "cancel"),
                                     functools.partial(self._on_event, job))
