@@ -310,3 +310,32 @@ def test_the_records_new_fields_are_checked(tmp_path):
                              ("frames_reused", True, "not a count"), ("frames_reused", 42, "more than its 41 frames")):
         with pytest.raises(BadRecord, match=said):
             validate({**good, key: value}, str(folder), "a" * 32)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_under_torchrun_a_killed_rank_takes_the_world_down_and_the_next_world_goes_on(media, tmp_path):  # noqa: F811
+    """Rank 1 is SIGKILLed once batches were kept, under ``torchrun --max-restarts 1``: rank 0 queues the job again
+    and exits, torchrun starts the world again on the same state folder, and the job goes on after its kept batches,
+    to what ``restore`` writes on 2 ranks."""
+    import socket
+
+    with socket.socket() as free:  # a fixed port: the world started again listens on it again
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    served = Served(str(tmp_path), "--state-dir", tmp_path / "state", "--port", port, torchrun=2, restarts=1,
+                    token=False)
+    try:
+        served.hold()
+        job_id = served.submit(media["long"], **OPTIONS).json()["id"]
+        served.wait(job_id, states=("running",))
+        served.release()
+        _until("batch 3 started", lambda: served.status(job_id)["progress"]["batches_computed"] > 3, served)
+        os.kill(served.torchrun_rank(1), signal.SIGKILL)
+        served.listen(2)
+        assert re.search(rf"job {job_id}: .*the world went down.*; queued again: it goes on after its kept batches",
+                         served.text()), served.text()
+        reference = _restore(media["long"], tmp_path / "ranks2.mp4", "--crf", 0, "--batch-frames", 5, ranks=2)
+        _resumed(served, job_id, (reference, 10))
+    finally:
+        served.stop()

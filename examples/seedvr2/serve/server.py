@@ -186,9 +186,15 @@ class Server:
             self.current = None
             return
         if not self.pool.can_restart and not self.pool.alive():  # under torchrun: torchrun restarts the world
-            error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
-                                                                self.store.folder(job.id))
-            self.store.finish(job, "failed", error)
+            if job.frames_done > job.frames_reused and not job.cancel_requested:
+                # it finished a batch since it (re)started: the next world goes on after its kept batches
+                log(f"job {job.id}: {outcome.error}; queued again: it goes on after its kept batches "
+                    f"({job.frames_done} of {job.frames} frames) when the world starts again")
+                self.store.requeue(job)
+            else:  # nothing finished (the job itself may be the cause): it fails, as any job would
+                error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
+                                                                    self.store.folder(job.id))
+                self.store.finish(job, "failed", error)
             log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
             os._exit(1)
         seconds = time.perf_counter() - started
