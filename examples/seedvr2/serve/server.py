@@ -223,6 +223,7 @@ class Server:
         strikes = 0
         while True:
             self.store.clear_partials(job)  # a killed rank's (its kept batches stay)
+            self.store.resumed(job, 0, job.frames)  # until this run's ranks say where it starts
             outcome = self.pool.run(job.id, job.input, job.output, job.flags,
                                     os.path.join(self.store.folder(job.id), "cancel"),
                                     functools.partial(self._on_event, job))
