@@ -339,3 +339,38 @@ def test_under_torchrun_a_killed_rank_takes_the_world_down_and_the_next_world_go
         _resumed(served, job_id, (reference, 10))
     finally:
         served.stop()
+
+
+def test_a_jobs_store_of_other_settings_or_version_is_removed_and_the_job_starts_over(tmp_path):
+    """``serve``'s jobs (``start_over``): nobody is there to pass ``--restart``, so kept batches that cannot be
+    resumed are removed in one line and the run starts at its first batch; ``restore`` itself still refuses them."""
+    from examples.seedvr2.restore.batch_store import BatchRecord, BatchStore, store_path
+    from examples.seedvr2.restore.kept_batches import open_kept_batches
+    from examples.seedvr2.restore.resume import ResumeRefused, manifest_for
+    from examples.seedvr2.restore.temporal import plan_temporal_batches
+
+    output = str(tmp_path / "result.mp4")
+    plan = plan_temporal_batches(9, 5, 1)
+    frames = np.zeros((4, 4, 6, 3), dtype=np.uint8)
+    for kept, said in (({"seed": 7}, "--seed changed (kept batches: 7; this run: 1)"),
+                       ({"seed": 1, "version": "0.0.1"}, "written by seedvr2 of winsp 0.0.1")):
+        store = BatchStore(store_path(output))
+        manifest = manifest_for({"seed": kept["seed"]})
+        manifest["version"] = kept.get("version", manifest["version"])
+        store.create(manifest)
+        store.write_batch(BatchRecord(0, 4, 4, frames, frames[:1]))
+        lines: list[str] = []
+
+        def opened(start_over: bool, said_to: list = lines):
+            return open_kept_batches(output=output, settings={"seed": 1}, plan=plan, frame_hw=(4, 6), overlap=1,
+                                     writer=True, enabled=True, restart=False, gather_rows=None, say=said_to.append,
+                                     start_over=start_over)
+
+        with pytest.raises(ResumeRefused, match=re.escape(said)):
+            opened(False)
+        assert store.exists()  # restore: refused, nothing lost
+        resumed = opened(True)
+        assert resumed.first == 0 and not os.path.lexists(store.directory), lines
+        assert len(lines) == 1 and said in lines[0] and lines[0].endswith(
+            ": the kept batches were removed and the job starts over"), lines
+        assert "--restart" not in lines[0]
