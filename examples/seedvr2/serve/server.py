@@ -185,7 +185,8 @@ class Server:
             log(f"job {job.id} failed: {job.error}")
             self.current = None
             return
-        if not self.pool.can_restart and not self.pool.alive():  # under torchrun: torchrun restarts the world
+        # under torchrun: the world went down (its thread may not have ended yet), torchrun restarts it
+        if not self.pool.can_restart and (outcome.died or not self.pool.alive()):
             if job.frames_done > job.frames_reused and not job.cancel_requested:
                 # it finished a batch since it (re)started: the next world goes on after its kept batches
                 log(f"job {job.id}: {outcome.error}; queued again: it goes on after its kept batches "
@@ -227,7 +228,7 @@ class Server:
             outcome = self.pool.run(job.id, job.input, job.output, job.flags,
                                     os.path.join(self.store.folder(job.id), "cancel"),
                                     functools.partial(self._on_event, job))
-            if not outcome.died or job.cancel_requested or self.draining:
+            if not outcome.died or not self.pool.can_restart or job.cancel_requested or self.draining:
                 if outcome.died and job.cancel_requested:
                     return Outcome("cancelled", restarted=True)
                 return outcome

@@ -188,7 +188,7 @@ class WorldPool:
             if event is None:  # rank 0's own line first when it says why (it ran out of memory, say)
                 said = [a["error"] + "; " for a in answers.values() if a.get("error") and not is_stop(a["error"])]
                 return Outcome("failed", f"{''.join(said[:1]) or 'a rank failed and '}the world went down (torchrun "
-                                         f"restarts it)")
+                                         f"restarts it)", died=True)
             take_event(rank, event, job_id, answers, on_event)
         return job_outcome(ranks_answers(answers, self.peaks))
 
