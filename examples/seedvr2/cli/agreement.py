@@ -77,8 +77,13 @@ class RunState:
     on_frames: Optional[Callable[[int, int], None]] = None
     # the command's start (time.time()) for the closing line's wall time: a single file's run from main() only
     command_started: Optional[float] = None
-    # resume hook (issue 48): keep finished batches beside the output (set by the restore command; `serve` does not)
+    # resume hook (issue 48): keep finished batches beside the output (set by the restore command and `serve`'s jobs)
     keep_batches: bool = False
+    # `serve`'s jobs: a kept store that cannot be resumed (other settings or version, a disk too small) is removed
+    # and the job starts over, in one line, instead of a refusal (nobody is there to pass --restart)
+    start_over: bool = False
+    # `serve`'s jobs: called on the writer with (frames reused, frames) once the ranks agreed where the run starts
+    on_resume: Optional[Callable[[int, int], None]] = None
 
 
 def agree_to_start(limit, error: Optional[Exception], launch: Launch, state: RunState):
@@ -156,7 +161,8 @@ def _open_kept_batches(args, launch: Launch, progress, state: RunState, output: 
             output=output, settings=run, plan=plan,
             frame_hw=geometry.output, overlap=settings.overlap, writer=launch.rank == 0, enabled=enabled,
             restart=bool(getattr(args, "restart", False)), gather_rows=rows,
-            say=(lambda line: progress.note(f"{PROG}: {line}")) if launch.rank == 0 else (lambda line: None))
+            say=(lambda line: progress.note(f"{PROG}: {line}")) if launch.rank == 0 else (lambda line: None),
+            start_over=state.start_over)
     except (ResumeRefused, PeerRefused) as exc:
         state.reporter = 0
         raise InputError(str(exc)) from None

@@ -301,6 +301,8 @@ def read_stage(args: argparse.Namespace, launch: Launch, progress: StageProgress
     # ---- resume hook (issue 48): the kept batches decide where this run starts; every rank agrees before the load
     kept = _open_kept_batches(args, launch, progress, state, output, settings, plan, geometry, info, dtype, color_fix,
                               sp_size, demo)
+    if state.on_resume is not None and is_rank0:
+        state.on_resume(kept.resume.frames, info.num_frames)
     return ReadStage(output, demo, dtype, color_fix, info, geometry, sp_size, memory, plan, is_video_out, kept)
 
 

@@ -14,7 +14,10 @@ A store is a folder ``<output>.seedvr2-batches/`` holding:
 Every file is written atomically: to a temporary name, then renamed; a run killed mid-write leaves
 at most a temporary file, which is ignored and removed. Each file starts with a JSON header giving its frames' count,
 shape and one CRC-32 per frame; a file whose length or any checksum disagrees is not trusted (its batch is restored
-again). Plain data and files only: no torch, no model, no collective.
+again). The folder is read as untrusted input (``serve`` keeps it in a job's folder of its state folder, which
+others may write): a link (the folder or a file in it) is never followed, a file that is not a regular one or whose
+header claims frames of another size than the run's (:attr:`BatchStore.frame_shape`) is not trusted, and nothing is
+read beyond what its header claims. Plain data and files only: no torch, no model, no collective.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -31,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["STORE_FORMAT", "STORE_SUFFIX", "MANIFEST", "StoreError", "BatchRecord", "store_path", "write_atomic",
-           "write_frames_file", "read_frames_file", "BatchStore", "store_bytes"]
+           "write_frames_file", "read_frames_file", "read_small_file", "BatchStore", "store_bytes"]
 
 #: bumped whenever the files' layout or meaning changes: a store of another format is refused by name
 STORE_FORMAT = 1
@@ -41,6 +45,8 @@ MANIFEST = "manifest.json"
 PARTIAL = "partial-output.txt"
 _MAGIC = b"SVR2BAT1"
 _TMP = ".tmp-"
+#: a manifest, a header or a noted file name is a few KiB; anything much larger is not one
+_MAX_TEXT = 1 << 20
 
 
 class StoreError(ValueError):
@@ -80,7 +86,10 @@ def write_atomic(path: str, parts: list) -> None:
     for; after a power cut a file the disk lost part of fails its checksum and its batch is restored again."""
     tmp = f"{path}{_TMP}{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        if os.path.lexists(tmp):  # never written through a link or a file someone left under that name
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             for part in parts:
                 f.write(part)
         os.replace(tmp, path)
@@ -107,24 +116,68 @@ def write_frames_file(path: str, frames: np.ndarray, header: dict) -> None:
     write_atomic(path, _frames_parts(frames, header))
 
 
-def read_frames_file(path: str) -> tuple[dict, np.ndarray]:
-    """(header, frames) of a file :func:`write_frames_file` wrote; :class:`StoreError` naming what is wrong when the
-    file is truncated, longer than its header says, or a frame's checksum disagrees."""
+def _open_regular(path: str):
+    """``path`` opened for reading without following a link: a binary file object and its size; FileNotFoundError
+    when absent, :class:`StoreError` when it is a link or not a regular file."""
     name = os.path.basename(path)
-    with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < len(_MAGIC) + 4 or not data.startswith(_MAGIC):
-        raise StoreError(f"{name} is not a stored batch (truncated or another file)")
-    (size,) = struct.unpack_from("<I", data, len(_MAGIC))
-    start = len(_MAGIC) + 4
     try:
-        header = json.loads(data[start:start + size])
-        count, shape, sums = int(header["frames"]), tuple(int(v) for v in header["shape"]), list(header["crc32"])
-    except (ValueError, KeyError, TypeError):
-        raise StoreError(f"{name}'s header is damaged") from None
-    frame_bytes = int(np.prod(shape)) if shape else 0
-    body = data[start + size:]
-    if len(body) != count * frame_bytes or len(sums) != count:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(f"{name} is a link (never followed)") from None
+        raise StoreError(f"{name} cannot be opened ({exc.strerror or exc})") from None
+    f = os.fdopen(fd, "rb")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        f.close()
+        raise StoreError(f"{name} is not a regular file")
+    return f, info.st_size
+
+
+def read_small_file(path: str) -> bytes:
+    """A short file of the store (a manifest, a noted name), never through a link, at most 1 MiB."""
+    f, size = _open_regular(path)
+    with f:
+        if size > _MAX_TEXT:
+            raise StoreError(f"{os.path.basename(path)} is over {_MAX_TEXT} bytes")
+        return f.read(_MAX_TEXT + 1)
+
+
+def read_frames_file(path: str, frame_shape: Optional[tuple] = None,
+                     max_frames: Optional[int] = None) -> tuple[dict, np.ndarray]:
+    """(header, frames) of a file :func:`write_frames_file` wrote; :class:`StoreError` naming what is wrong when the
+    file is a link or not a regular file, truncated, longer than its header says, its frames are not ``frame_shape``
+    or more than ``max_frames`` (when given), or a frame's checksum disagrees. Reads no more than the header claims."""
+    name = os.path.basename(path)
+    f, file_size = _open_regular(path)
+    with f:
+        lead = f.read(len(_MAGIC) + 4)
+        if len(lead) < len(_MAGIC) + 4 or not lead.startswith(_MAGIC):
+            raise StoreError(f"{name} is not a stored batch (truncated or another file)")
+        (size,) = struct.unpack_from("<I", lead, len(_MAGIC))
+        if size > _MAX_TEXT:
+            raise StoreError(f"{name}'s header is damaged")
+        try:
+            header = json.loads(f.read(size))
+            count, shape, sums = int(header["frames"]), tuple(int(v) for v in header["shape"]), list(header["crc32"])
+        except (ValueError, KeyError, TypeError):
+            raise StoreError(f"{name}'s header is damaged") from None
+        if count < 0 or any(v < 0 for v in shape):
+            raise StoreError(f"{name}'s header is damaged")
+        if frame_shape is not None and count and shape != tuple(frame_shape):
+            raise StoreError(f"{name} holds frames of shape {list(shape)}, this run's are {list(frame_shape)}")
+        if max_frames is not None and count > max_frames:
+            raise StoreError(f"{name} holds {count} frames, a batch has at most {max_frames}")
+        frame_bytes = int(np.prod(shape)) if shape else 0
+        start = len(_MAGIC) + 4 + size
+        body_bytes = file_size - start
+        if body_bytes != count * frame_bytes or len(sums) != count:
+            raise StoreError(f"{name} holds {max(body_bytes, 0)} bytes of frames, its header says "
+                             f"{count * frame_bytes}")
+        body = f.read(count * frame_bytes)
+    if len(body) != count * frame_bytes:
         raise StoreError(f"{name} holds {len(body)} bytes of frames, its header says {count * frame_bytes}")
     rows = [body[i * frame_bytes:(i + 1) * frame_bytes] for i in range(count)]
     for i, row in enumerate(rows):
@@ -138,21 +191,27 @@ def read_frames_file(path: str) -> tuple[dict, np.ndarray]:
 class BatchStore:
     """The store folder of one output: created, read, added to batch by batch, removed when the output is done."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, frame_shape: Optional[tuple] = None, max_frames: Optional[int] = None) -> None:
         self.directory = directory
+        # what this run's batches hold (None: not checked): a stored file that claims otherwise is not trusted
+        self.frame_shape, self.max_frames = frame_shape, max_frames
         self.full = False  # set when a write found the disk full: no more batches are kept
         # the manifest of a store not created yet: created with the first batch, so a run that keeps none leaves none
         self.pending: Optional[dict] = None
 
     # ---- the folder -------------------------------------------------------------------------------------------
     def exists(self) -> bool:
-        return os.path.isfile(os.path.join(self.directory, MANIFEST))
+        """Whether a store is there: a folder (not a link to one) holding a manifest (a regular file, not a link)."""
+        try:
+            return (stat.S_ISDIR(os.lstat(self.directory).st_mode)
+                    and stat.S_ISREG(os.lstat(os.path.join(self.directory, MANIFEST)).st_mode))
+        except OSError:
+            return False
 
     def read_manifest(self) -> dict:
         """The manifest; :class:`StoreError` when it is unreadable (a store of no known kind)."""
         try:
-            with open(os.path.join(self.directory, MANIFEST), encoding="utf-8") as f:
-                manifest = json.load(f)
+            manifest = json.loads(read_small_file(os.path.join(self.directory, MANIFEST)))
         except (OSError, ValueError) as exc:
             raise StoreError(f"{MANIFEST} cannot be read ({exc})") from None
         if not isinstance(manifest, dict):
@@ -166,7 +225,14 @@ class BatchStore:
         write_atomic(os.path.join(self.directory, MANIFEST), [json.dumps(manifest, indent=1, sort_keys=True).encode()])
 
     def remove(self) -> None:
-        """Remove the folder and everything in it (nothing when absent)."""
+        """Remove the folder and everything in it (nothing when absent); a link or a file under its name is removed
+        itself, never followed."""
+        try:
+            if not stat.S_ISDIR(os.lstat(self.directory).st_mode):
+                os.unlink(self.directory)
+                return
+        except OSError:
+            return
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def note_partial(self, path: str) -> None:
@@ -176,9 +242,8 @@ class BatchStore:
     def remove_noted_partial(self, output_directory: str) -> None:
         """Remove the temporary output file a killed run noted (nothing when none was noted or it is gone)."""
         try:
-            with open(os.path.join(self.directory, PARTIAL), "rb") as f:
-                name = os.fsdecode(f.read())
-        except OSError:
+            name = os.fsdecode(read_small_file(os.path.join(self.directory, PARTIAL)))
+        except (OSError, StoreError):
             return
         if name and os.path.basename(name) == name and ".partial" in name:
             try:
@@ -226,10 +291,10 @@ class BatchStore:
         """How many leading batches are kept whole (their frames files and the last one's tail all intact), and one
         note per file found damaged (a batch that is restored again)."""
         notes: list[str] = []
-        done = 0
+        done = total = 0
         for index in range(plan_length):
             try:
-                header, _ = read_frames_file(self._path("frames", index))
+                header, final = self._read(self._path("frames", index))
             except FileNotFoundError:
                 break
             except StoreError as exc:
@@ -238,11 +303,16 @@ class BatchStore:
             if header.get("index") != index:
                 notes.append(f"{os.path.basename(self._path('frames', index))} names batch {header.get('index')}")
                 break
+            total += len(final)
+            if header["frames_out"] != total:  # each batch's count of final frames adds up to the next's
+                notes.append(f"{os.path.basename(self._path('frames', index))} says {header['frames_out']} frames "
+                             f"are final after it, its batches hold {total}")
+                break
             done = index + 1
         # the resume point needs the tail of its last batch (missing when the run was killed between the two files)
         while done:
             try:
-                read_frames_file(self._path("tail", done - 1))
+                self._read(self._path("tail", done - 1))
                 break
             except FileNotFoundError:
                 done -= 1
@@ -251,10 +321,18 @@ class BatchStore:
                 done -= 1
         return done, notes
 
+    def _read(self, path: str) -> tuple[dict, np.ndarray]:
+        header, frames = read_frames_file(path, self.frame_shape, self.max_frames)
+        if not isinstance(header, dict) or not all(
+                isinstance(header.get(key), int) and not isinstance(header.get(key), bool) and 0 <= header[key] < 2**31
+                for key in ("index", "next_start", "frames_out")):
+            raise StoreError(f"{os.path.basename(path)}'s header is damaged")
+        return header, frames
+
     def read_batch(self, index: int, tail: bool = False) -> BatchRecord:
         """Batch ``index``'s kept frames (and its tail when ``tail``; else an empty one)."""
-        header, final = read_frames_file(self._path("frames", index))
-        held = read_frames_file(self._path("tail", index))[1] if tail else final[:0]
+        header, final = self._read(self._path("frames", index))
+        held = self._read(self._path("tail", index))[1] if tail else final[:0]
         return BatchRecord(index=int(header["index"]), next_start=int(header["next_start"]),
                            frames_out=int(header["frames_out"]), final=final, tail=held)
 

@@ -15,6 +15,8 @@ returned :class:`KeptBatches` then
 from __future__ import annotations
 
 import os
+import re
+import stat
 import threading
 from typing import Callable, Iterator, Optional
 
@@ -173,13 +175,16 @@ class PeerRefused(ValueError):
 def open_kept_batches(*, output: str, settings: dict, plan: tuple[TemporalBatch, ...], frame_hw: tuple[int, int],
                       overlap: int, writer: bool, enabled: bool, restart: bool,
                       gather_rows: Optional[Callable[[list[float]], list[list[float]]]],
-                      say: Callable[[str], None]) -> KeptBatches:
+                      say: Callable[[str], None], start_over: bool = False) -> KeptBatches:
     """The kept batches of this run, agreed by every rank (see the module docstring). ``settings``: this run's
     :func:`.resume.run_settings`; ``frame_hw``: the output frames' size; ``writer``: this rank writes the output and
     keeps the batches; ``enabled``: False for ``--no-resume-store`` (nothing is read or kept; an earlier run's batches
     are removed once the output is complete, or at once with ``restart``). Raises
-    :class:`.resume.ResumeRefused` (on the writer) or :class:`PeerRefused` (on the others)."""
-    store = BatchStore(store_path(output)) if writer else None
+    :class:`.resume.ResumeRefused` (on the writer) or :class:`PeerRefused` (on the others); with ``start_over``
+    (``serve``'s jobs: nobody is there to run ``--restart``) a store that cannot be resumed is said in one line and
+    removed, and the run starts over; a disk too small for the store is said in one line and nothing is kept."""
+    shape = (*frame_hw, 3)
+    store = BatchStore(store_path(output), shape, max(b.num_frames for b in plan)) if writer else None
     resume, error = Resume(), None
     if store is not None:
         try:
@@ -188,10 +193,17 @@ def open_kept_batches(*, output: str, settings: dict, plan: tuple[TemporalBatch,
                     store.remove()
                 store = None
             else:
-                kept = _kept_bytes(store.directory) if not restart else 0
-                resume = resume_point(store, manifest_for(settings), len(plan), restart=restart,
-                                      output_name=os.path.basename(output))
-                check_disk(store, plan[-1].stop, *frame_hw, overlap, len(plan), already=kept)
+                resume, store = _read_or_start_over(store, settings, plan, output, restart, start_over, say)
+                if store is not None:
+                    kept = _kept_bytes(store.directory) if resume.batches else 0
+                    try:
+                        check_disk(store, plan[-1].stop, *frame_hw, overlap, len(plan), already=kept)
+                    except ResumeRefused as exc:
+                        if not start_over:
+                            raise
+                        say(f"note: {exc}: this job keeps no batches (a fault now starts it over)")
+                        store.remove()
+                        resume, store = Resume(), None
         except ResumeRefused as exc:
             error = exc
     batches = agree_on_resume(error, resume.batches, gather_rows)
@@ -205,11 +217,29 @@ def open_kept_batches(*, output: str, settings: dict, plan: tuple[TemporalBatch,
     return KeptBatches(store, resume, plan, say, folder=store_path(output) if writer else None)
 
 
+def _read_or_start_over(store: BatchStore, settings: dict, plan: tuple[TemporalBatch, ...], output: str,
+                        restart: bool, start_over: bool, say: Callable[[str], None]):
+    """The writer's resume point (and its store); with ``start_over``, a refusal is one line and a fresh store."""
+    manifest = manifest_for(settings)
+    try:
+        return resume_point(store, manifest, len(plan), restart=restart,
+                            output_name=os.path.basename(output)), store
+    except ResumeRefused as exc:
+        if not start_over:
+            raise
+        why = re.split(r"; (?:run|remove it) ", str(exc))[0]
+        say(f"note: {why}: the kept batches were removed and the job starts over")
+        store.remove()
+        store.pending = manifest  # created with the first finished batch
+        return Resume(), store
+
+
 def _kept_bytes(directory: str) -> int:
     total = 0
     for name in os.listdir(directory) if os.path.isdir(directory) else ():
         try:
-            total += os.path.getsize(os.path.join(directory, name))
+            info = os.lstat(os.path.join(directory, name))  # a link is counted as itself, never followed
+            total += info.st_size if stat.S_ISREG(info.st_mode) else 0
         except OSError:
             pass
     return total

@@ -381,6 +381,10 @@ def _metrics(server: Server) -> str:
               "# TYPE seedvr2_frames_per_second gauge", f"seedvr2_frames_per_second {server.last_fps:.6g}",
               "# HELP seedvr2_frames_restored_total Frames of the jobs done since the server started.",
               "# TYPE seedvr2_frames_restored_total counter", f"seedvr2_frames_restored_total {server.frames_restored}",
+              "# HELP seedvr2_frames_reused_total Frames that jobs took from their kept batches when they went on "
+              "after a fault (a dead rank, a drain, a restart) instead of restoring them again, since the server "
+              "started.", "# TYPE seedvr2_frames_reused_total counter",
+              f"seedvr2_frames_reused_total {server.frames_reused}",
               "# HELP seedvr2_restore_seconds_total Seconds the ranks spent on jobs done since the server started.",
               "# TYPE seedvr2_restore_seconds_total counter",
               f"seedvr2_restore_seconds_total {server.restore_seconds:.6g}",

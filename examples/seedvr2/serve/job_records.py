@@ -84,6 +84,10 @@ class Job:
     input_is_upload: bool = True
     frames: int = 0
     frames_done: int = 0
+    # the frames the last run of the job took from its kept batches (it continued after them), and the temporal
+    # batches its ranks computed, every run of it counted (a run that was killed mid-batch included)
+    frames_reused: int = 0
+    batches_computed: int = 0
     started: Optional[float] = None
     finished: Optional[float] = None
     error: Optional[str] = None
@@ -95,15 +99,17 @@ class Job:
         """What ``GET /v1/restorations/{id}`` answers."""
         now = time.time()
         eta = None
-        if self.state == "running" and self.started is not None and self.frames_done:
+        restored = self.frames_done - self.frames_reused  # in this run: the reused frames cost no time
+        if self.state == "running" and self.started is not None and restored > 0:
             elapsed = now - self.started
-            eta = round(elapsed / self.frames_done * (self.frames - self.frames_done), 2)
+            eta = round(elapsed / restored * (self.frames - self.frames_done), 2)
         return {
             "id": self.id, "state": self.state, "name": self.name, "options": self.options,
             "created": self.created, "started": self.started, "finished": self.finished,
             "progress": {"frames_done": self.frames_done, "frames": self.frames,
                          "fraction": round(self.frames_done / self.frames, 4) if self.frames else 0.0,
-                         "eta_seconds": eta},
+                         "eta_seconds": eta, "frames_reused": self.frames_reused,
+                         "batches_computed": self.batches_computed},
             "error": self.error, "cancel_requested": self.cancel_requested,
             "result": f"/v1/restorations/{self.id}/result" if self.state == "done" else None,
         }
@@ -130,8 +136,10 @@ def validate(raw: object, folder: str, name: str) -> dict:
     _number(raw, "created", optional=False)
     for key in ("started", "finished"):
         _number(raw, key, optional=True)
-    for key in ("frames", "frames_done", "sequence"):
+    for key in ("frames", "frames_done", "frames_reused", "batches_computed", "sequence"):
         _count(raw, key)
+    if raw.get("frames_reused", 0) > raw.get("frames", 0):
+        raise BadRecord(f"frames_reused is {raw['frames_reused']}, more than its {raw.get('frames', 0)} frames")
     for key in ("input_is_upload", "cancel_requested"):
         _flag(raw, key)
     _text(raw, "name", optional=False)

@@ -1,8 +1,11 @@
 """The server's jobs: their states, their files, the queue, and what survives a restart.
 
 Each job is a folder ``STATE_DIR/jobs/<id>/`` holding ``job.json`` (rewritten atomically at every change of state),
-the input (an upload, or the copy of a server file) and the result. A server started again on the same state folder
-keeps the finished jobs and puts every job that had not finished back in the queue, in the order they came.
+the input (an upload, or the copy of a server file), the result, and while the job runs its finished temporal batches
+(``result.mp4.seedvr2-batches/``, see :mod:`examples.seedvr2.restore.batch_store`). A server started again on the
+same state folder keeps the finished jobs and puts every job that had not finished back in the queue, in the order
+they came; each continues after its kept batches. The kept batches go when the job finishes (done, failed or
+cancelled) or is deleted.
 Finished jobs beyond ``max_results``, or whose files exceed ``max_bytes`` together, are evicted oldest first (the
 newest finished job stays, whatever its size).
 
@@ -24,6 +27,7 @@ import uuid
 from dataclasses import asdict
 from typing import Callable, Optional
 
+from ..restore.batch_store import BatchStore, store_path
 from .job_records import FINISHED, STATES, BadRecord, Job, is_job_id, read_record, set_aside, unfinished_upload
 
 __all__ = ["Job", "JobStore", "STATES", "FINISHED", "RecordError"]
@@ -95,7 +99,9 @@ class JobStore:
             for leftover in os.listdir(folder):  # partial results of a server that was killed, a cancel of its own
                 if (leftover.startswith(".") and ".partial" in leftover) or leftover in ("cancel", "job.json.tmp"):
                     os.unlink(os.path.join(folder, leftover))
-            if job.state not in FINISHED:
+            if job.state in FINISHED:
+                self._drop_kept(job)  # a server stopped as the job finished
+            else:  # its kept batches stay: it continues after them
                 job.state, job.frames_done, job.started, job.cancel_requested = "queued", 0, None, False
                 if os.path.lexists(job.output):
                     os.unlink(job.output)
@@ -144,7 +150,7 @@ class JobStore:
             if not waiting:
                 return None
             job = waiting[0]
-            job.state, job.started, job.frames_done = "running", time.time(), 0
+            job.state, job.started, job.frames_done, job.frames_reused = "running", time.time(), 0, 0
             try:
                 self._save(job)
             except RecordError as exc:
@@ -156,6 +162,37 @@ class JobStore:
         with self.lock:
             job.frames_done, job.frames = done, total
 
+    def resumed(self, job: Job, reused: int, total: int) -> None:
+        """The job's run took ``reused`` frames from its kept batches (0: it starts at its first frame)."""
+        with self.lock:
+            job.frames_reused, job.frames_done, job.frames = reused, reused, total
+
+    def batch_started(self, job: Job) -> None:
+        """The ranks compute one more of the job's temporal batches: counted, and the record saved (so that the
+        count survives a killed server)."""
+        with self.lock:
+            job.batches_computed += 1
+            try:
+                self._save(job)
+            except RecordError as exc:
+                self.log(str(exc))
+
+    def _drop_kept(self, job: Job) -> None:
+        """Remove the job's kept batches (its folder's own store: a link there is removed, never followed) and the
+        partial results a killed rank left."""
+        BatchStore(store_path(job.output)).remove()
+        self.clear_partials(job)
+
+    def clear_partials(self, job: Job) -> None:
+        """Remove the partial results a killed rank left in the job's folder (called while no rank runs it)."""
+        folder = self.folder(job.id)
+        for leftover in os.listdir(folder) if os.path.isdir(folder) else ():
+            if leftover.startswith(".") and ".partial" in leftover:
+                try:
+                    os.unlink(os.path.join(folder, leftover))
+                except OSError:
+                    pass
+
     def finish(self, job: Job, state: str, error: Optional[str] = None) -> None:
         with self.lock:
             job.state, job.error, job.finished = state, error, time.time()
@@ -163,6 +200,9 @@ class JobStore:
                 job.frames_done = job.frames
             elif os.path.lexists(job.output):
                 os.remove(job.output)
+            self._drop_kept(job)
+            if os.path.lexists(os.path.join(self.folder(job.id), "cancel")):  # its ranks have seen it
+                os.unlink(os.path.join(self.folder(job.id), "cancel"))
             try:
                 self._save(job)
             except RecordError as exc:
@@ -174,6 +214,7 @@ class JobStore:
         its result removed (a result without a record would be lost at the next start anyway) (lock held)."""
         job.state, job.error, job.finished = "failed", str(exc), time.time()
         self.log(f"job {job.id} failed: {exc}")
+        self._drop_kept(job)
         try:
             if os.path.lexists(job.output):
                 os.remove(job.output)
@@ -182,7 +223,8 @@ class JobStore:
             pass
 
     def requeue(self, job: Job) -> None:
-        """Put a running job back (the server stopped before it finished): it runs again after a restart."""
+        """Put a running job back (the server stopped before it finished): it runs again after a restart, after its
+        kept batches."""
         with self.lock:
             job.state, job.started, job.frames_done, job.cancel_requested = "queued", None, 0, False
             if os.path.lexists(job.output):
@@ -197,6 +239,7 @@ class JobStore:
         with self.lock:
             if job.state == "queued":
                 job.state, job.finished = "cancelled", time.time()
+                self._drop_kept(job)  # a job queued again after a fault may have kept batches
             elif job.state == "running":
                 job.cancel_requested = True
                 try:

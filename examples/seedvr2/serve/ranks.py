@@ -4,7 +4,8 @@
 shared), waits until every rank has loaded the weights, hands each job to all of them (one JSON line on each stdin)
 and collects their answers. A rank that dies (or a job that breaks the process group) fails the running job with one
 line; the pool then stops the other ranks (SIGTERM, SIGKILL after :data:`KILL_S`) and starts fresh ones, so the next
-job runs on a healthy world. Nothing here imports torch.
+job runs on a healthy world (the server then runs the job again: it continues after its kept batches). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -49,16 +50,21 @@ class Outcome:
     error: Optional[str] = None
     restarted: bool = False
     peaks: dict = field(default_factory=dict)
+    died: bool = False  # a rank died (killed, or exited) mid-job: the job can go on after its kept batches
+
+
+#: the events of a running job the server follows (see :mod:`.worker`)
+PROGRESS_EVENTS = ("progress", "resumed", "batch")
 
 
 def take_event(rank: int, event: dict, job_id: str, answers: dict[int, dict],
-               on_progress: Callable[[int, int], None]) -> None:
-    """One rank's event about the job ``job_id``: progress goes to ``on_progress``, the rank's final answer into
-    ``answers`` (events of other jobs are ignored)."""
+               on_event: Callable[[dict], None]) -> None:
+    """One rank's event about the job ``job_id``: progress, resume and batch events go to ``on_event``, the rank's
+    final answer into ``answers`` (events of other jobs are ignored)."""
     if event.get("id") != job_id:
         return
-    if event.get("event") == "progress":
-        on_progress(int(event["frames"]), int(event["total"]))
+    if event.get("event") in PROGRESS_EVENTS:
+        on_event(event)
     elif event.get("event") == "done":
         answers[rank] = event
 
@@ -228,7 +234,7 @@ class RankPool:
     # ---- jobs ------------------------------------------------------------------------------------------------
 
     def run(self, job_id: str, input_path: str, output: str, flags: Sequence[str], cancel_path: str,
-            on_progress: Callable[[int, int], None]) -> Outcome:
+            on_event: Callable[[dict], None]) -> Outcome:
         """Restore one job on every rank; returns when every rank answered, or one died (then restarts them)."""
         line = json.dumps({"id": job_id, "input": input_path, "output": output, "flags": list(flags),
                            "cancel": cancel_path}) + "\n"
@@ -255,7 +261,7 @@ class RankPool:
                 if rank in answers:  # it answered, then left: its job broke the process group (see below)
                     continue
                 return self._after_death(rank)
-            take_event(rank, event, job_id, answers, on_progress)
+            take_event(rank, event, job_id, answers, on_event)
             if broken_since is None and any(a.get("broken") for a in answers.values()):
                 broken_since = time.monotonic()
         ordered = ranks_answers(answers, self.peaks)
@@ -270,7 +276,7 @@ class RankPool:
         message = _death(rank, code)
         self.log(f"error: {message}")
         self.restart()
-        return Outcome("failed", message, restarted=True)
+        return Outcome("failed", message, restarted=True, died=True)
 
     def _wait_code(self, rank: int) -> int:
         proc = self.procs[rank]

@@ -2,6 +2,12 @@
 (:mod:`.jobs`) and hands the jobs to the ranks (:mod:`.ranks`) one at a time from a dispatcher thread. The HTTP API
 is :mod:`.app`'s, the process around them :mod:`.process`'s. A dead rank is restarted even while idle; a job whose
 files cannot be written fails alone, and the dispatcher goes on.
+
+A job keeps its finished temporal batches in its folder (as ``restore`` does beside its output), so a fault costs it
+the batch in progress alone: when a rank dies mid-job the ranks are restarted and the job runs again at once,
+continuing after its kept batches (it fails only when its ranks die twice in a row without finishing a batch: then
+the job itself is the likely cause); a job a drain stopped, or whose server was killed, is queued again and continues
+the same way on the next server on the state folder.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Optional
 
 from .jobs import Job, JobStore, RecordError
 from .options import UsageError, job_flags, restore_args
-from .ranks import RankPool, StartError
+from .ranks import Outcome, RankPool, StartError
 
 __all__ = ["Server", "Refused", "log", "DECODES"]
 
@@ -27,6 +33,8 @@ DECODES = 2
 #: not catch (as a bug in the loop itself would kill it), so that a test sees what ``/v1/health`` says then. Never set
 #: it outside a test.
 TEST_KILL_DISPATCHER_ENV = "SEEDVR2_SERVE_TEST_KILL_DISPATCHER"
+#: a job whose ranks die this many times in a row without finishing a temporal batch fails (else it goes on)
+DEATHS_WITHOUT_PROGRESS = 2
 
 
 class Refused(Exception):
@@ -59,6 +67,7 @@ class Server:
         self.current: Optional[Job] = None
         self.interrupting = False
         self.frames_restored = 0
+        self.frames_reused = 0
         self.restore_seconds = 0.0
         self.last_fps = 0.0
         self._thread = threading.Thread(target=self._dispatch, name="dispatcher", daemon=True)
@@ -177,9 +186,7 @@ class Server:
         log(f"job {job.id} started")
         started = time.perf_counter()
         try:
-            outcome = self.pool.run(job.id, job.input, job.output, job.flags,
-                                    os.path.join(self.store.folder(job.id), "cancel"),
-                                    functools.partial(self.store.progress, job))
+            outcome = self._run_resuming(job)
         except StartError as exc:  # the ranks died and did not come back
             if not self.pool.can_restart:
                 self.store.requeue(job)
@@ -191,15 +198,24 @@ class Server:
             log(f"job {job.id} failed: {job.error}")
             self.current = None
             return
-        if not self.pool.can_restart and not self.pool.alive():  # under torchrun: torchrun restarts the world
-            error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
-                                                                self.store.folder(job.id))
-            self.store.finish(job, "failed", error)
+        # under torchrun: the world went down (its thread may not have ended yet), torchrun restarts it
+        if not self.pool.can_restart and (outcome.died or not self.pool.alive()):
+            if job.frames_done > job.frames_reused and not job.cancel_requested:
+                # it finished a batch since it (re)started: the next world goes on after its kept batches
+                log(f"job {job.id}: {outcome.error}; queued again: it goes on after its kept batches "
+                    f"({job.frames_done} of {job.frames} frames) when the world starts again")
+                self.store.requeue(job)
+            else:  # nothing finished (the job itself may be the cause): it fails, as any job would
+                error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
+                                                                    self.store.folder(job.id))
+                self.store.finish(job, "failed", error)
             log("error: the world went down; exiting (exit code 1) so that torchrun can start it again")
             os._exit(1)
         seconds = time.perf_counter() - started
-        if outcome.state == "cancelled" and self.interrupting and not job.cancel_requested:
-            self.store.requeue(job)  # stopped by the drain: the next server on this state folder runs it
+        if ((outcome.state == "cancelled" and self.interrupting) or (outcome.died and self.draining)) \
+                and not job.cancel_requested:
+            log(f"job {job.id} queued again at its batch boundary ({job.frames_done} of {job.frames} frames kept)")
+            self.store.requeue(job)  # stopped by the drain: the next server on this state folder continues it
         else:
             error = None if outcome.error is None else _public(outcome.error, job.input, job.name,
                                                                 self.store.folder(job.id))
@@ -210,8 +226,45 @@ class Server:
         if outcome.state == "done" and job.state == "done":
             self.frames_restored += job.frames
             self.restore_seconds += seconds
-            self.last_fps = job.frames / seconds if seconds > 0 else 0.0
+            restored = job.frames - job.frames_reused  # this run's own frames (the reused ones cost no time)
+            self.last_fps = restored / seconds if seconds > 0 else 0.0
         self.current = None
+
+    def _run_resuming(self, job: Job) -> Outcome:
+        """Run ``job`` on the ranks; while a rank dies mid-job (the pool restarts the ranks), run it again: it goes on
+        after its kept batches, unless it was cancelled, the server drains, or its ranks died
+        :data:`DEATHS_WITHOUT_PROGRESS` times in a row without finishing a batch."""
+        strikes = 0
+        while True:
+            self.store.clear_partials(job)  # a killed rank's (its kept batches stay)
+            self.store.resumed(job, 0, job.frames)  # until this run's ranks say where it starts
+            outcome = self.pool.run(job.id, job.input, job.output, job.flags,
+                                    os.path.join(self.store.folder(job.id), "cancel"),
+                                    functools.partial(self._on_event, job))
+            if not outcome.died or not self.pool.can_restart or job.cancel_requested or self.draining:
+                if outcome.died and job.cancel_requested:
+                    return Outcome("cancelled", restarted=True)
+                return outcome
+            strikes = 0 if job.frames_done > job.frames_reused else strikes + 1
+            if strikes >= DEATHS_WITHOUT_PROGRESS:
+                return Outcome("failed", f"{outcome.error} (its ranks died {strikes} times in a row without "
+                                         f"finishing a batch of it)", restarted=True, died=True)
+            log(f"job {job.id}: {outcome.error}; it goes on after its kept batches ({job.frames_done} of "
+                f"{job.frames} frames)")
+
+    def _on_event(self, job: Job, event: dict) -> None:
+        """A running job's event from rank 0 (see :mod:`.worker`): its progress, the frames it reused, a batch."""
+        kind = event.get("event")
+        if kind == "progress":
+            self.store.progress(job, int(event["frames"]), int(event["total"]))
+        elif kind == "resumed":
+            reused = int(event["frames"])
+            self.store.resumed(job, reused, int(event["total"]))
+            if reused:
+                self.frames_reused += reused
+                log(f"job {job.id} resumed: {reused} of {job.frames} frames reused from its kept batches")
+        elif kind == "batch":
+            self.store.batch_started(job)
 
     def _start_again(self) -> None:
         try:
@@ -229,8 +282,9 @@ class Server:
         log(f"job {job.id} cancel asked ({'at once' if job.state == 'cancelled' else 'at its next batch'})")
 
     def drain(self, on_drained) -> None:
-        """Stop taking jobs; let the running one finish for ``--drain-timeout`` seconds, then cancel it; stop the
-        ranks; call ``on_drained``. Runs on its own thread."""
+        """Stop taking jobs; let the running one finish for ``--drain-timeout`` seconds, then stop it at its next
+        batch boundary (queued again, its finished batches kept); stop the ranks; call ``on_drained``. Runs on its own
+        thread."""
         self.draining = True
         log("SIGTERM: draining (no new jobs)")
         self.pool.announce_drain()
@@ -239,7 +293,8 @@ class Server:
             time.sleep(0.1)
         job = self.current
         if job is not None:
-            log(f"drain timeout: cancelling job {job.id} (queued again for the next server on this state folder)")
+            log(f"drain timeout: stopping job {job.id} at its next batch boundary (queued again for the next server on "
+                f"this state folder, after its finished batches)")
             self.interrupting = True
             open(os.path.join(self.store.folder(job.id), "cancel"), "w").close()
         self._thread.join()

@@ -7,8 +7,11 @@ every rank, and runs each through the CLI's own per-file function with the model
 job's output is byte for byte that of ``restore`` with the same flags.
 
 Messages go back on the original stdout, one JSON line each (the process's fd 1 is pointed at stderr, so nothing
-else can corrupt them): ``ready`` (usable memory, peak memory), ``progress`` (rank 0: frames written), ``done``
-(exit code, the one-line error the CLI printed, whether the process group broke). A job is cancelled at a temporal
+else can corrupt them): ``ready`` (usable memory, peak memory), ``resumed`` (rank 0: the frames a job took from its
+kept batches), ``batch`` (rank 0: a temporal batch is about to be computed), ``progress`` (rank 0: frames written),
+``done`` (exit code, the one-line error the CLI printed, whether the process group broke). A job keeps its finished
+batches beside its result (as ``restore`` does), so a job run again after its ranks died or its server stopped
+continues after its last finished batch. A job is cancelled at a temporal
 batch boundary: before each round of batches every rank looks for the job's cancel file and the ranks agree (one
 tiny all-gather over the world), so all of them stop at the same batch and stay in step for the next job.
 """
@@ -136,12 +139,15 @@ class Rank:
             except SystemExit:
                 args = None
             if args is not None:
-                state = cli.RunState(models=self.models)
+                # a job's finished batches are kept in its folder: run again, it continues after them
+                state = cli.RunState(models=self.models, keep_batches=job_id is not None, start_over=True)
                 if cancel is not None:
-                    state.before_batch = self._cancel_check(cancel, args)
+                    state.before_batch = self._cancel_check(cancel, args, job_id)
                 if launch.rank == 0 and job_id is not None:
                     state.on_frames = lambda done, total: self.channel.send(event="progress", id=job_id,
                                                                             frames=done, total=total)
+                    state.on_resume = lambda reused, total: self.channel.send(event="resumed", id=job_id,
+                                                                              frames=reused, total=total)
                 try:
                     code, broken, _ = cli._restore_file(args, launch, state)
                     broken = broken and launch.world_size > 1  # alone, a failed allocation leaves nothing behind
@@ -157,8 +163,9 @@ class Rank:
                     broken=broken, error=None if cancelled or code == 0 else error_line(tee.kept.getvalue()),
                     peak_bytes=peak, peak_kind=kind, text=None if echo else tee.kept.getvalue())
 
-    def _cancel_check(self, path: str, args):
-        """``before_batch``: at each round of batches (one batch per SP group) the ranks agree whether to stop."""
+    def _cancel_check(self, path: str, args, job_id: Optional[str]):
+        """``before_batch``: at each round of batches (one batch per SP group) the ranks agree whether to stop; then
+        rank 0 says the batch is computed (the server counts them)."""
         world = self.launch.world_size
         groups = world // (args.sp_size or world) if world > 1 else 1
 
@@ -167,13 +174,14 @@ class Rank:
         def before(index: int) -> None:
             while gate and os.path.exists(gate) and not os.path.exists(path):
                 time.sleep(0.02)
-            if index % max(groups, 1):
-                return
-            asked = 1.0 if os.path.exists(path) else 0.0
-            if world > 1:
-                asked = max(row[0] for row in self.cli._per_rank_figures([asked], self.launch.device))
-            if asked:
-                raise JobCancelled(f"cancelled before temporal batch {index}")
+            if index % max(groups, 1) == 0:
+                asked = 1.0 if os.path.exists(path) else 0.0
+                if world > 1:
+                    asked = max(row[0] for row in self.cli._per_rank_figures([asked], self.launch.device))
+                if asked:
+                    raise JobCancelled(f"cancelled before temporal batch {index}")
+            if self.launch.rank == 0 and job_id is not None:
+                self.channel.send(event="batch", id=job_id, index=index)
         return before
 
     def warm_up(self) -> dict:

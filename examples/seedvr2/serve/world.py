@@ -177,7 +177,7 @@ class WorldPool:
         return self._thread is not None and self._thread.is_alive()
 
     def run(self, job_id: str, input_path: str, output: str, flags: Sequence[str], cancel_path: str,
-            on_progress: Callable[[int, int], None]) -> Outcome:
+            on_event: Callable[[dict], None]) -> Outcome:
         if not self.alive():
             raise StartError("the world is down (torchrun restarts it)")
         self.jobs.put({"id": job_id, "input": input_path, "output": output, "flags": list(flags),
@@ -188,8 +188,8 @@ class WorldPool:
             if event is None:  # rank 0's own line first when it says why (it ran out of memory, say)
                 said = [a["error"] + "; " for a in answers.values() if a.get("error") and not is_stop(a["error"])]
                 return Outcome("failed", f"{''.join(said[:1]) or 'a rank failed and '}the world went down (torchrun "
-                                         f"restarts it)")
-            take_event(rank, event, job_id, answers, on_progress)
+                                         f"restarts it)", died=True)
+            take_event(rank, event, job_id, answers, on_event)
         return job_outcome(ranks_answers(answers, self.peaks))
 
     def restart(self) -> None:
