@@ -16,8 +16,15 @@ import pytest
 import winsp
 from winsp.geometry.neighborhood import is_neighborhood
 from winsp.planning.costs import DEFAULT_COSTS, PCIE_COSTS
-from winsp.planning.halo import (BALANCE_LIMIT, TIME_TOLERANCE, NeighborhoodBlocks, block_halo_rows, block_work,
-                                 choose_blocks, neighborhood_plan)
+from winsp.planning.halo import (
+    BALANCE_LIMIT,
+    TIME_TOLERANCE,
+    NeighborhoodBlocks,
+    block_halo_rows,
+    block_work,
+    choose_blocks,
+    neighborhood_plan,
+)
 from winsp.planning.halo_cuts import NestedBlocks, nested_blocks
 from winsp.planning.schedule import plan_schedule
 
@@ -107,7 +114,8 @@ def test_the_bytes_objective_moves_no_more_rows_than_the_time_objective():
 
     geom = sta_layer()
     for p in (3, 6, 8):
-        by_time, by_bytes = (nested_blocks([GRID], [geom], p, DEFAULT_COSTS, BALANCE_LIMIT, o) for o in ("time", "bytes"))
+        by_time, by_bytes = (nested_blocks([GRID], [geom], p, DEFAULT_COSTS, BALANCE_LIMIT, o)
+                             for o in ("time", "bytes"))
         rows = [sum(h for _, h in block_halo_rows(GRID, b, geom)) for b in (by_time, by_bytes)]
         assert rows[1] <= rows[0], (p, rows)
         work = np.asarray(block_work(GRID, by_bytes, geom), np.float64)
