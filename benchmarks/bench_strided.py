@@ -13,8 +13,9 @@ speedup``; the speed-up takes minutes, one thread a rank; ``--tiny`` smoke-runs 
    1280 / 16 = 80 of a 16x spatial one, patch 1. The sliding tile layer is ``Neighborhood.sliding_tile(TILE, TILES)``:
    FastVideo's STA tile for HunyuanVideo, (6, 8, 8), with a window of 3 tiles per axis (kernel (18, 24, 24)); the
    table also lists a (4, 4, 4) tile. Each P is planned twice: with the default costs (an NVLink node, where a halo
-   row weighs 3 % of a row's work and the planner buys balance before bytes) and with ``PCIE_COSTS`` (links 18x
-   slower). The cut is a product of per-axis runs ``(pt, ph, pw) at unit`` or a nested one (boxes in rank order).
+   row weighs 3 % of a row's work; of the cuts predicted within ``TIME_TOLERANCE`` of the fastest the planner takes the
+   fewest halo rows) and with ``PCIE_COSTS`` (links 18x slower). The cut is a product of per-axis runs
+   ``(pt, ph, pw) at unit`` or a nested one (boxes in rank order).
 2. **Speed-up.** A stack of 4 attention blocks (C = 256, 4 heads x 64, MLP 4x, float32) of sliding tile attention
    ``Neighborhood.sliding_tile((2, 4, 4), (1, 3, 3))`` (kernel (2, 12, 12), stride (2, 4, 4)) on four latent frames
    of 720p, (4, 45, 80) (``--tiny``: (2, 12, 16)), SP = 1 and SP = 2 on gloo, one thread a rank, interleaved;

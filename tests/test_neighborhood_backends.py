@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import winsp
+import winsp.planning.halo as halo_module
 from tests.na_checks import natten_whole_grid
 from tests.na_oracle import _axis_keys
 from winsp.attention.halo.backends import explain_neighborhood_backend, neighborhood_backend
@@ -23,7 +24,7 @@ from winsp.attention.halo.flex import build_flex_neighborhood
 from winsp.attention.halo.layer import _text_index, _video_queries, halo_tensors, neighborhood_rpb_score_mod
 from winsp.attention.halo.natten import box_is_exact, natten_boxes, natten_plan_reason, natten_video_queries
 from winsp.geometry.neighborhood import Neighborhood
-from winsp.planning.halo import HaloExchange, neighborhood_plan
+from winsp.planning.halo import HaloExchange, choose_splits, neighborhood_plan
 from winsp.testing import run_ranks
 
 natten = pytest.importorskip("natten", reason="natten (the neighborhood attention oracle) is not installed: "
@@ -316,13 +317,17 @@ def test_a_rank_that_holds_nothing_gets_empty_outputs_from_every_backend():
 
 # ---- the block mask -------------------------------------------------------------------------------------------
 
-def test_flex_block_lists_cover_every_allowed_pair():
+def test_flex_block_lists_cover_every_allowed_pair(monkeypatch):
     """Eager flex reads only the mask_mod, so the block lists (what the CUDA kernel skips by) are checked here
     against the dense mask, on a grid large enough for many 128-row blocks, at a rank with halos."""
     from torch.nn.attention.flex_attention import create_mask
 
     grids, text_lengths = [(4, 32, 32), (3, 10, 9)], [5, 3]
     geom = Neighborhood((2, 3, 3), dilation=(1, 2, 1), causal=(True, False, False))
+    # the fastest cut, along h (rows in contiguous runs): within TIME_TOLERANCE the planner takes the cut along w
+    # (fewer halo rows), whose blocks at this small grid leave more than half the 128 x 128 tiles occupied
+    monkeypatch.setattr(halo_module, "TIME_TOLERANCE", 0.0)
+    assert choose_splits(grids, [geom], 2) == (1, 2, 1)
     plan = neighborhood_plan(grids, [geom], 2)
     txt_sample = torch.repeat_interleave(torch.arange(2), torch.tensor(text_lengths))
     for rank in range(2):

@@ -282,16 +282,16 @@ def test_hunyuanvideo_sta_work_is_balanced_at_2_to_8_ranks():
 
 
 def test_sta_halo_bytes_against_ulysses():
-    """benchmarks/README.md's table at the default (NVLink) costs: below Ulysses' four all-to-alls at P = 2 and 4 for
-    the (6, 8, 8) tile and at P = 2, 4 and 8 for (4, 4, 4); the (18, 24, 24) window moves a little more than Ulysses at
-    P = 8 (halos 2.2x a rank's block; planned for PCIe links it moves less: tests/test_neighborhood_nested.py)."""
+    """benchmarks/README.md's table at the default (NVLink) costs: below Ulysses' four all-to-alls at P = 2, 4 and 8
+    for both tiles; the (18, 24, 24) window at P = 8 (halos 2.2x a rank's block) by a nested cut predicted within
+    TIME_TOLERANCE of the fastest cut, which moves more (tests/test_neighborhood_nested.py)."""
     from benchmarks.bench_strided import GRID, layer_figures, sta_layer
 
     ratios = {(tile, p): layer_figures(GRID, sta_layer(tile), p)["ratio"] for tile in ((6, 8, 8), (4, 4, 4))
               for p in (2, 4, 8)}
     assert ratios[((6, 8, 8), 2)] == pytest.approx(0.2) and ratios[((4, 4, 4), 2)] == pytest.approx(0.1)
-    assert all(r < 1 for (tile, p), r in ratios.items() if (tile, p) != ((6, 8, 8), 8))
-    assert ratios[((6, 8, 8), 8)] > 1
+    assert all(r < 1 for r in ratios.values()), ratios
+    assert ratios[((6, 8, 8), 8)] == pytest.approx(0.789, abs=1e-3)
 
 
 # ---- SP = 2..4 on spawned ranks: the exchange, outputs and every gradient ------------------------------------------

@@ -7,9 +7,10 @@ queries can reach that other ranks own, its *halo*.
 Because a block is a box and a neighbourhood is a product over axes, the rows a block reaches are exactly the product
 of three per-axis sets (:func:`winsp.geometry.neighborhood.axis_reach`): halos are computed per axis, never per token.
 
-:func:`choose_blocks` picks the cut (along t, h, w or a 2D/3D tiling, at stride groups or anywhere) that minimises
-the predicted time of the slowest rank, its rows, attention work and halo bytes weighed with
-:mod:`winsp.planning.costs`, among the cuts within ``BALANCE_LIMIT`` of balanced attention work when there are any.
+:func:`choose_blocks` picks the cut (along t, h, w or a 2D/3D tiling, at stride groups or anywhere, or nested) by the
+predicted time of the slowest rank, its rows, attention work and halo bytes weighed with :mod:`winsp.planning.costs`,
+among the cuts within ``BALANCE_LIMIT`` of balanced attention work when there are any: of the cuts predicted within
+``TIME_TOLERANCE`` of the fastest (as fast as peak figures can tell), the one that moves the fewest halo rows.
 Every neighborhood layer of a schedule shares one cut (the one best for all of them together), so consecutive
 neighborhood layers share one plan and move nothing but halos; transitions to window layouts are ordinary
 redistributions. :class:`HaloExchange` is one rank's share: what it sends to whom, and for each local query the key
@@ -31,18 +32,22 @@ from winsp.geometry.layout import build_layout
 from winsp.geometry.neighborhood import Neighborhood, axis_neighbours, axis_reach, axis_work
 from winsp.geometry.windows import Grid, WindowGeometry, WindowSlices, check_grid
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
-from winsp.planning.halo_cuts import NestedBlocks, nested_blocks
+from winsp.planning.halo_cuts import OBJECTIVES, NestedBlocks, nested_blocks
 from winsp.planning.plan import Plan
 
 __all__ = ["NeighborhoodBlocks", "axis_cuts", "choose_splits", "choose_blocks", "block_halo_rows", "block_work",
-           "neighborhood_plan", "query_tile_length", "BALANCE_LIMIT",
+           "neighborhood_plan", "query_tile_length", "BALANCE_LIMIT", "TIME_TOLERANCE",
            "HaloExchange", "HaloTensors", "NEIGHBORHOOD_PLANNER_VERSION"]
 
-NEIGHBORHOOD_PLANNER_VERSION = 3
+NEIGHBORHOOD_PLANNER_VERSION = 4
 
 #: A cut whose heaviest rank carries more than (1 + BALANCE_LIMIT) x the mean attention work is chosen only when no cut
 #: is balanced that well.
 BALANCE_LIMIT = 0.05
+
+#: Predicted times within this fraction of the fastest cut's are as fast as the cost model (peak figures) can tell:
+#: among those, :func:`choose_blocks` takes the cut of fewest halo rows.
+TIME_TOLERANCE = 0.02
 
 
 def axis_cuts(n: int, parts: int) -> list[tuple[int, int]]:
@@ -196,13 +201,18 @@ def choose_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], wor
     heaviest rank carries at most ``1 + BALANCE_LIMIT`` of the mean attention work compete, when there are any.
     Ties go to the first candidate (splits in (pt, ph, pw) order, aligned cuts first).
 
-    A strided schedule also has a nested candidate (:func:`winsp.planning.halo_cuts.nested_blocks`: two-way cuts in
-    a tree, so that boxes keep whole stride groups and balanced work at once). It is scored the same way and wins when
-    it is faster, or as fast (to 1e-9) with fewer halo rows in all.
+    A strided schedule also has two nested candidates (:func:`winsp.planning.halo_cuts.nested_blocks`: two-way cuts in
+    a tree, so that boxes keep whole stride groups and balanced work at once), the fastest tree and the tree of fewest
+    halo rows, scored the same way.
+
+    The cost constants are published peak figures, so times within ``TIME_TOLERANCE`` of each other are as fast as
+    the model can tell: among the candidates as balanced as the fastest and predicted within ``1 + TIME_TOLERANCE``
+    of its time, the one with the fewest halo rows wins (ties: the faster, then the first). Halo bytes share links
+    with FSDP's collectives and received rows cost memory, which the time alone does not weigh.
     """
     geometries = tuple(geometries)
     stride_unit = _stride_unit(geometries)
-    scored: list[tuple[bool, float, int, NeighborhoodBlocks | NestedBlocks]] = []
+    scored: list[tuple[bool, float, float, int, NeighborhoodBlocks | NestedBlocks]] = []
 
     def score(blocks: NeighborhoodBlocks | NestedBlocks) -> tuple[bool, float, float]:
         """(unbalanced, predicted time of the slowest rank, halo rows of all ranks)."""
@@ -218,27 +228,24 @@ def choose_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], wor
         balanced = work.sum() == 0 or work.max() <= (1 + BALANCE_LIMIT) * work.mean() * (1 + 1e-12)
         return not balanced, cost, halo_rows
 
+    def add(blocks: NeighborhoodBlocks | NestedBlocks) -> None:
+        scored.append((*score(blocks), len(scored), blocks))
+
     for splits in _factorisations(world_size):
         # aligned cuts first; an axis that is not cut has one run whatever its unit
         units = sorted({tuple(stride_unit[a] if aligned[a] and splits[a] > 1 else 1 for a in range(3))
                         for aligned in np.ndindex(2, 2, 2)}, key=lambda u: (-sum(x > 1 for x in u), u))
         for unit in units:
-            blocks = NeighborhoodBlocks(splits, unit, geometries)  # type: ignore[arg-type]
-            unbalanced, cost, _ = score(blocks)
-            scored.append((unbalanced, cost, len(scored), blocks))
-    best = min(scored, key=lambda x: (x[0], x[1], x[2]))
+            add(NeighborhoodBlocks(splits, unit, geometries))  # type: ignore[arg-type]
     if world_size > 1 and stride_unit != (1, 1, 1):
-        nested = nested_blocks(tuple(check_grid(g) for g in grids), geometries, world_size, costs, BALANCE_LIMIT)
-        if nested is not None:
-            unbalanced, cost, halo_rows = score(nested)
-            if unbalanced < best[0]:
-                return nested
-            if unbalanced == best[0]:
-                if abs(cost - best[1]) <= 1e-9 * best[1]:  # as fast: the fewer halo rows
-                    return nested if halo_rows < score(best[3])[2] else best[3]
-                if cost < best[1]:
-                    return nested
-    return best[3]
+        planned = tuple(check_grid(g) for g in grids)
+        for objective in OBJECTIVES:
+            nested = nested_blocks(planned, geometries, world_size, costs, BALANCE_LIMIT, objective)
+            if nested is not None:
+                add(nested)
+    fastest = min(scored, key=lambda x: (x[0], x[1], x[3]))
+    as_fast = [x for x in scored if x[0] == fastest[0] and x[1] <= (1 + TIME_TOLERANCE) * fastest[1]]
+    return min(as_fast, key=lambda x: (x[2], x[1], x[3]))[4]
 
 
 def choose_splits(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,

@@ -13,6 +13,10 @@ halos of 0.79x Ulysses' bytes at 1.045x the mean work, where the best balanced p
 every box within ``limit`` of the mean attention work. A dynamic program over sub-boxes; the cuts it tries along an
 axis are the stride-group edges and, for each split of the ranks, the two positions nearest that split's share of the
 work. Its state count is bounded (``MAX_STATES``): past it the grid gets no nested candidate.
+
+A second objective, ``"bytes"``, finds the balanced tree that moves the fewest halo rows in all (a sum over boxes, so
+the same program serves), ties broken by the slowest box's time: the halo planner weighs it against the fastest tree
+(:func:`winsp.planning.halo.choose_blocks` takes the fewest rows among cuts predicted as fast, to a tolerance).
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ from winsp.geometry.neighborhood import Neighborhood, axis_reach, axis_work
 from winsp.geometry.windows import Grid, WindowGeometry, WindowSlices, check_grid
 from winsp.planning.costs import DEFAULT_COSTS, CostConstants
 
-__all__ = ["NestedBlocks", "nested_blocks", "MAX_STATES"]
+__all__ = ["NestedBlocks", "nested_blocks", "MAX_STATES", "OBJECTIVES"]
 
 #: The most sub-box states the dynamic program visits for one grid before it gives up on a nested cut.
 MAX_STATES = 60_000
+
+#: What :func:`nested_blocks` minimises: the slowest box's predicted time (ties: fewer halo rows), or the halo rows of
+#: all boxes (ties: the slowest box's time).
+OBJECTIVES = ("time", "bytes")
 
 Box = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
@@ -87,22 +95,26 @@ def _axis_tables(geometry: Neighborhood, grid: Grid) -> tuple[tuple[list[list[in
 
 
 def nested_blocks(grids: Sequence[Grid], geometries: Sequence[Neighborhood], world_size: int,
-                  costs: CostConstants = DEFAULT_COSTS, limit: float = 0.05) -> NestedBlocks | None:
-    """The nested cut of every grid into ``world_size`` boxes (see the module docstring), or None where a grid has no
-    balanced one within ``MAX_STATES`` (or there are no strided geometries to align to: a product cut serves)."""
+                  costs: CostConstants = DEFAULT_COSTS, limit: float = 0.05,
+                  objective: str = "time") -> NestedBlocks | None:
+    """The nested cut of every grid into ``world_size`` boxes that minimises ``objective`` (one of ``OBJECTIVES``; see
+    the module docstring), or None where a grid has no balanced one within ``MAX_STATES`` (or there are no strided
+    geometries to align to: a product cut serves)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r}: expected one of {OBJECTIVES}")
     return _nested_blocks(tuple(dict.fromkeys(check_grid(g) for g in grids)), tuple(geometries), int(world_size),
-                          costs, float(limit))
+                          costs, float(limit), objective)
 
 
 @lru_cache(maxsize=64)
 def _nested_blocks(grids: tuple[Grid, ...], geometries: tuple[Neighborhood, ...], world_size: int,
-                   costs: CostConstants, limit: float) -> NestedBlocks | None:
-    """:func:`nested_blocks`, cached: every rank plans the same grids."""
+                   costs: CostConstants, limit: float, objective: str) -> NestedBlocks | None:
+    """:func:`nested_blocks`, cached per objective: every rank plans the same grids."""
     if world_size < 2 or not geometries:
         return None
     out = []
     for grid in grids:
-        boxes = _grid_boxes(grid, geometries, world_size, costs, limit)
+        boxes = _grid_boxes(grid, geometries, world_size, costs, limit, objective == "bytes")
         if boxes is None:
             return None
         out.append((grid, boxes))
@@ -110,7 +122,7 @@ def _nested_blocks(grids: tuple[Grid, ...], geometries: tuple[Neighborhood, ...]
 
 
 def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs: CostConstants,
-                limit: float) -> tuple[Box, ...] | None:
+                limit: float, by_bytes: bool = False) -> tuple[Box, ...] | None:
     tables = [_axis_tables(g, grid) for g in geometries]
     total = sum(math.prod(w[-1] for _, w in t) for t in tables)
     if total == 0:
@@ -122,7 +134,15 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
     def work(box: Box) -> int:
         return sum(math.prod(w[hi] - w[lo] for (_, w), (lo, hi) in zip(t, box, strict=True)) for t in tables)
 
+    leaves_seen: dict[Box, tuple[float, int]] = {}
+
     def leaf(box: Box) -> tuple[float, int]:
+        """(predicted time, halo rows) of ``box`` on one rank (cached: the bounds of the bytes objective ask again)."""
+        if box not in leaves_seen:
+            leaves_seen[box] = _leaf(box)
+        return leaves_seen[box]
+
+    def _leaf(box: Box) -> tuple[float, int]:
         own = math.prod(hi - lo for lo, hi in box)
         time, halo = 0.0, 0
         for t in tables:
@@ -159,10 +179,14 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
         return out
 
     memo: dict[tuple[Box, int], tuple[float, int, tuple | None]] = {}
-    inf: tuple[float, int, tuple | None] = (math.inf, 0, None)
+    inf: tuple[float, int, tuple | None] = (math.inf, _NO_ROWS, None)  # no balanced tree: last by either objective
+
+    def order(x: tuple[float, int, tuple | None]) -> tuple[float, float]:
+        """What the program minimises, first key first: (time, halo rows), or (halo rows, time) by bytes."""
+        return (x[1], x[0]) if by_bytes else (x[0], x[1])
 
     def best(box: Box, r: int) -> tuple[float, int, tuple | None]:
-        """(slowest box's time, halo rows, tree) of ``box`` on ``r`` ranks."""
+        """(slowest box's time, halo rows, tree) of ``box`` on ``r`` ranks, the least by ``order``."""
         key = (box, r)
         if key in memo:
             return memo[key]
@@ -179,12 +203,19 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
                 for x, r1 in _cuts(box, axis, r, w):
                     first = tuple((box[axis][0], x) if a == axis else box[a] for a in range(3))
                     second = tuple((x, box[axis][1]) if a == axis else box[a] for a in range(3))
-                    a = best(first, r1)  # type: ignore[arg-type]
-                    if (a[0], a[1]) >= (result[0], result[1]) or a[0] > result[0]:
-                        continue  # the second part can only add to both
-                    b = best(second, r - r1)  # type: ignore[arg-type]
+                    if by_bytes and leaf(first)[1] + leaf(second)[1] > result[1]:  # type: ignore[arg-type]
+                        continue  # a part's halo rows, uncut, bound those of any cut of it from below
+                    parts = [(first, r1), (second, r - r1)]
+                    if (second, r - r1) in memo and (first, r1) not in memo:
+                        parts.reverse()  # a part already solved may rule the cut out before the other is visited
+                    a = best(*parts[0])  # type: ignore[arg-type]
+                    if order(a) >= order(result) or order(a)[0] > order(result)[0]:
+                        continue  # the other part can only add to both
+                    if by_bytes and a[1] + leaf(parts[1][0])[1] > result[1]:  # type: ignore[arg-type]
+                        continue
+                    b = best(*parts[1])  # type: ignore[arg-type]
                     cand = (max(a[0], b[0]), a[1] + b[1], (first, r1, second, r - r1))
-                    if (cand[0], cand[1]) < (result[0], result[1]):
+                    if order(cand) < order(result):
                         result = cand
         memo[key] = result
         return result
@@ -201,6 +232,10 @@ def _grid_boxes(grid: Grid, geometries: tuple[Neighborhood, ...], p: int, costs:
         return [box] if tree is None else leaves(tree[0], tree[1]) + leaves(tree[2], tree[3])
 
     return tuple(leaves(root, p))
+
+
+#: The halo rows of no tree: more than any grid has.
+_NO_ROWS = 1 << 62
 
 
 class _TooMany(Exception):
