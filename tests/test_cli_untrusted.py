@@ -175,9 +175,12 @@ def test_two_runs_on_one_output_one_wins_the_other_exits_2(tmp_path):
 # ---- (5) one line for every failure -------------------------------------------------------------------------------
 
 
-def test_a_write_error_from_the_encoder_is_one_line(tmp_path):
+@pytest.mark.parametrize("store", [False, True], ids=["no-store", "store"])
+def test_a_write_error_from_the_encoder_is_one_line(tmp_path, store):
     """A real write failure inside PyAV (the file-size limit: EFBIG, as a full disk gives ENOSPC) was a 51-line
-    traceback with exit 1; now exit 2, one line naming the output, no partial file."""
+    traceback with exit 1; now exit 2, one line naming the output, no partial file. With the batch store on (the
+    default), the same limit first fails the keeping of the batch: one note says so and the restore goes on, to the
+    encoder's one-line error; nothing is left behind."""
     src = make_mp4(tmp_path / "in.mp4", t=5, h=64, w=96)
     out = tmp_path / "out.mp4"
 
@@ -186,12 +189,18 @@ def test_a_write_error_from_the_encoder_is_one_line(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
 
     done = subprocess.run([sys.executable, "-m", "examples.seedvr2", "restore", src, "-o", str(out), "--quiet",
-                           "--crf", "0"], cwd=REPO, env=_env(PYTHONDONTWRITEBYTECODE="1"), capture_output=True,
-                          text=True, timeout=240, preexec_fn=small_files)
+                           "--crf", "0", *([] if store else ["--no-resume-store"])], cwd=REPO,
+                          env=_env(PYTHONDONTWRITEBYTECODE="1"), capture_output=True, text=True, timeout=240,
+                          preexec_fn=small_files)
     lines = [line for line in done.stderr.splitlines() if "WARNING" not in line]
     assert done.returncode == 2, done.stderr[-3000:]
+    if store:
+        note = PREFIX.removesuffix("error:") + "note: could not keep batch 1 of 1 for resuming (File too large)"
+        assert len(lines) == 2 and lines[0].startswith(note), done.stderr
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith(f"{PREFIX} cannot write {out}: File too large"), done.stderr
-    assert leftovers(tmp_path, {"in.mp4"}) == []
+    # no partial output; with the store on, its folder stays for a rerun to resume from, as after any failed write
+    assert leftovers(tmp_path, {"in.mp4"}) == (["out.mp4.seedvr2-batches"] if store else [])
 
 
 def test_sigint_during_start_up_is_one_line(tmp_path):

@@ -104,7 +104,8 @@ class KeptBatches:
 
     def keep(self, batch: TemporalBatch, final: list[torch.Tensor], blender: ResumableBlender) -> None:
         """Keep batch ``batch`` now that it is final: ``final`` (the frames the cross-fade released for it) and the
-        blender's held frames. A full disk stops the keeping, with one line; the restore goes on."""
+        blender's held frames. A write that fails (a full disk, a file size limit, an I/O error) stops the keeping,
+        with one line; the restore goes on."""
         if self.store is None or self.store.full:
             return
         frames = torch.stack(final).numpy() if final else blender.held[:0].numpy()
@@ -122,12 +123,11 @@ class KeptBatches:
                 self.store.note_partial(self._partial)
             self.store.write_batch(BatchRecord(index=batch.index, next_start=following,
                                                frames_out=blender.frames_out, final=frames, tail=held))
-        except OSError as exc:
-            if not BatchStore.disk_full(exc):
-                raise
+        except OSError as exc:  # keeping serves a fault to come: a store it cannot write never stops the restore
             self.store.full = True
-            self.say(f"note: the disk filled while keeping batch {batch.index + 1} of {len(self.plan)} for "
-                     f"resuming ({exc.strerror}): no more batches are kept, the restore goes on (a fault now resumes "
+            what = "the disk filled while keeping" if BatchStore.disk_full(exc) else "could not keep"
+            self.say(f"note: {what} batch {batch.index + 1} of {len(self.plan)} for resuming "
+                     f"({exc.strerror or exc}): no more batches are kept, the restore goes on (a fault now resumes "
                      f"after batch {batch.index})")
 
     def mark_handled(self, index: int) -> None:
