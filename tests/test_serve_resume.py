@@ -34,6 +34,17 @@ def _until(what, check, served, timeout: float = JOB_S):
         time.sleep(0.05)
 
 
+def _running_past_batch(served, n: int, clip=None) -> str:
+    """Submit ``clip`` (the server's own by default) with the ranks held, release them once the job runs, and return
+    its id once batch ``n`` has started (more than ``n`` batches computed)."""
+    served.hold()
+    job_id = served.submit(served.clip if clip is None else clip, **OPTIONS).json()["id"]
+    served.wait(job_id, states=("running",))
+    served.release()
+    _until(f"batch {n} started", lambda: served.status(job_id)["progress"]["batches_computed"] > n, served)
+    return job_id
+
+
 def _run_to_batch(served, job_id: str, batches: int) -> dict:
     """Let ``job_id`` run until its ranks start batch ``batches`` (0-based: ``batches`` batches finished and kept
     before it), then close the gate: it stops before one of its next batches."""
@@ -106,11 +117,7 @@ def test_a_killed_rank_costs_its_job_one_batch_at_most(served):
     """The rank is SIGKILLed mid-job (mid-batch or between two: wherever it is once batch 3 started): the ranks are
     restarted and the job goes on after its kept batches, to the uninterrupted job's bytes."""
     reused_before = _metric(served, "seedvr2_frames_reused_total")
-    served.hold()
-    job_id = served.submit(served.clip, **OPTIONS).json()["id"]
-    served.wait(job_id, states=("running",))
-    served.release()
-    _until("batch 3 started", lambda: served.status(job_id)["progress"]["batches_computed"] > 3, served)
+    job_id = _running_past_batch(served, 3)
     (rank,) = _ranks(served)
     os.kill(rank, signal.SIGKILL)
     done = _resumed(served, job_id, served.uninterrupted)
@@ -171,11 +178,7 @@ def test_a_killed_server_restarted_on_its_state_dir_goes_on_after_the_kept_batch
     try:
         first.clip = media["long"]
         uninterrupted = _reference(first)
-        first.hold()
-        job_id = first.submit(first.clip, **OPTIONS).json()["id"]
-        first.wait(job_id, states=("running",))
-        first.release()
-        _until("batch 4 started", lambda: first.status(job_id)["progress"]["batches_computed"] > 4, first)
+        job_id = _running_past_batch(first, 4)
         (rank,) = _ranks(first)
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(timeout=30)
@@ -243,11 +246,7 @@ def test_one_of_two_ranks_killed_costs_its_job_one_batch_at_most(media, tmp_path
         uninterrupted = _reference(served)
         assert uninterrupted[0] == _restore(served.clip, tmp_path / "ranks2.mp4", "--crf", 0, "--batch-frames", 5,
                                             ranks=2)
-        served.hold()
-        job_id = served.submit(served.clip, **OPTIONS).json()["id"]
-        served.wait(job_id, states=("running",))
-        served.release()
-        _until("batch 3 started", lambda: served.status(job_id)["progress"]["batches_computed"] > 3, served)
+        job_id = _running_past_batch(served, 3)
         environ = {pid: open(f"/proc/{pid}/environ", "rb").read().split(b"\0") for pid in _ranks(served)}
         (rank1,) = [pid for pid, names in environ.items() if b"RANK=1" in names]
         os.kill(rank1, signal.SIGKILL)
@@ -326,11 +325,7 @@ def test_under_torchrun_a_killed_rank_takes_the_world_down_and_the_next_world_go
     served = Served(str(tmp_path), "--state-dir", tmp_path / "state", "--port", port, torchrun=2, restarts=1,
                     token=False)
     try:
-        served.hold()
-        job_id = served.submit(media["long"], **OPTIONS).json()["id"]
-        served.wait(job_id, states=("running",))
-        served.release()
-        _until("batch 3 started", lambda: served.status(job_id)["progress"]["batches_computed"] > 3, served)
+        job_id = _running_past_batch(served, 3, media["long"])
         os.kill(served.torchrun_rank(1), signal.SIGKILL)
         served.listen(2)
         assert re.search(rf"job {job_id}: .*the world went down.*; queued again: it goes on after its kept batches",
