@@ -14,6 +14,11 @@ a user. On a GPU machine the command runs on the GPU as a user's does.
 
 ``--quick``: one 96x64x9 clip, one round, the demo VAE's own widths (a smoke test of the script, not a measurement).
 The store's target: at most 5 % of the restore's wall time (issue 48).
+
+``--keep-only 1280x720 [1920x1080 ...]``: no restore; times the store alone keeping one minute of output at each size
+(24 fps, the ``--batch-frames``/``--overlap`` plan: every batch's final frames and its tail, written as ``restore``
+writes them, all kept until the end as a run keeps them), and prints its seconds and GiB per minute of output: the
+cost the store adds to a minute of restored video at that size, whatever restores it.
 """
 
 from __future__ import annotations
@@ -120,6 +125,36 @@ def bench_clip(clip_size: tuple[int, int, int], args: argparse.Namespace, env: d
     return result
 
 
+def keep_minute(size: str, args: argparse.Namespace, directory: str) -> dict:
+    """Keep one minute of ``size`` (WxH) output in a store, batch by batch as ``restore`` keeps it; time every write."""
+    import numpy as np
+
+    from examples.seedvr2.restore.batch_store import BatchRecord, BatchStore
+    from examples.seedvr2.restore.temporal import plan_temporal_batches
+
+    width, height = (int(v) for v in size.lower().split("x"))
+    frames = 24 * 60
+    plan = plan_temporal_batches(frames, args.batch_frames, args.overlap)
+    rng = np.random.default_rng(0)
+    pool = rng.integers(0, 256, size=(args.batch_frames, height, width, 3), dtype=np.uint8)  # the frames' pixels
+    store = BatchStore(os.path.join(directory, f"keep_{size}.mp4.seedvr2-batches"), (height, width, 3), frames)
+    store.pending = {"benchmark": size}
+    written = 0
+    started = time.perf_counter()
+    for batch in plan:  # final: the frames the cross-fade released; tail: those held for the next batch's overlap
+        held_back = plan[batch.index + 1].blend if batch.index + 1 < len(plan) else 0
+        final = pool[: batch.stop - held_back - written]
+        tail = pool[:held_back]
+        store.write_batch(BatchRecord(batch.index, batch.stop - held_back, written + len(final), final, tail))
+        written += len(final)
+    assert written == frames, (written, frames)
+    seconds = time.perf_counter() - started
+    held = _dir_bytes(store.directory)
+    store.remove()
+    return {"size": size, "batches": len(plan), "frames_kept": written, "keep_s_per_minute": seconds,
+            "store_gib_per_minute": held / 2**30}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clips", type=parse_clip, nargs="+", default=[parse_clip("1280x720x45")])
@@ -131,7 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--keep-only", nargs="+", default=None, metavar="WxH")
+    parser.add_argument("--keep-dir", default=None, help="where --keep-only writes (default: the system's temp folder)")
     args = parser.parse_args(argv)
+    if args.keep_only:
+        with tempfile.TemporaryDirectory(prefix="bench_resume_keep_", dir=args.keep_dir) as directory:
+            kept = [keep_minute(size, args, directory) for size in args.keep_only]
+        for r in kept:
+            print(f"{r['size']:>10}: kept {r['frames_kept']} frames in {r['batches']} batches: "
+                  f"{r['keep_s_per_minute']:.2f} s and {r['store_gib_per_minute']:.2f} GiB a minute of output")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(kept, f, indent=1)
+        return 0
     if args.quick:
         args.clips, args.rounds, args.vae_channels = [parse_clip("96x64x9")], 1, ""
         args.batch_frames, args.overlap = 5, 1
