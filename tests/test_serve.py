@@ -39,7 +39,8 @@ def _serve_env(extra=None) -> dict:
     """The environment a test's server starts in: this one without a rank's launch variables (the server is no rank
     of this process's world), one thread a rank, the checkout importable, and ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SEEDVR2_LAUNCHED")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **(extra or {}))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.update(extra or {})
     return env
 
 

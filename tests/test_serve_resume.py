@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import time
@@ -20,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_serve import JOB_S, Served, _restore, httpx, media  # noqa: F401  (media: a fixture)
+from tests.test_serve import JOB_S, REPO, Served, _restore, httpx, media  # noqa: F401  (media: a fixture)
 
 OPTIONS = {"crf": 0, "batch_frames": 5}
 STORE = "result.mp4.seedvr2-batches"
@@ -64,9 +65,11 @@ def _reference(served) -> tuple[bytes, int]:
     return served.client.get(done["result"]).content, done["progress"]["batches_computed"]
 
 
-def _resumed(served, job_id: str, uninterrupted: tuple[bytes, int], *, redone: int = 1) -> dict:
+def _resumed(served, job_id: str, uninterrupted: tuple[bytes, int], *, redone: int = 1,
+             all_kept: bool = False) -> dict:
     """``job_id`` ran on to the end after a fault: the uninterrupted job's bytes, at most ``redone`` batches
-    computed again, frames reused, and its kept batches gone."""
+    computed again, frames reused (all of them only where ``all_kept``: the fault came after its last batch was
+    kept), and its kept batches gone."""
     served.release()
     done = served.wait(job_id)
     assert done["state"] == "done", (done, served.text())
@@ -74,7 +77,7 @@ def _resumed(served, job_id: str, uninterrupted: tuple[bytes, int], *, redone: i
     assert served.client.get(done["result"]).content == result
     progress = done["progress"]
     assert batches <= progress["batches_computed"] <= batches + redone, (progress, batches, served.text())
-    assert 0 < progress["frames_reused"] < progress["frames"] == 41, progress
+    assert progress["frames"] == 41 and 0 < progress["frames_reused"] <= (41 if all_kept else 40), progress
     assert f"job {job_id} resumed: {progress['frames_reused']} of 41 frames reused" in served.text()
     assert not os.path.lexists(os.path.join(served.state_dir(), "jobs", job_id, STORE))
     return done
@@ -254,6 +257,75 @@ def test_one_of_two_ranks_killed_costs_its_job_one_batch_at_most(media, tmp_path
         assert "rank 1 was killed by SIGKILL" in served.text()
     finally:
         served.stop()
+
+
+# ---- killed at a drawn point of a batch ------------------------------------------------------------------------
+
+#: the test-only kill hook (``tests/serve_kill_hook/sitecustomize.py``), put first on the server's PYTHONPATH
+KILL_HOOK = os.path.join(REPO, "tests", "serve_kill_hook")
+#: the kill points' draw, printed with every failure; WINSP_TEST_SEED=S draws them as a failed run drew them
+SEED = int(os.environ.get("WINSP_TEST_SEED") or random.SystemRandom().randrange(2**32))
+
+
+def _draw(point: str, target: str) -> int:
+    """N for ``point`` (tests/cli_with_kill.py) on the 10-batch job: a batch or frame with a kept batch before it."""
+    rng = random.Random(f"{SEED}-serve-{point}-{target}")
+    if point == "mid_encode":
+        return rng.randrange(41)  # a frame is handed to the encoder once its batch is kept
+    if point == "between":
+        return rng.randrange(10)  # batch N kept (the last one too: then every batch is kept)
+    return rng.randrange(1, 10)  # inside batch N or its write, batches 0..N-1 kept
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(media, tmp_path_factory):  # noqa: F811
+    """The long clip as ``restore`` writes it (an uninterrupted job's bytes, as the first test here checks) and the
+    batches an uninterrupted job computes."""
+    return _restore(media["long"], tmp_path_factory.mktemp("whole") / "ref.mp4", "--crf", 0, "--batch-frames", 5), 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["rank", "server"])
+@pytest.mark.parametrize("point", ["between", "mid_batch", "mid_write", "mid_encode"])
+def test_a_rank_or_its_server_killed_at_a_drawn_point_goes_on_to_the_uninterrupted_bytes(media, uninterrupted,  # noqa: F811
+                                                                                        tmp_path, point, target):
+    """SIGKILL to the job's rank (the server restarts it) or to the server and its rank (a server started again on
+    its ``--state-dir`` goes on) between two batches, inside one, half-way through keeping one, or inside the
+    encode: the job ends with the uninterrupted job's bytes, and at most one batch computed again."""
+    n = _draw(point, target)
+    what = f"SIGKILL to the {target} {point} {n} (seed {SEED})"
+    marker = tmp_path / "killed"
+    env = {"WINSP_TEST_SERVE_KILL": f"{point}:{n}:0:{target}:{marker}",
+           "PYTHONPATH": KILL_HOOK + os.pathsep + REPO}
+    state = tmp_path / "state"
+    first = Served(str(tmp_path), "--state-dir", state, token=False, env=env)
+    try:
+        job_id = first.submit(media["long"], **OPTIONS).json()["id"]
+        if target == "server":
+            assert first.proc.wait(timeout=JOB_S) == -signal.SIGKILL, (what, first.text())
+        else:
+            done = _resumed_or_say(first, job_id, uninterrupted, point, what)
+            assert "rank 0 was killed by SIGKILL" in first.text(), what
+        assert marker.exists(), what
+    finally:
+        first.stop()
+    if target == "server":
+        second = Served(str(tmp_path), "--state-dir", state, token=False)
+        try:
+            assert "1 unfinished job(s)" in second.text(), what
+            done = _resumed_or_say(second, job_id, uninterrupted, point, what)
+        finally:
+            second.stop()
+    kept = n + 1 if point == "between" else n if point in ("mid_batch", "mid_write") else 1
+    assert done["progress"]["frames_reused"] >= 4 * kept, (what, done["progress"])
+
+
+def _resumed_or_say(served, job_id: str, uninterrupted: tuple[bytes, int], point: str, what: str) -> dict:
+    """:func:`_resumed`, its failure saying which kill it followed (with the seed of the draw)."""
+    try:
+        return _resumed(served, job_id, uninterrupted, all_kept=point in ("between", "mid_encode"))
+    except AssertionError as exc:
+        raise AssertionError(f"{what}: {exc}") from exc
 
 
 # ---- the kept batches are untrusted input ---------------------------------------------------------------------
