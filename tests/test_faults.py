@@ -154,6 +154,7 @@ def test_2_a_signal_to_one_non_zero_rank_is_one_line(tmp_path, long_clip, signum
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow  # waits out a collective timeout
 def test_3_a_stopped_rank_is_named(tmp_path, long_clip):
     """SIGSTOP to rank 1: after the collective timeout rank 0's roll call names it, and the launcher prints that."""
     run = _mid_run(tmp_path, long_clip, WINSP_COLLECTIVE_TIMEOUT="3")

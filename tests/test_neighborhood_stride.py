@@ -175,7 +175,8 @@ def _key_ids(plan, halo) -> np.ndarray:
     return lay.sample_offsets[sample] + (coords[:, 0] * grids[:, 1] + coords[:, 1]) * grids[:, 2] + coords[:, 2]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_every_rank_on_every_backend_equals_natten(world_size):
     """Each rank's video queries from its own and halo rows (tiled, flex and natten where its boxes are exact) equal
     natten over the whole grid, text included; natten's boxes ran with real halos, and a rank held nothing."""

@@ -276,7 +276,7 @@ def test_parallel_restore_equals_single_rank_small(golden_pipeline, world):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world,modes", [(2, ("height",)), pytest.param(2, ("replicated",), marks=pytest.mark.slow),
-                                         (3, ("height",))])
+                                         pytest.param(3, ("height",), marks=pytest.mark.slow)])
 def test_restore_matches_reference_parallel(world, modes):
     results = run_ranks(_rank_run_modes, world, modes, restore_golden_errors, timeout=RANK_TIMEOUT)
     for rank, per_mode in enumerate(results):

@@ -59,7 +59,8 @@ def _plan(ranks: int, width: int, height: int, frames: int) -> tuple[list[str], 
     return flags.group(1).split(), max(stages.values()), out
 
 
-@pytest.mark.parametrize("ranks, frames", [(1, 5), (2, 9)], ids=["1-rank", "2-ranks-sp2"])
+@pytest.mark.parametrize("ranks, frames", [(1, 5), pytest.param(2, 9, marks=pytest.mark.slow)],
+                         ids=["1-rank", "2-ranks-sp2"])
 def test_plan_on_the_cpu_agrees_with_the_restores_peak_rss(tmp_path, ranks, frames):
     width, height = 256, 144  # activations (the VAE's unfolded convolutions) outweigh the 0.3 GiB process
     flags, predicted, plan_out = _plan(ranks, width, height, frames)

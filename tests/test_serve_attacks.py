@@ -269,6 +269,7 @@ def test_5_a_decompression_bomb_is_refused_from_its_header(attacked):
 # ---- 7: health tells the truth -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a killed rank restarted: tests/test_serve.py's killed-rank test in the default run
 def test_7_a_rank_killed_while_idle_is_restarted_and_health_says_so(media, tmp_path):
     served = Served(str(tmp_path), token=False)
     try:

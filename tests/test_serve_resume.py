@@ -21,6 +21,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.test_cli import make_mp4
 from tests.test_serve import JOB_S, REPO, Served, _restore, httpx, media  # noqa: F401  (media: a fixture)
 
 OPTIONS = {"crf": 0, "batch_frames": 5}
@@ -37,12 +38,14 @@ def _until(what, check, served, timeout: float = JOB_S):
 
 def _running_past_batch(served, n: int, clip=None) -> str:
     """Submit ``clip`` (the server's own by default) with the ranks held, release them once the job runs, and return
-    its id once batch ``n`` has started (more than ``n`` batches computed)."""
+    its id once batch ``n`` has started (more than ``n`` batches computed), the gate closed again: the job stops
+    before one of its next batches, however fast its batches run, until :func:`_resumed` releases it."""
     served.hold()
     job_id = served.submit(served.clip if clip is None else clip, **OPTIONS).json()["id"]
     served.wait(job_id, states=("running",))
     served.release()
     _until(f"batch {n} started", lambda: served.status(job_id)["progress"]["batches_computed"] > n, served)
+    served.hold()
     return job_id
 
 
@@ -101,15 +104,18 @@ def _metric(served, name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, media):  # noqa: F811
+def served(tmp_path_factory):
+    """One server for the cases that share it; its clip is the long one's 41 frames at 48x32 (the gate holds a job
+    wherever a test needs it, so a short job does; the 96x64 one costs four times the time)."""
     tmp = tmp_path_factory.mktemp("resume")
     server = Served(str(tmp), "--state-dir", tmp / "state", token=False)
-    server.clip = media["long"]
+    server.clip = make_mp4(tmp / "long_small.mp4", t=41, h=32, w=48)
     server.uninterrupted = _reference(server)
     yield server
     server.stop()
 
 
+@pytest.mark.slow  # tests/test_serve.py compares jobs with restore byte for byte in the default run
 def test_the_uninterrupted_job_is_restore_byte_for_byte(served, tmp_path):
     result, batches = served.uninterrupted
     assert batches == 10  # 41 frames in batches of 5 with the default overlap: as the CLI plans them
