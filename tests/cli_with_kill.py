@@ -1,7 +1,7 @@
 """``python -m tests.cli_with_kill POINT N RANK restore ...``: the CLI, SIGKILLed by itself at one point on world rank
 RANK, and saying which temporal batches its pipeline computed.
 
-For tests/test_resume.py (and, through :func:`install`, tests/serve_kill_hook/ for a ``serve`` rank). Every rank
+For tests/test_resume.py (and, through :func:`install`, tests/kill_hook/ for a rank a launcher started). Every rank
 prints ``computing batch at frame S on rank R`` (S: the batch's first frame; R: its world rank) on stderr as its
 pipeline starts a temporal batch, so a test can count the batches a killed run and its resumed run computed. On
 rank RANK, POINT is:

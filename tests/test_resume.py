@@ -443,6 +443,41 @@ def test_two_temporal_groups_resume_after_a_killed_rank(tmp_path, clip, point, r
     assert not os.path.exists(store_path(str(out)))
 
 
+#: the test-only kill hook for the ranks a launcher starts (``tests/kill_hook/sitecustomize.py``)
+KILL_HOOK = os.path.join(REPO, "tests", "kill_hook")
+
+
+def _launched(src, out, crf, spec: str) -> subprocess.CompletedProcess:
+    """``restore --ranks 2`` with the kill hook's ``spec`` (``POINT:N:RANK:rank:MARKER``) in its ranks."""
+    cmd = [sys.executable, "-m", "examples.seedvr2", *_args(src, out, crf), "--ranks", "2"]
+    env = dict(_env(WINSP_TEST_KILL=spec), PYTHONPATH=KILL_HOOK + os.pathsep + REPO)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point,rank", _TWO_RANK_CASES)
+def test_one_rank_of_restores_two_killed_at_a_drawn_point_resumes(tmp_path, clip, point, rank):
+    """``restore --ranks 2`` (the CLI's own launcher): a rank SIGKILLed at a drawn point; the launcher stops the other
+    and says which rank died; the same command resumes and writes what an uninterrupted ``--ranks 2`` run writes."""
+    marker = tmp_path / "killed"
+    count = f"none:0:0:rank:{marker}"  # no kill: the ranks say which batches they compute
+    ref = tmp_path / "ref.mp4"
+    whole = _launched(clip, ref, 0, count)
+    assert whole.returncode == 0 and _computed(whole.stderr, rank=0) == [0, 1, 2, 3], whole.stderr
+    n = _draw_for(point, f"launcher-{rank}")
+    what = f"SIGKILL {point} {n} to rank {rank} of restore --ranks 2 (seed {SEED})"
+    out = tmp_path / "out.mp4"
+    killed = _launched(clip, out, 0, f"{point}:{n}:{rank}:rank:{marker}")
+    assert killed.returncode == 2 and f"rank {rank} was killed by SIGKILL" in killed.stderr, (what, killed.stderr)
+    assert marker.exists() and not out.exists(), what
+    resumed = _launched(clip, out, 0, count)
+    assert resumed.returncode == 0, (what, resumed.stderr)
+    first, second = _computed(killed.stderr, rank=0), _computed(resumed.stderr, rank=0)
+    assert len(set(first) & set(second)) <= 1 and set(first) | set(second) == {0, 1, 2, 3}, (what, first, second)
+    assert out.read_bytes() == ref.read_bytes(), what
+    assert not os.path.exists(store_path(str(out))), what
+
+
 def test_ordered_results_skips_the_kept_batches_on_every_rank():
     from winsp.comm.temporal import build_temporal_mesh, ordered_results
 

@@ -267,8 +267,8 @@ def test_one_of_two_ranks_killed_costs_its_job_one_batch_at_most(media, tmp_path
 
 # ---- killed at a drawn point of a batch ------------------------------------------------------------------------
 
-#: the test-only kill hook (``tests/serve_kill_hook/sitecustomize.py``), put first on the server's PYTHONPATH
-KILL_HOOK = os.path.join(REPO, "tests", "serve_kill_hook")
+#: the test-only kill hook (``tests/kill_hook/sitecustomize.py``), put first on the server's PYTHONPATH
+KILL_HOOK = os.path.join(REPO, "tests", "kill_hook")
 #: the kill points' draw, printed with every failure; WINSP_TEST_SEED=S draws them as a failed run drew them
 SEED = int(os.environ.get("WINSP_TEST_SEED") or random.SystemRandom().randrange(2**32))
 
@@ -301,7 +301,7 @@ def test_a_rank_or_its_server_killed_at_a_drawn_point_goes_on_to_the_uninterrupt
     n = _draw(point, target)
     what = f"SIGKILL to the {target} {point} {n} (seed {SEED})"
     marker = tmp_path / "killed"
-    env = {"WINSP_TEST_SERVE_KILL": f"{point}:{n}:0:{target}:{marker}",
+    env = {"WINSP_TEST_KILL": f"{point}:{n}:0:{target}:{marker}",
            "PYTHONPATH": KILL_HOOK + os.pathsep + REPO}
     state = tmp_path / "state"
     first = Served(str(tmp_path), "--state-dir", state, token=False, env=env)
