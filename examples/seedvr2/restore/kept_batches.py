@@ -125,10 +125,12 @@ class KeptBatches:
                                                frames_out=blender.frames_out, final=frames, tail=held))
         except OSError as exc:  # keeping serves a fault to come: a store it cannot write never stops the restore
             self.store.full = True
+            if created:  # made for this batch, which it could not keep: no batch to resume from, no folder left
+                self.store.remove()
             what = "the disk filled while keeping" if BatchStore.disk_full(exc) else "could not keep"
+            after = "starts over" if created else f"resumes after batch {batch.index}"
             self.say(f"note: {what} batch {batch.index + 1} of {len(self.plan)} for resuming "
-                     f"({exc.strerror or exc}): no more batches are kept, the restore goes on (a fault now resumes "
-                     f"after batch {batch.index})")
+                     f"({exc.strerror or exc}): no more batches are kept, the restore goes on (a fault now {after})")
 
     def mark_handled(self, index: int) -> None:
         """The writer is done keeping batch ``index`` (kept, or failed: its error is the writer's to raise)."""
