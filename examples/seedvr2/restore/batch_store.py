@@ -136,13 +136,15 @@ def _open_regular(path: str):
     return f, info.st_size
 
 
-def read_small_file(path: str) -> bytes:
-    """A short file of the store (a manifest, a noted name), never through a link, at most 1 MiB."""
+def read_small_file(path: str, limit: int = _MAX_TEXT) -> bytes:
+    """A short file (a manifest, a noted name, a job's record), never through a link, at most ``limit`` bytes (1 MiB
+    by default); FileNotFoundError when absent, :class:`StoreError` naming what is wrong otherwise."""
     f, size = _open_regular(path)
     with f:
-        if size > _MAX_TEXT:
-            raise StoreError(f"{os.path.basename(path)} is over {_MAX_TEXT} bytes")
-        return f.read(_MAX_TEXT + 1)
+        data = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        raise StoreError(f"{os.path.basename(path)} is over {limit} bytes")
+    return data
 
 
 def read_frames_file(path: str, frame_shape: Optional[tuple] = None,

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ..restore.batch_store import StoreError, read_small_file
+
 __all__ = ["STATES", "FINISHED", "BadRecord", "Job", "is_job_id", "read_record", "set_aside", "unfinished_upload",
            "INPUT_NAMES", "RESULT_NAMES", "SET_ASIDE"]
 
@@ -166,17 +168,12 @@ def validate(raw: object, folder: str, name: str) -> dict:
 
 def read_record(folder: str, name: str) -> dict:
     """``folder/job.json`` opened without following a link, bounded, parsed and :func:`validate`-d."""
-    path = os.path.join(folder, "job.json")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_small_file(os.path.join(folder, "job.json"), MAX_RECORD_BYTES)
+    except StoreError as exc:  # a link, not a regular file, too long
+        raise BadRecord(str(exc)) from None
     except OSError as exc:
         raise BadRecord(f"job.json cannot be opened ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadRecord("job.json is not a regular file")
-        data = f.read(MAX_RECORD_BYTES + 1)
-    if len(data) > MAX_RECORD_BYTES:
-        raise BadRecord(f"job.json is over {MAX_RECORD_BYTES} bytes")
     try:
         raw = json.loads(data)
     except ValueError as exc:

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import asdict
 from typing import Callable, Optional
 
-from ..restore.batch_store import BatchStore, store_path
+from ..restore.batch_store import BatchStore, store_path, write_atomic
 from .job_records import FINISHED, STATES, BadRecord, Job, is_job_id, read_record, set_aside, unfinished_upload
 
 __all__ = ["Job", "JobStore", "STATES", "FINISHED", "RecordError"]
@@ -63,20 +63,9 @@ class JobStore:
 
     def _save(self, job: Job) -> None:
         """Write ``job.json`` atomically (never through a link someone left in the folder); :class:`RecordError`."""
-        path = os.path.join(self.folder(job.id), "job.json")
-        temporary = path + ".tmp"
         try:
-            if os.path.lexists(temporary):
-                os.unlink(temporary)
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(asdict(job), f)
-            os.replace(temporary, path)
+            write_atomic(os.path.join(self.folder(job.id), "job.json"), [json.dumps(asdict(job)).encode()])
         except OSError as exc:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
             raise RecordError(exc.errno, f"the server could not write job {job.id}'s record "
                                          f"({exc.strerror or exc})") from None
 
@@ -97,7 +86,8 @@ class JobStore:
                 self.log(f"set aside jobs/{name!r}: {exc} (moved to {set_aside(self.root, name)})")
                 continue
             for leftover in os.listdir(folder):  # partial results of a server that was killed, a cancel of its own
-                if (leftover.startswith(".") and ".partial" in leftover) or leftover in ("cancel", "job.json.tmp"):
+                if ((leftover.startswith(".") and ".partial" in leftover) or leftover == "cancel"
+                        or leftover.startswith("job.json.tmp")):  # write_atomic's temporary (and older servers')
                     os.unlink(os.path.join(folder, leftover))
             if job.state in FINISHED:
                 self._drop_kept(job)  # a server stopped as the job finished
