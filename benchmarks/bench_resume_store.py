@@ -126,7 +126,7 @@ def bench_clip(clip_size: tuple[int, int, int], args: argparse.Namespace, env: d
 
 
 def keep_minute(size: str, args: argparse.Namespace, directory: str) -> dict:
-    """Keep one minute of ``size`` (WxH) output in a store, batch by batch as ``restore`` keeps it; time every write."""
+    """Keep one minute of ``size`` (WxH) output in a store, batch by batch as ``restore`` keeps it; the writes timed."""
     import numpy as np
 
     from examples.seedvr2.restore.batch_store import BatchRecord, BatchStore

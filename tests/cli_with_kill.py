@@ -23,6 +23,9 @@ import sys
 from typing import Callable
 
 POINTS = ("between", "mid_batch", "mid_write", "mid_encode", "none")
+#: the folder of the test-only kill hook for a launcher's ranks (``tests/kill_hook/sitecustomize.py``): put first on
+#: the launcher's PYTHONPATH
+KILL_HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_hook")
 
 
 def _die() -> None:

@@ -36,6 +36,7 @@ from examples.seedvr2.restore.batch_store import (  # noqa: E402
 from examples.seedvr2.restore.kept_batches import KeptBatches, ResumableBlender  # noqa: E402
 from examples.seedvr2.restore.resume import Resume, ResumeRefused, check_disk, manifest_for, resume_point, run_settings  # noqa: E402
 from examples.seedvr2.restore.temporal import plan_temporal_batches  # noqa: E402
+from tests.cli_with_kill import KILL_HOOK  # noqa: E402
 from tests.test_cli import PREFIX, REPO, make_mp4  # noqa: E402
 
 PROG = "python -m examples.seedvr2:"
@@ -277,13 +278,13 @@ _SLOW_CASES = [(0, "mid_write"), (23, "mid_batch"), (23, "between"), (23, "mid_w
                (0, "mid_encode")]
 
 
-def _draw(point: str, crf: int) -> int:
-    rng = random.Random(f"{SEED}-{point}-{crf}")
+def _draw(point: str, tag, *, last_batch: bool = True) -> int:
+    """N for ``point``, drawn from the seed and ``tag``: a frame of the encode (the last batch's flush included), or a
+    batch (the last one only where ``last_batch``: a world of two then has only its encode left to lose)."""
+    rng = random.Random(f"{SEED}-{tag}-{point}")
     if point == "mid_encode":
-        return rng.randrange(FRAMES)  # a frame of the encode, the last batch's flush included
-    if point == "mid_batch":
-        return rng.randrange(len(PLAN))
-    return rng.randrange(len(PLAN))
+        return rng.randrange(FRAMES)
+    return rng.randrange(len(PLAN) if last_batch else len(PLAN) - 1)
 
 
 @pytest.mark.parametrize("crf,point", _CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in _SLOW_CASES])
@@ -384,19 +385,13 @@ def _two_ranks(src, out, crf, point="none", n=0, rank=1, extra=()) -> list[subpr
 _TWO_RANK_CASES = [("mid_batch", 1), ("mid_batch", 0), ("between", 0), ("mid_write", 0), ("mid_encode", 0)]
 
 
-def _draw_for(point: str, tag: str) -> int:
-    """N for ``point``: a frame of the encode, or a batch that is not the last (so that a kill leaves work to do)."""
-    rng = random.Random(f"{SEED}-{tag}-{point}")
-    return rng.randrange(FRAMES) if point == "mid_encode" else rng.randrange(len(PLAN) - 1)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("point,rank", _TWO_RANK_CASES)
 def test_one_rank_of_two_killed_resumes_and_equals_an_uninterrupted_run(tmp_path, clip, point, rank):
     ref = tmp_path / "ref.mp4"
     whole = _two_ranks(clip, ref, 0)
     assert [p.returncode for p in whole] == [0, 0], whole[0].stderr + whole[1].stderr
-    n = _draw_for(point, f"2-{rank}")
+    n = _draw(point, f"2-{rank}", last_batch=False)
     what = f"SIGKILL {point} {n} to rank {rank} of 2 (seed {SEED})"
     out = tmp_path / "out.mp4"
     killed = _two_ranks(clip, out, 0, point, n, rank)
@@ -426,7 +421,7 @@ def test_two_temporal_groups_resume_after_a_killed_rank(tmp_path, clip, point, r
     whole = _two_ranks(clip, ref, 0, extra=extra)
     assert [p.returncode for p in whole] == [0, 0], whole[0].stderr + whole[1].stderr
     assert sorted(_computed(whole[0].stderr) + _computed(whole[1].stderr)) == [0, 1, 2, 3]  # each batch once
-    n = _draw_for(point, f"groups-{rank}") % 2  # a group computes 2 of the 4 batches
+    n = _draw(point, f"groups-{rank}", last_batch=False) % 2  # a group computes 2 of the 4 batches
     what = f"SIGKILL {point} {n} to rank {rank} of 2 temporal groups (seed {SEED})"
     out = tmp_path / "out.mp4"
     killed = _two_ranks(clip, out, 0, point, n, rank, extra=extra)
@@ -441,10 +436,6 @@ def test_two_temporal_groups_resume_after_a_killed_rank(tmp_path, clip, point, r
     assert len(set(first) & set(second)) <= (2 if (point, rank) == ("mid_batch", 0) else 1), (what, first, second)
     assert out.read_bytes() == ref.read_bytes(), what
     assert not os.path.exists(store_path(str(out)))
-
-
-#: the test-only kill hook for the ranks a launcher starts (``tests/kill_hook/sitecustomize.py``)
-KILL_HOOK = os.path.join(REPO, "tests", "kill_hook")
 
 
 def _launched(src, out, crf, spec: str) -> subprocess.CompletedProcess:
@@ -464,7 +455,7 @@ def test_one_rank_of_restores_two_killed_at_a_drawn_point_resumes(tmp_path, clip
     ref = tmp_path / "ref.mp4"
     whole = _launched(clip, ref, 0, count)
     assert whole.returncode == 0 and _computed(whole.stderr, rank=0) == [0, 1, 2, 3], whole.stderr
-    n = _draw_for(point, f"launcher-{rank}")
+    n = _draw(point, f"launcher-{rank}", last_batch=False)
     what = f"SIGKILL {point} {n} to rank {rank} of restore --ranks 2 (seed {SEED})"
     out = tmp_path / "out.mp4"
     killed = _launched(clip, out, 0, f"{point}:{n}:{rank}:rank:{marker}")
@@ -547,7 +538,7 @@ def test_under_torchrun_a_killed_rank_costs_one_batch_at_most(tmp_path, clip, po
     ref = tmp_path / "ref.mp4"
     whole = torchrun(ref)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    n = _draw_for(point, f"torchrun-{rank}")
+    n = _draw(point, f"torchrun-{rank}", last_batch=False)
     out = tmp_path / "out.mp4"
     killed = torchrun(out, point, n)
     assert killed.returncode != 0, killed.stderr[-3000:]

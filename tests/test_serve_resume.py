@@ -21,7 +21,9 @@ import time
 import numpy as np
 import pytest
 
+from tests.cli_with_kill import KILL_HOOK
 from tests.test_cli import make_mp4
+from tests.test_resume import SEED  # one draw for both modules' kills: WINSP_TEST_SEED=S replays it
 from tests.test_serve import JOB_S, REPO, Served, _restore, httpx, media  # noqa: F401  (media: a fixture)
 
 OPTIONS = {"crf": 0, "batch_frames": 5}
@@ -267,12 +269,6 @@ def test_one_of_two_ranks_killed_costs_its_job_one_batch_at_most(media, tmp_path
 
 # ---- killed at a drawn point of a batch ------------------------------------------------------------------------
 
-#: the test-only kill hook (``tests/kill_hook/sitecustomize.py``), put first on the server's PYTHONPATH
-KILL_HOOK = os.path.join(REPO, "tests", "kill_hook")
-#: the kill points' draw, printed with every failure; WINSP_TEST_SEED=S draws them as a failed run drew them
-SEED = int(os.environ.get("WINSP_TEST_SEED") or random.SystemRandom().randrange(2**32))
-
-
 def _draw(point: str, target: str) -> int:
     """N for ``point`` (tests/cli_with_kill.py) on the 10-batch job: a batch or frame with a kept batch before it."""
     rng = random.Random(f"{SEED}-serve-{point}-{target}")
@@ -285,8 +281,8 @@ def _draw(point: str, target: str) -> int:
 
 @pytest.fixture(scope="module")
 def uninterrupted(media, tmp_path_factory):  # noqa: F811
-    """The long clip as ``restore`` writes it (an uninterrupted job's bytes, as the first test here checks) and the
-    batches an uninterrupted job computes."""
+    """The long clip as ``restore`` writes it (a job's bytes: ``test_the_uninterrupted_job_is_restore_byte_for_byte``
+    checks that on the shared server's clip) and the batches an uninterrupted job computes."""
     return _restore(media["long"], tmp_path_factory.mktemp("whole") / "ref.mp4", "--crf", 0, "--batch-frames", 5), 10
 
 
