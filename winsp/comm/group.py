@@ -508,7 +508,13 @@ def init_world_from_env(device_type: str = "cpu", *, timeout_s: float | None = N
     store = _restart_store(timeout)
     if store is not None:
         options.update(store=store, rank=int(os.environ["RANK"]), world_size=world)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", **options)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, **options)
+    if backend == "gloo":
+        # gloo connects every pair of ranks inside init; a rank that refused its input at once and exited would
+        # break a peer still connecting ("connection closed by peer"). Meeting once first makes a refusal reach
+        # every rank as itself. (NCCL connects at the first collective, so it needs no such meeting.)
+        dist.barrier()
     return dist.get_rank(), dist.get_world_size(), True
 
 

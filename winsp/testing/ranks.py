@@ -55,6 +55,9 @@ def _rank_main(rank: int, world_size: int, init_method: str, env: dict[str, str]
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
         try:
+            # Every rank has connected to every other before any runs ``fn``: a rank whose ``fn`` raises at once
+            # (a refusal) and exits would otherwise break a peer still inside gloo's connectFullMesh.
+            dist.barrier()
             result = fn(rank, world_size, *args, **kwargs)
             # No rank leaves before every rank is done: a rank that exits while a peer is still connecting makes
             # that peer's gloo connectFullMesh fail ("connection closed by peer").
