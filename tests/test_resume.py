@@ -92,6 +92,7 @@ def test_a_write_that_fails_half_way_leaves_nothing(tmp_path, monkeypatch):
 
 def _store_with(tmp_path, batches: int) -> BatchStore:
     store = BatchStore(str(tmp_path / ("o.mp4" + STORE_SUFFIX)))
+    store.remove()  # a store made afresh (as --restart does): create() never replaces one
     store.create({"format": 1})
     out = 0
     for k in range(batches):
@@ -177,6 +178,34 @@ def test_a_full_disk_is_one_line_and_the_restore_goes_on(tmp_path, monkeypatch):
         final = list(blender.push(batch, torch.zeros(batch.num_frames, 4, 6, 3, dtype=torch.uint8), OVERLAP))
         kept.keep(batch, final, blender)
     assert len(lines) == 1 and "the disk filled while keeping batch 1 of 4" in lines[0], lines
+
+
+def test_two_runs_on_one_output_never_share_or_remove_each_others_store(tmp_path):
+    """Two runs writing the same -o both start with no store: the first to keep a batch claims the folder; the other
+    says so in one line, keeps nothing, and leaves the folder alone; a run whose output lost the race removes only a
+    store it made itself."""
+    directory = str(tmp_path / ("o.mp4" + STORE_SUFFIX))
+    runs = []
+    for _ in range(2):
+        store = BatchStore(directory)
+        store.pending = {"format": 1}  # as resume_point leaves a fresh store: made with the first kept batch
+        lines: list[str] = []
+        runs.append((KeptBatches(store, Resume(), PLAN, say=lines.append), lines, ResumableBlender()))
+    clip = torch.zeros(FRAMES, 4, 6, 3, dtype=torch.uint8)
+    for batch in PLAN[:2]:
+        for kept, _, blender in runs:
+            kept.keep(batch, list(blender.push(batch, clip[batch.start:batch.stop], OVERLAP)), blender)
+    (first, first_lines, _), (second, second_lines, _) = runs
+    assert first.created and not first_lines
+    assert not second.created and len(second_lines) == 1, second_lines
+    assert "appeared while this run worked" in second_lines[0] and "keeps no batches" in second_lines[0]
+    assert first.store.finished(len(PLAN))[0] == 2  # the first run's batches, untouched by the second
+    with pytest.raises(FileExistsError):
+        BatchStore(directory).create({"format": 1})
+    second.discard_own()  # the second run lost the output: the folder is not its own
+    assert first.store.finished(len(PLAN))[0] == 2
+    first.discard_own()
+    assert not os.path.lexists(directory)
 
 
 def test_a_resumed_blender_continues_exactly(tmp_path):

@@ -429,56 +429,68 @@ def restore_stage(args: argparse.Namespace, launch: Launch, progress: StageProgr
 def write_stage(args: argparse.Namespace, state: RunState, read: ReadStage, mesh, results) -> None:
     """Write: the writer cross-fades and encodes the batches as they finish (on a thread); the other ranks drain
     theirs."""
+    from ..media.writing import OutputTaken
+
+    kept = read.kept
+    if mesh.is_writer:
+        try:
+            _write_output(args, state, read, results)
+        except OutputTaken:
+            kept.discard_own()  # resume hook: another run's output is there; batches this run kept are of no use
+            raise
+        kept.complete()  # resume hook: the output is published; its kept batches go
+    else:
+        for _ in results:
+            pass
+
+
+def _write_output(args: argparse.Namespace, state: RunState, read: ReadStage, results) -> None:
+    """The writer's half of :func:`write_stage`: cross-fade, keep and encode each batch as it finishes."""
     from ..media.writing import MediaWriter
     from ..restore import stage_clock
     from ..restore.overlap import background_worker
 
     output, info, geometry, settings, plan = read.output, read.info, read.geometry, read.settings, read.plan
     is_video_out, kept = read.is_video_out, read.kept
-    if mesh.is_writer:
-        use_pts = is_video_out and len(info.frame_pts) == info.num_frames
-        with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
-                         audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf,
-                         overwrite=args.overwrite) as writer:
-            kept.note_partial(getattr(writer, "partial_path", None))  # resume hook: a resumed run removes it
-            blender = kept.blender()  # resume hook: the kept blend state, and the kept frames encoded first
+    use_pts = is_video_out and len(info.frame_pts) == info.num_frames
+    with MediaWriter(output, *geometry.output, info.fps, time_base=info.time_base if use_pts else None,
+                     audio_from=args.input if is_video_out and info.has_audio else None, crf=args.crf,
+                     overwrite=args.overwrite) as writer:
+        kept.note_partial(getattr(writer, "partial_path", None))  # resume hook: a resumed run removes it
+        blender = kept.blender()  # resume hook: the kept blend state, and the kept frames encoded first
+        with stage_clock.stage("write"):
+            for frame in kept.replay():
+                writer.write(frame, info.frame_pts[writer.frames_written] if use_pts else None)
+
+        def write_batch(item: tuple[int, torch.Tensor]) -> None:
+            index, frames = item
             with stage_clock.stage("write"):
-                for frame in kept.replay():
-                    writer.write(frame, info.frame_pts[writer.frames_written] if use_pts else None)
+                try:
+                    final = list(blender.push(plan[index], frames.cpu(), settings.overlap))
+                    kept.keep(plan[index], final, blender)  # resume hook: kept as soon as final
+                finally:
+                    kept.mark_handled(index)
+                for frame in final:
+                    writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+            if state.on_frames is not None:
+                state.on_frames(writer.frames_written, info.num_frames)
 
-            def write_batch(item: tuple[int, torch.Tensor]) -> None:
-                index, frames = item
-                with stage_clock.stage("write"):
-                    try:
-                        final = list(blender.push(plan[index], frames.cpu(), settings.overlap))
-                        kept.keep(plan[index], final, blender)  # resume hook: kept as soon as final
-                    finally:
-                        kept.mark_handled(index)
-                    for frame in final:
-                        writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
-                if state.on_frames is not None:
-                    state.on_frames(writer.frames_written, info.num_frames)
-
-            # finished batches are cross-faded and encoded on a thread while the next one is restored
-            write = background_worker(write_batch)
-            try:
-                for item in results:
-                    with stage_clock.stage("writer wait"):
-                        write.submit(item)
-                        kept.wait(item[0], lambda: write.failed)  # resume hook: kept before the next batch starts
-            except BaseException:
-                write.abandon()  # the thread must not write on while the partial output is removed
-                raise
-            with stage_clock.stage("writer wait"):
-                write.close()
-            for frame in blender.finish():
-                writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
-            if writer.frames_written != info.num_frames:  # a bug, never a silently short file
-                raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
-        kept.complete()  # resume hook: the output is published; its kept batches go
-    else:
-        for _ in results:
-            pass
+        # finished batches are cross-faded and encoded on a thread while the next one is restored
+        write = background_worker(write_batch)
+        try:
+            for item in results:
+                with stage_clock.stage("writer wait"):
+                    write.submit(item)
+                    kept.wait(item[0], lambda: write.failed)  # resume hook: kept before the next batch starts
+        except BaseException:
+            write.abandon()  # the thread must not write on while the partial output is removed
+            raise
+        with stage_clock.stage("writer wait"):
+            write.close()
+        for frame in blender.finish():
+            writer.write(frame.numpy(), info.frame_pts[writer.frames_written] if use_pts else None)
+        if writer.frames_written != info.num_frames:  # a bug, never a silently short file
+            raise RuntimeError(f"wrote {writer.frames_written} frames, expected {info.num_frames}")
 
 
 def finish(args: argparse.Namespace, launch: Launch, progress: StageProgress, state: RunState, read: ReadStage,

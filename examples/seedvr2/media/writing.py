@@ -154,6 +154,11 @@ def _libc_renameat2():
     return _renameat2[0]
 
 
+class OutputTaken(MediaError):
+    """The output appeared while this run worked on it (another run, or a file created there): it was kept, and this
+    run's output was not written."""
+
+
 def publish_no_replace(tmp: str, path: str) -> None:
     """Move ``tmp`` to ``path`` atomically unless ``path`` exists; :class:`MediaError` naming ``path`` if it does.
 
@@ -161,7 +166,7 @@ def publish_no_replace(tmp: str, path: str) -> None:
     else a hard link (refused by the kernel when the name exists) and the temporary name removed; else (a file system
     without hard links) the name claimed with ``O_EXCL`` and then replaced, which keeps every file that existed
     before the claim."""
-    taken = MediaError(f"the output {path} appeared while this run was working on it (another run writing the same "
+    taken = OutputTaken(f"the output {path} appeared while this run was working on it (another run writing the same "
                        f"-o, or a file created there meanwhile); it was kept, and this run's output was not written: "
                        f"pass --overwrite to replace it, or choose another -o")
     renameat2 = _libc_renameat2()

@@ -221,9 +221,10 @@ class BatchStore:
         return manifest
 
     def create(self, manifest: dict) -> None:
-        """Start an empty store with ``manifest`` (anything there before is removed first)."""
-        self.remove()
-        os.makedirs(self.directory)
+        """Start an empty store with ``manifest``. The folder is claimed, never replaced: ``FileExistsError`` when
+        something took its name since this run read it (another run writing the same output keeps its batches there,
+        and they are left to it)."""
+        os.mkdir(self.directory)
         write_atomic(os.path.join(self.directory, MANIFEST), [json.dumps(manifest, indent=1, sort_keys=True).encode()])
 
     def remove(self) -> None:

@@ -67,6 +67,7 @@ class KeptBatches:
         self.store, self.resume, self.plan, self.say = store, resume, plan, say
         self.folder = folder if folder is not None else store.directory if store is not None else None
         self._partial: Optional[str] = None  # this run's temporary output file, noted with its first kept batch
+        self.created = False  # whether this run made the store folder (a run that loses its output removes it)
         self._handled = resume.batches - 1  # the last batch the writer has kept (or given up on)
         self._changed = threading.Condition()
         _ACTIVE[:] = [store.directory] if store is not None else []
@@ -115,18 +116,27 @@ class KeptBatches:
         if held.ndim != 4:
             held = frames[:0]
         following = self.plan[batch.index + 1].start if batch.index + 1 < len(self.plan) else batch.stop
+        created = self.store.pending is not None
         try:
-            created = self.store.pending is not None
-            if created and self._partial is not None:  # the store is made with this batch: note the partial first
+            if created:  # the store is made with this batch (and the partial output noted first)
                 self.store.create(self.store.pending)
                 self.store.pending = None
-                self.store.note_partial(self._partial)
+                self.created = True
+                if self._partial is not None:
+                    self.store.note_partial(self._partial)
             self.store.write_batch(BatchRecord(index=batch.index, next_start=following,
                                                frames_out=blender.frames_out, final=frames, tail=held))
+        except FileExistsError:
+            if not created:
+                raise
+            self.store.full = True  # the folder is another run's: left to it, and this run keeps nothing
+            self.say(f"note: {os.path.basename(self.store.directory)} appeared while this run worked (another run "
+                     f"writing the same output?): it is left as it is, and this run keeps no batches for resuming")
         except OSError as exc:  # keeping serves a fault to come: a store it cannot write never stops the restore
             self.store.full = True
-            if created:  # made for this batch, which it could not keep: no batch to resume from, no folder left
+            if self.created and created:  # made for this batch, which it could not keep: no folder left
                 self.store.remove()
+                self.created = False
             what = "the disk filled while keeping" if BatchStore.disk_full(exc) else "could not keep"
             after = "starts over" if created else f"resumes after batch {batch.index}"
             self.say(f"note: {what} batch {batch.index + 1} of {len(self.plan)} for resuming "
@@ -147,6 +157,13 @@ class KeptBatches:
         with self._changed:
             while self._handled < index and not failed():
                 self._changed.wait(0.1)
+
+    def discard_own(self) -> None:
+        """This run's output was not written (another run's appeared there first): a store this run made is of no
+        use and is removed; one it found or one another run made is left."""
+        _ACTIVE.clear()
+        if self.created and self.store is not None:
+            self.store.remove()
 
     def complete(self) -> None:
         """The output is complete: the store is removed."""
