@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 3600)  # the whole multi-rank suite runs inside; pyproject's 600 s is per ordinary test
 def test_the_multi_rank_tests_pass_under_the_collective_checker():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
                            "multirank and not large_world and not huge", "tests"], cwd=REPO,

@@ -12,11 +12,13 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 from torch import nn
 
 import winsp
 from tests import fsdp_cases as cases
 from winsp.testing import run_ranks
+from winsp.testing.ranks import RankError
 
 TIMEOUT = 600.0
 EXACT = 1e-12  # float64, relative to the output's or the gradients' scale
@@ -176,6 +178,9 @@ def test_compiled_blocks_under_fsdp2_inductor():
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(torch.__version__ < "2.14", raises=RankError, strict=True,
+                   reason="torch 2.13.0's dynamo raises AttributeError ('NoneType' object has no attribute 'item') "
+                          "inside the compiled frame of winsp.attention.windows._run; passes on torch 2.14.1")
 def test_compiled_hourglass_blocks_under_fsdp2_aot_eager():
     """The hourglass's blocks compiled whole, winsp's layer-entry hook inside them (its attention graph-breaks at
     ``current_request()`` and recompiles per layer: minutes on a CPU)."""
