@@ -182,8 +182,8 @@ def test_a_full_disk_is_one_line_and_the_restore_goes_on(tmp_path, monkeypatch):
 
 def test_two_runs_on_one_output_never_share_or_remove_each_others_store(tmp_path):
     """Two runs writing the same -o both start with no store: the first to keep a batch claims the folder; the other
-    says so in one line, keeps nothing, and leaves the folder alone; a run whose output lost the race removes only a
-    store it made itself."""
+    says so in one line, keeps nothing, and leaves the folder alone (whether its output wins or loses the race); a run
+    whose output lost the race removes only a store it made itself."""
     directory = str(tmp_path / ("o.mp4" + STORE_SUFFIX))
     runs = []
     for _ in range(2):
@@ -203,6 +203,8 @@ def test_two_runs_on_one_output_never_share_or_remove_each_others_store(tmp_path
     with pytest.raises(FileExistsError):
         BatchStore(directory).create({"format": 1})
     second.discard_own()  # the second run lost the output: the folder is not its own
+    assert first.store.finished(len(PLAN))[0] == 2
+    second.complete()  # or won it: the first run's folder is still not its to remove
     assert first.store.finished(len(PLAN))[0] == 2
     first.discard_own()
     assert not os.path.lexists(directory)

@@ -130,6 +130,8 @@ class KeptBatches:
             if not created:
                 raise
             self.store.full = True  # the folder is another run's: left to it, and this run keeps nothing
+            self.folder = None  # nor removes it when its own output is complete
+            _ACTIVE.clear()  # nor names it when stopped: the batches there are not this run's
             self.say(f"note: {os.path.basename(self.store.directory)} appeared while this run worked (another run "
                      f"writing the same output?): it is left as it is, and this run keeps no batches for resuming")
         except OSError as exc:  # keeping serves a fault to come: a store it cannot write never stops the restore
@@ -166,7 +168,7 @@ class KeptBatches:
             self.store.remove()
 
     def complete(self) -> None:
-        """The output is complete: the store is removed."""
+        """The output is complete: the store is removed (not one another run made while this one worked)."""
         _ACTIVE.clear()
         if self.folder is not None:  # also an earlier run's, left by a run with --no-resume-store: now of no use
             BatchStore(self.folder).remove()
