@@ -45,4 +45,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from examples.seedvr2.__main__ import end_rank  # a failed rank ends as the command's own ranks do
+
+    sys.exit(end_rank(main(sys.argv[1:])))

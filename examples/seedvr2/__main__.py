@@ -66,9 +66,14 @@ def _run() -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if code and not launcher and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
-        # a rank of several that failed: its process group was torn down mid-run, and finalising the interpreter
-        # beside the backend's threads can end in std::terminate (a stray "terminate called ..." line, SIGABRT)
+    return code if launcher else end_rank(code)
+
+
+def end_rank(code: int) -> int:
+    """``code``; or, for a failed rank of several, the process ends here with it (``os._exit``): its process group
+    was torn down mid-run, and finalising the interpreter beside the backend's threads can end in std::terminate (a
+    stray "terminate called ..." line, SIGABRT) instead of the exit code."""
+    if code and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
