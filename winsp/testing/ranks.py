@@ -59,8 +59,8 @@ def _rank_main(rank: int, world_size: int, init_method: str, env: dict[str, str]
             # (a refusal) and exits would otherwise break a peer still inside gloo's connectFullMesh.
             dist.barrier()
             result = fn(rank, world_size, *args, **kwargs)
-            # No rank leaves before every rank is done: a rank that exits while a peer is still connecting makes
-            # that peer's gloo connectFullMesh fail ("connection closed by peer").
+            # No rank leaves before every rank is done: a rank that closes its connections while a peer's last
+            # operation with it is still under way makes that operation fail ("connection closed by peer").
             dist.barrier()
         finally:
             dist.destroy_process_group()
